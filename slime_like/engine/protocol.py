@@ -1,0 +1,241 @@
+"""The SGLang 0.5.23 HTTP protocol as typed bodies, shared by the client and the reference engine.
+
+One definition per request so a field can never be spelled two ways. Field names and
+defaults follow sglang's `io_struct.py` (see the contract in the project docs). Unknown
+keys are ignored (sglang's msgspec structs ignore them), except in `SamplingParams`, where
+0.5.23's schema gate rejects them with 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PauseMode = Literal["abort", "retract", "in_place"]
+Selector = Literal["target", "draft", "all"]
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+ALL_MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+class _Body(BaseModel):
+    """A control-endpoint body: unknown keys ignored, lax coercion ("60000" -> 60000)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- generation -------------------------------------------------------------------------
+
+class SamplingParams(BaseModel):
+    """sampling_params of /generate; an unknown key is a 400 in sglang 0.5.23."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 1 << 30
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+    beam_width: int | None = None
+    watermark: Any = None
+    choice: Any = None
+
+
+class GenerateRequest(_Body):
+    """POST /generate. Exactly one of text / input_ids; a list means a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    log_metrics: bool = True
+
+
+class FinishReason(BaseModel):
+    """meta_info.finish_reason: always an object in sglang, never a string."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["length", "stop", "abort"]
+    length: int | None = None
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class WeightVersionSpan(BaseModel):
+    version: str
+    start: int
+    end: int
+
+
+# ---- control -----------------------------------------------------------------------------
+
+class PauseGenerationRequest(_Body):
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationRequest(_Body):
+    torch_empty_cache: bool = True
+
+
+class AbortRequest(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class ProfileRequest(_Body):
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+
+
+class MemoryOccupationRequest(_Body):
+    tags: list[MemoryTag] | None = None
+
+
+# ---- weights -----------------------------------------------------------------------------
+
+class InitWeightsUpdateGroupRequest(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupRequest(_Body):
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class BeginWeightUpdateRequest(_Body):
+    selector: Selector = "all"
+
+
+class EndWeightUpdateRequest(_Body):
+    pass
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromTensorRequest(_Body):
+    serialized_named_tensors: list[str | bytes]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    is_async: bool = False
+    keep_pause: bool = False
+    token_step: int | None = None
+    manifest: Any = None
+
+
+class UpdateWeightVersionRequest(_Body):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class GetWeightsByNameRequest(_Body):
+    name: str
+    truncate_size: int = 100
+
+
+class WeightsCheckerRequest(_Body):
+    action: Literal["checksum", "snapshot", "reset_tensors", "compare"] = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Selector = "all"
+
+
+class SuccessMessage(BaseModel):
+    """The (success, message) answer of weight and control operations."""
+
+    model_config = ConfigDict(extra="allow")
+    success: bool
+    message: str = ""
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+def validation_error_body(message: str) -> dict:
+    """sglang's envelope for a pydantic validation failure (HTTP 400)."""
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
+def http_exception_body(detail: str, status: int) -> dict:
+    """sglang's envelope for an HTTPException."""
+    return {"object": "error", "message": detail, "type": str(status), "param": None, "code": status}
+
+
+def error_response_body(message: str) -> dict:
+    """sglang's `_create_error_response` envelope (ValueError in /generate, etc.)."""
+    return {"error": {"message": message}}
+
+
+TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16",
+                     "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
+
+
+class ModelInfo(BaseModel):
+    """GET /model_info."""
+
+    model_config = ConfigDict(extra="allow")
+    model_path: str
+    served_model_name: str | None = None
+    weight_version: str = "default"
+    architectures: list[str] = Field(default_factory=list)

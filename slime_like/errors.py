@@ -1,0 +1,60 @@
+"""One exception hierarchy for the package: every error says what failed and where."""
+
+from __future__ import annotations
+
+
+class SlimeLikeError(Exception):
+    """Base of every error slime_like raises on purpose."""
+
+
+class ConfigError(SlimeLikeError, ValueError):
+    """A flag or YAML field is wrong; `path` is its YAML path or flag name."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class EngineError(SlimeLikeError):
+    """An engine answered an HTTP call with an error, or did not answer in time."""
+
+    def __init__(self, url: str, endpoint: str, status: int | None, body: str, *, reason: str = ""):
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        self.body = body
+        self.reason = reason
+        where = f"{url.rstrip('/')}{endpoint}"
+        what = f"HTTP {status}" if status is not None else (reason or "no answer")
+        text = body if len(body) <= 2000 else body[:2000] + "...[truncated]"
+        super().__init__(f"engine {where}: {what}: {text}".rstrip(": "))
+
+
+class LaunchError(SlimeLikeError):
+    """A server process failed to start or exited; carries the tail of its log."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        self.log_tail = log_tail
+        super().__init__(f"{message}\n--- log tail ---\n{log_tail}" if log_tail else message)
+
+
+class RouterError(SlimeLikeError):
+    """The sglang-router refused or did not finish a request."""
+
+
+class WeightSyncError(SlimeLikeError):
+    """A weight update failed; names the engine and the step of the transaction."""
+
+    def __init__(self, step: str, message: str, engine: str | None = None):
+        self.step = step
+        self.engine = engine
+        where = f" on engine {engine}" if engine else ""
+        super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
+
+
+class WeightMetadataError(WeightSyncError):
+    """Parameter names, dtypes or shapes disagree with the receiver; no byte was sent."""
+
+    def __init__(self, message: str, engine: str | None = None):
+        super().__init__("check_metadata", message, engine)

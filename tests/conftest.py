@@ -1,0 +1,27 @@
+"""Shared fixtures: the repo on every subprocess's path, a tiny model, free ports."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+# Engine processes, Ray workers and routers started by tests import the package from here.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
+)
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer byte-level Llama checkpoint in HF layout, made once per session."""
+    from slime_like.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
