@@ -1,0 +1,225 @@
+"""EngineClient: the only place that knows SGLang's URLs and bodies.
+
+Every call has a timeout, posts `{}` rather than no body (sglang answers 400 to a bodiless
+control call), and raises `EngineError` naming the engine URL, endpoint, HTTP status and
+body. Only idempotent reads are retried; a weight update or a pause is never re-sent
+behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from slime_like.engine import protocol as p
+from slime_like.errors import EngineError
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _dump(body: Any) -> dict:
+    if body is None:
+        return {}
+    if hasattr(body, "model_dump"):
+        return body.model_dump(exclude_none=False)
+    return dict(body)
+
+
+class EngineClient:
+    """Typed calls to one SGLang (or reference) engine over HTTP."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, read_retries: int = 3):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.timeout = timeout
+        self._local = threading.local()
+        self._read_retries = read_retries
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    @property
+    def session(self) -> requests.Session:
+        """One keep-alive session per thread (requests.Session is not thread-safe)."""
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = requests.Session()
+            retry = Retry(total=self._read_retries, connect=self._read_retries, read=0,
+                          backoff_factor=0.2, allowed_methods=frozenset({"GET"}),
+                          status_forcelist=(502, 504), raise_on_status=False)
+            s.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=16))
+            s.mount("https://", HTTPAdapter(max_retries=retry, pool_maxsize=16))
+            self._local.session = s
+        return s
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        key = (self.admin_api_key or self.api_key) if admin else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def request(self, method: str, endpoint: str, *, body: Any = None, params: dict | None = None,
+                timeout: float | None = None, admin: bool = False, expect_json: bool = True,
+                ok_statuses: tuple[int, ...] = (200,)) -> Any:
+        """One HTTP call; any status outside `ok_statuses` raises EngineError."""
+        url = self.url + endpoint
+        kwargs: dict[str, Any] = {"headers": self._headers(admin), "params": params,
+                                  "timeout": timeout or self.timeout}
+        if method != "GET" or body is not None:
+            kwargs["json"] = _dump(body)
+        try:
+            resp = self.session.request(method, url, **kwargs)
+        except requests.Timeout as e:
+            raise EngineError(self.url, endpoint, None, str(e),
+                              reason=f"timed out after {kwargs['timeout']}s") from e
+        except requests.RequestException as e:
+            raise EngineError(self.url, endpoint, None, str(e), reason="connection failed") from e
+        if resp.status_code not in ok_statuses:
+            raise EngineError(self.url, endpoint, resp.status_code, resp.text)
+        if not expect_json:
+            return resp.text
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except json.JSONDecodeError:
+            return resp.text
+
+    def _success(self, endpoint: str, body: Any, timeout: float | None = None) -> dict:
+        """Calls answering {"success","message"}: a 400 or success=false raises."""
+        out = self.request("POST", endpoint, body=body, timeout=timeout, admin=True)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(self.url, endpoint, 200, json.dumps(out))
+        return out
+
+    # ---- health and info -------------------------------------------------------------------
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """GET /health (200 once warm); False on any failure."""
+        try:
+            self.request("GET", "/health", timeout=timeout, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    def health_generate(self, timeout: float = 30.0) -> None:
+        """GET /health_generate: one real generation step; raises on failure."""
+        self.request("GET", "/health_generate", timeout=timeout, expect_json=False)
+
+    def ping(self, timeout: float = 5.0) -> bool:
+        """GET /ping: alive even while paused (unlike /health)."""
+        try:
+            self.request("GET", "/ping", timeout=timeout, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    def model_info(self) -> dict:
+        return self.request("GET", "/model_info")
+
+    def server_info(self) -> dict:
+        """GET /server_info, falling back to the pre-0.5.9 name."""
+        try:
+            return self.request("GET", "/server_info")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return self.request("GET", "/get_server_info")
+
+    def weight_version(self) -> str:
+        """The live weight version (from /model_info; /get_weight_version is gone in 0.5.21+)."""
+        return str(self.model_info()["weight_version"])
+
+    def loads(self) -> dict:
+        return self.request("GET", "/v1/loads")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, body: dict, timeout: float | None = None) -> Any:
+        return self.request("POST", "/generate", body=body, timeout=timeout)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def pause_generation(self, mode: p.PauseMode = "retract", timeout: float | None = None) -> dict:
+        return self.request("POST", "/pause_generation", body=p.PauseGenerationRequest(mode=mode),
+                            admin=True, timeout=timeout)
+
+    def continue_generation(self, torch_empty_cache: bool = True) -> dict:
+        return self.request("POST", "/continue_generation",
+                            body=p.ContinueGenerationRequest(torch_empty_cache=torch_empty_cache),
+                            admin=True)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.request("POST", "/abort_request", body=p.AbortRequest(rid=rid, abort_all=abort_all),
+                     admin=True)
+
+    def flush_cache(self, timeout_s: float = 0.0) -> bool:
+        """POST /flush_cache; True when flushed, False when the engine was not idle (400)."""
+        try:
+            self.request("POST", "/flush_cache", params={"timeout": timeout_s} if timeout_s else None,
+                         admin=True, expect_json=False, timeout=max(self.timeout, timeout_s + 10))
+            return True
+        except EngineError as e:
+            if e.status == 400:
+                return False
+            raise
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.request("POST", "/release_memory_occupation",
+                     body=p.MemoryOccupationRequest(tags=tags), admin=True)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.request("POST", "/resume_memory_occupation",
+                     body=p.MemoryOccupationRequest(tags=tags), admin=True)
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self.request("POST", "/start_profile",
+                            body=p.ProfileRequest(output_dir=output_dir, num_steps=num_steps),
+                            admin=True, expect_json=False)
+
+    def stop_profile(self) -> str:
+        return self.request("POST", "/stop_profile", body={}, admin=True, expect_json=False)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def init_weights_update_group(self, req: p.InitWeightsUpdateGroupRequest,
+                                  timeout: float | None = None) -> dict:
+        return self._success("/init_weights_update_group", req, timeout)
+
+    def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME) -> dict:
+        return self._success("/destroy_weights_update_group",
+                             p.DestroyWeightsUpdateGroupRequest(group_name=group_name))
+
+    def begin_weight_update(self) -> dict:
+        return self._success("/begin_weight_update", p.BeginWeightUpdateRequest())
+
+    def end_weight_update(self) -> dict:
+        return self._success("/end_weight_update", p.EndWeightUpdateRequest())
+
+    def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
+                                        timeout: float | None = None) -> dict:
+        return self._success("/update_weights_from_distributed", req, timeout)
+
+    def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
+                                   timeout: float | None = None) -> dict:
+        return self._success("/update_weights_from_tensor", req, timeout)
+
+    def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
+                                 timeout: float | None = None) -> dict:
+        return self._success("/update_weights_from_disk", req, timeout)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return self._success("/update_weight_version", p.UpdateWeightVersionRequest(
+            new_version=new_version, abort_all_requests=abort_all_requests))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return self.request("POST", "/get_weights_by_name",
+                            body=p.GetWeightsByNameRequest(name=name, truncate_size=truncate_size),
+                            admin=True)
+
+    def weights_checker(self, action: str = "checksum") -> dict:
+        return self._success("/weights_checker", p.WeightsCheckerRequest(action=action))
