@@ -14,6 +14,8 @@ from slime_like.engine.reference.frontend import Frontend
 from slime_like.engine.reference.metrics import EngineMetrics
 from slime_like.engine.reference.scheduler import Scheduler
 from slime_like.engine.reference.tp import TPGroup
+from slime_like.engine.reference.weight_control import WeightControl
+from slime_like.engine.reference.weight_receiver import WeightReceiver
 from slime_like.models.config import ModelConfig
 from slime_like.models.loading import load_pretrained
 
@@ -65,6 +67,14 @@ class ReferenceEngine:
                                  skip_tokenizer_init=args.skip_tokenizer_init,
                                  incremental_streaming=args.incremental_streaming_output,
                                  vocab_size=self.config.vocab_size)
+        self.receiver = WeightReceiver(self.model, tp_rank=0, tp_size=args.tp_size, device=self.device,
+                                       model_path=args.model_path, load_format=args.load_format,
+                                       seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)
+        # A forward must not read parameters a CUDA weight copy is still writing.
+        self.scheduler.step_hooks.append(self.receiver.wait_loads)
+        self.weight_control = WeightControl(receiver=self.receiver, tp=self.tp_group,
+                                            scheduler=self.scheduler, frontend=self.frontend,
+                                            metrics=self.metrics, gate=args.weight_update_gate)
         self.tp_group.wait_ready()
         self.scheduler.start()
         logger.info("reference engine loaded %s (%s, %s) on %s: tp=%d, %d slots x %d tokens",
@@ -73,8 +83,8 @@ class ReferenceEngine:
 
     def shutdown(self) -> None:
         self.scheduler.stop()
-        if self.tp_group is not None:
-            self.tp_group.shutdown()
+        self.receiver.destroy_all_groups()
+        self.tp_group.shutdown()
 
     # ---- info ------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -39,10 +40,8 @@ def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent exits, and watch it as well."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
 
     def watch() -> None:
         # prctl fires on the death of the parent *thread*; the watch covers re-parenting too.
@@ -67,8 +66,8 @@ def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
     try:
         torch.set_num_threads(1)  # ranks only receive weights; leave the cores to rank 0
         from slime_like.engine.reference.weight_receiver import WeightReceiver
-        from slime_like.models.loading import load_pretrained
         from slime_like.models.config import ModelConfig
+        from slime_like.models.loading import load_pretrained
 
         device = torch.device(args.rank_device(rank))
         if device.type == "cuda":
@@ -81,7 +80,7 @@ def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
                                 world_size=args.tp_size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
         receiver = WeightReceiver(model, tp_rank=rank, tp_size=args.tp_size, device=device,
                                   model_path=args.model_path, load_format=args.load_format,
-                                  seed=args.random_seed)
+                                  seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001 - reported to rank 0, which fails the launch
         conn.send(("error", traceback.format_exc()))
@@ -95,13 +94,14 @@ def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
             break
         method, kwargs = msg
         try:
-            conn.send(("ok", getattr(receiver, method)(**kwargs)))
+            result = getattr(receiver, method)(**kwargs)
+            if hasattr(result, "wait"):  # a Completion: finish the copy before answering
+                result = result.wait()
+            conn.send(("ok", result))
         except Exception as e:  # noqa: BLE001 - rank errors travel back to the HTTP answer
             conn.send(("error", f"{type(e).__name__}: {e}"))
-    try:
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 class TPGroup:
@@ -156,10 +156,8 @@ class TPGroup:
 
     def shutdown(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         deadline = time.monotonic() + 5
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
