@@ -36,6 +36,7 @@ class ReferenceEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.started = time.time()
+        self._shut_down = False
         self.device = torch.device(args.rank_device(0))
         if args.device == "cuda":
             torch.cuda.set_device(self.device)
@@ -82,6 +83,10 @@ class ReferenceEngine:
                     args.tp_size, max_running, self.context_len)
 
     def shutdown(self) -> None:
+        """Stop the scheduler, leave weight groups, stop the TP ranks (idempotent)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.scheduler.stop()
         self.receiver.destroy_all_groups()
         self.tp_group.shutdown()
