@@ -303,6 +303,8 @@ class Scheduler:
                         for r in [*self.running]:
                             self._finish(r, {"type": "abort", "message": f"Internal error: {e}",
                                              "status_code": 500, "err_type": "InternalError"})
+                    # A deferred flush fires as soon as the step that emptied the engine ends.
+                    self._check_pending_flush()
                 self.metrics.set_queue(len(self.running), len(self.waiting),
                                        len(self.waiting) if self.paused_mode else 0,
                                        (self.pool.num_slots - self.pool.num_free) / self.pool.num_slots)
