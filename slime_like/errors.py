@@ -58,3 +58,7 @@ class WeightMetadataError(WeightSyncError):
 
     def __init__(self, message: str, engine: str | None = None):
         super().__init__("check_metadata", message, engine)
+
+
+class PlacementError(SlimeLikeError):
+    """The placement group could not be created or probed (e.g. not enough GPUs in time)."""

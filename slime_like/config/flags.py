@@ -165,6 +165,7 @@ def build_parser(prog: str = "slime-like train") -> argparse.ArgumentParser:
     """The full parser, grouped as `--help` shows it; raises ConfigError on bad flags."""
     parser = t.ConfigArgumentParser(
         prog=prog, allow_abbrev=False,
+        usage=f"{prog} [--config FILE.yaml] [FLAG ...]  (flags by group below)",
         description="Run an RL job: trainer actors, SGLang (or reference) rollout engines "
                     "behind sglang-router, weight sync and recovery. Flags may also come from "
                     "--config FILE.yaml.")

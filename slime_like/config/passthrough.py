@@ -170,8 +170,8 @@ def add_sglang_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "sglang server args (--sglang-*)",
         f"Every sglang {version} ServerArgs flag with the prefix --sglang-, passed to each "
-        "engine (lowest precedence: a server group's YAML overrides win). Not available "
-        "because each engine gets its own value: "
+        "engine (lowest precedence: a server group's YAML overrides win). Not flags, because "
+        "slime_like sets them per engine: "
         + ", ".join(sorted(RESERVED_SERVER_FIELDS)) + ".")
     for spec in specs:
         if spec.dest in RESERVED_SERVER_FIELDS:
