@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from slime_like.config.argtypes import did_you_mean
-from slime_like.config.passthrough import _StoreTrueFromChoice, sglang_dests
+from slime_like.config.passthrough import RESERVED_REASONS, _StoreTrueFromChoice, sglang_dests
 from slime_like.errors import ConfigError
 
 _BOOL_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction,
@@ -143,6 +143,9 @@ def load_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
         if dest == "sglang_config" and isinstance(value, (dict, list)):
             out[dest] = InlineSglangConfig(value, source=where)
             continue
+        reserved = dest.removeprefix("sglang_")
+        if dest not in actions and dest.startswith("sglang_") and reserved in RESERVED_REASONS:
+            raise ConfigError(where, "not a flag: " + RESERVED_REASONS[reserved])
         if dest not in actions:
             raise ConfigError(where, "unknown flag" + did_you_mean(dest, actions))
         converted = convert_value(actions[dest], value, where)
