@@ -13,10 +13,12 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slime_like.config.topology import GroupSpec, Topology
 from slime_like.errors import ConfigError
+
+if TYPE_CHECKING:  # config imports this module to dry-run placement at parse time
+    from slime_like.config.topology import GroupSpec, Topology
 
 
 @dataclass(frozen=True)
