@@ -59,7 +59,7 @@ def _resolve_rollout_gpus(args: argparse.Namespace) -> None:
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
-    if args.actor_num_gpus_per_node > args.num_gpus_per_node:
+    if args.actor_num_gpus_per_node > args.num_gpus_per_node and not args.debug_rollout_only:
         raise ConfigError("--actor-num-gpus-per-node",
                           f"must be <= --num-gpus-per-node ({args.num_gpus_per_node}), got "
                           f"{args.actor_num_gpus_per_node}")
