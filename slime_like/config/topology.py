@@ -18,7 +18,6 @@ from typing import Any
 
 from slime_like.config.argtypes import did_you_mean
 from slime_like.config.config_file import InlineSglangConfig, show
-from slime_like.config.passthrough import server_arg_fields
 from slime_like.config.sglang_config import (
     ModelConfig,
     ServerGroupConfig,
@@ -26,6 +25,7 @@ from slime_like.config.sglang_config import (
     load_sglang_config,
     parse_sglang_config,
 )
+from slime_like.engine.launch import server_arg_table
 from slime_like.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class TopologyInputs:
 # ---- overrides ---------------------------------------------------------------------------
 
 def _check_override_value(key: str, value: Any, where: str) -> None:
-    spec = server_arg_fields()[key]
+    spec = server_arg_table()[key]
     if value is None:
         return
     if spec.kind in ("storetrue", "deprecatedstoretrue", "booleanoptional"):
@@ -170,7 +170,7 @@ def _check_override_value(key: str, value: Any, where: str) -> None:
 def normalize_overrides(raw: Mapping[str, Any], where: str,
                         warnings: list[str]) -> dict[str, Any]:
     """Overrides with `-` -> `_` keys, each a known ServerArgs field with a plausible value."""
-    fields = server_arg_fields()
+    fields = server_arg_table().specs
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
