@@ -395,3 +395,21 @@ def _coerce(spec: ArgSpec, raw: Any) -> Any:
     if spec.type in _JSON_TYPES:
         return json.loads(raw)
     return raw
+
+
+def worker_type_of(server_args: Mapping[str, Any]) -> str:
+    """The worker type a server's args describe (as its /server_info reports them)."""
+    if server_args.get("encoder_only"):
+        return "encoder"
+    mode = server_args.get("disaggregation_mode") or "null"
+    return mode if mode in ("prefill", "decode") else "regular"
+
+
+def format_host(host: str) -> str:
+    """A host as it appears in a URL or `host:port`: IPv6 literals are bracketed."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def server_url(host: str, port: int) -> str:
+    """`http://host:port` with IPv6 bracketed, as the router and clients expect."""
+    return f"http://{format_host(host)}:{port}"
