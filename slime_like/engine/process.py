@@ -98,6 +98,7 @@ class ServerProcess:
         self._spawn_error: BaseException | None = None
         self._on_exit: list[Callable[[int], None]] = []
         self._children: set[int] = set()
+        self._log_start = 0  # where this run's output begins in a log shared with earlier runs
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -114,6 +115,7 @@ class ServerProcess:
     def _run(self) -> None:
         try:
             with open(self.log_path, "ab") as log:
+                self._log_start = log.tell()
                 log.write(f"[slime_like] starting: {' '.join(self.argv)}\n".encode())
                 log.flush()
                 self._proc = subprocess.Popen(
@@ -160,9 +162,17 @@ class ServerProcess:
         return read_tail(self.log_path, max_bytes)
 
     def exit_looks_like_address_in_use(self) -> bool:
-        """Whether the log says a port was taken: the race `ports.py` describes."""
-        tail = self.log_tail(20000).lower()
-        return any(m in tail for m in ADDRESS_IN_USE_MARKERS)
+        """Whether the server exited because a port was taken (the race `ports.py` describes),
+        judged from this run's part of the log only."""
+        if not self._exited.is_set():
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode("utf-8", "replace")[-20000:].lower()
+        except OSError:
+            return False
+        return any(m in text for m in ADDRESS_IN_USE_MARKERS)
 
     def wait_healthy(self, probe: Callable[[], bool], timeout: float, *, interval: float = 0.25,
                      what: str = "healthy") -> float:
