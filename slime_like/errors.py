@@ -68,3 +68,7 @@ class UnsafePayloadError(SlimeLikeError, pickle.UnpicklingError):
     def __init__(self, message: str, global_name: str | None = None):
         self.global_name = global_name
         super().__init__(message)
+
+
+class PlacementError(SlimeLikeError):
+    """The placement group could not be created or probed (e.g. not enough GPUs in time)."""
