@@ -175,6 +175,11 @@ def test_abbreviated_flags_are_not_guessed():
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4",
       "--sglang-pp-size", "3"], "--sglang-pp-size: must divide num_gpus_per_engine (4 at "
                                 "--rollout-num-gpus-per-engine), got 3"),
+    (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "10.0.0.5:30000", "10.0.0.6"],
+     "--rollout-external-engine-addrs: expected HOST:PORT for each engine, got '10.0.0.6'"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--sglang-router-ip", "10.0.0.9"],
+     "--sglang-router-port: required with --sglang-router-ip (the port of the router to attach "
+     "to)"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "16"],
      "--actor-num-gpus-per-node: must be <= --num-gpus-per-node (8), got 16"),
 ])
