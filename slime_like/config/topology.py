@@ -13,7 +13,6 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from slime_like.config.argtypes import did_you_mean
@@ -225,7 +224,7 @@ def _resolve_group(model: ModelConfig, m_where: str, j: int, g: ServerGroupConfi
     overrides = normalize_overrides(g.overrides, where, warnings)
     _check_parallelism(gpe, gpe_where, overrides, where, inputs)
     return GroupSpec(model.name, j, g.worker_type, g.num_gpus, gpe, nnodes,
-                     MappingProxyType(overrides), where)
+                     overrides, where)
 
 
 def _check_parallelism(gpe: int, gpe_where: str, overrides: Mapping[str, Any], where: str,
