@@ -183,3 +183,4 @@ def test_plan_and_topology_survive_pickling_for_ray_actors(tmp_path):
     assert plan == args.nominal_plan
     assert pickle.loads(pickle.dumps(args.topology)) == args.topology
     assert plan.engines[0].overrides == {"mem_fraction_static": 0.5}
+    assert vars(pickle.loads(pickle.dumps(args))) == vars(args)  # args go to Ray actors whole
