@@ -229,7 +229,8 @@ def _resolve_group(model: ModelConfig, m_where: str, j: int, g: ServerGroupConfi
 
 def _check_parallelism(gpe: int, gpe_where: str, overrides: Mapping[str, Any], where: str,
                        inputs: TopologyInputs) -> None:
-    if "pp_size" in overrides:
+    # A None override means "sglang's default", i.e. unset here.
+    if overrides.get("pp_size") is not None:
         pp, pp_where = overrides["pp_size"], f"{where}.overrides.pp_size"
     else:
         pp, pp_where = inputs.sglang_pp_size or 1, "--sglang-pp-size"
@@ -238,7 +239,7 @@ def _check_parallelism(gpe: int, gpe_where: str, overrides: Mapping[str, Any], w
     if gpe % pp:
         raise ConfigError(pp_where, f"must divide num_gpus_per_engine ({gpe} at {gpe_where}), "
                                     f"got {pp}")
-    if "tp_size" in overrides:
+    if overrides.get("tp_size") is not None:
         tp = overrides["tp_size"]
         if tp <= 0:
             raise ConfigError(f"{where}.overrides.tp_size", f"must be > 0, got {tp}")
