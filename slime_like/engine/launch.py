@@ -81,21 +81,25 @@ class ArgTable:
         return self.specs[name]
 
 
-@cache
-def server_arg_table() -> ArgTable:
-    """sglang's ServerArgs flags, loaded once from the packaged table."""
-    raw = json.loads(resources.files("slime_like.engine.data")
-                     .joinpath("sglang_server_args.json").read_text())
+def load_arg_table(resource: str, version_key: str, skip: frozenset[str] = frozenset()) -> ArgTable:
+    """A flag table from `slime_like/engine/data/` (see scripts/gen_arg_tables.py)."""
+    raw = json.loads(resources.files("slime_like.engine.data").joinpath(resource).read_text())
     specs: dict[str, ArgSpec] = {}
     for row in raw["args"]:
-        if row["dest"] in _NOT_FIELDS or not row["flags"]:
+        if row["dest"] in skip or not row["flags"]:
             continue
         spec = ArgSpec(row["dest"], tuple(row["flags"]), row["kind"], row["type"], row["nargs"],
                        row["default"], tuple(row["choices"]) if row["choices"] else None)
         # A field may appear twice (a current flag and a deprecated spelling); keep the current.
         if spec.dest not in specs or specs[spec.dest].deprecated:
             specs[spec.dest] = spec
-    return ArgTable(raw["sglang_version"], specs)
+    return ArgTable(raw[version_key], specs)
+
+
+@cache
+def server_arg_table() -> ArgTable:
+    """sglang's ServerArgs flags, loaded once from the packaged table."""
+    return load_arg_table("sglang_server_args.json", "sglang_version", _NOT_FIELDS)
 
 
 @dataclass
@@ -328,11 +332,17 @@ def render_argv(
     if program not in modules:
         raise ConfigError("program", f"{program!r} is not one of {list(modules)}")
     table = server_arg_table()
-    argv = [python, "-m", modules[program]]
+    unknown = [name for name in args if name not in table]
+    if unknown:
+        raise ConfigError(unknown[0], f"not a field of sglang {table.version} ServerArgs; "
+                          "compose_server_args drops such fields")
+    return [python, "-m", modules[program], *render_flags(table, args)]
+
+
+def render_flags(table: ArgTable, args: Mapping[str, Any]) -> list[str]:
+    """Flags for `args` as the table's argparse reads them back; None means "leave default"."""
+    argv: list[str] = []
     for name, value in args.items():
-        if name not in table:
-            raise ConfigError(name, f"not a field of sglang {table.version} ServerArgs; "
-                              "compose_server_args drops such fields")
         spec = table[name]
         if value is None:
             continue
@@ -344,6 +354,9 @@ def render_argv(
         elif spec.kind == "deprecatedstoreconst":
             if value:
                 argv += [spec.flag, str(spec.choices[0])] if spec.choices else [spec.flag]
+        elif spec.kind == "append":
+            for entry in value:
+                argv += [spec.flag, *_render_value(spec, entry)]
         elif isinstance(value, list | tuple) and not value and spec.nargs == "+":
             continue  # `--flag` with no value is a parse error for nargs='+'; [] is the default
         else:
@@ -395,3 +408,21 @@ def _coerce(spec: ArgSpec, raw: Any) -> Any:
     if spec.type in _JSON_TYPES:
         return json.loads(raw)
     return raw
+
+
+def worker_type_of(server_args: Mapping[str, Any]) -> str:
+    """The worker type a server's args describe (as its /server_info reports them)."""
+    if server_args.get("encoder_only"):
+        return "encoder"
+    mode = server_args.get("disaggregation_mode") or "null"
+    return mode if mode in ("prefill", "decode") else "regular"
+
+
+def format_host(host: str) -> str:
+    """A host as it appears in a URL or `host:port`: IPv6 literals are bracketed."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def server_url(host: str, port: int) -> str:
+    """`http://host:port` with IPv6 bracketed, as the router and clients expect."""
+    return f"http://{format_host(host)}:{port}"

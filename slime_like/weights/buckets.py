@@ -158,3 +158,33 @@ def unflatten(buffer: torch.Tensor, entries: Sequence[FlattenedTensorMetadata]
     if buffer.numel() < need:
         raise ValueError(f"flattened bucket holds {buffer.numel()} bytes, layout needs {need}")
     return [(e.name, buffer[e.start_idx:e.end_idx].view(e.dtype).view(e.shape)) for e in entries]
+
+
+class FlattenedTensorBucket:
+    """A flat uint8 buffer and its layout; the counterpart of sglang's class of this name.
+
+    Payloads from sglang-based trainers may carry this class (pickled under sglang's path);
+    our unpickler maps it here, so the same attributes and accessors must exist.
+    """
+
+    supports_multi_dtypes = True
+
+    def __init__(self, named_tensors: Sequence[tuple[str, torch.Tensor]] | None = None,
+                 flattened_tensor: torch.Tensor | None = None,
+                 metadata: list[FlattenedTensorMetadata] | None = None):
+        if named_tensors is not None:
+            self.flattened_tensor, self.metadata = flatten(list(named_tensors))
+        elif flattened_tensor is None or metadata is None:
+            raise ValueError("FlattenedTensorBucket needs named_tensors, or both "
+                             "flattened_tensor and metadata")
+        else:
+            self.flattened_tensor, self.metadata = flattened_tensor, metadata
+
+    def get_flattened_tensor(self) -> torch.Tensor:
+        return self.flattened_tensor
+
+    def get_metadata(self) -> list[FlattenedTensorMetadata]:
+        return self.metadata
+
+    def reconstruct_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return unflatten(self.flattened_tensor, self.metadata)

@@ -42,21 +42,30 @@ def _helper_kwargs(pg_options, device_id) -> dict:
 def init_custom_process_group(
     *,
     backend: str,
-    init_method: str,
+    init_method: str | None = None,
     world_size: int,
     rank: int,
     group_name: str,
     timeout: timedelta | float | None = None,
     pg_options=None,
     device_id: torch.device | None = None,
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
-    """Join (or, as rank 0, host) the weight group `group_name`; blocks until all ranks meet."""
+    """Join (or, as rank 0, host) the weight group `group_name`; blocks until all ranks meet.
+
+    Give either `init_method` (`tcp://host:port`, as engines do) or a `store` the caller
+    already hosts (`host_store`), which lets rank 0 bind port 0 instead of guessing a port.
+    """
     if not group_name:
         raise ValueError("group_name must be a non-empty string")
+    if (store is None) == (init_method is None):
+        raise ValueError("give exactly one of init_method and store")
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=float(timeout))
     timeout = timeout or c10d.default_pg_timeout
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size,
+                                                       timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
@@ -65,6 +74,26 @@ def init_custom_process_group(
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def host_store(world_size: int, timeout: timedelta | float) -> dist.TCPStore:
+    """A TCPStore for rank 0 on a free port (read it back from `.port`), not waiting for peers."""
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=float(timeout))
+    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def abort_process_group(pg: dist.ProcessGroup | None) -> None:
+    """Abort a weight group's pending collectives (NCCL ones cannot be cancelled otherwise)."""
+    if pg is None:
+        return
+    with contextlib.suppress(Exception):
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            abort()
+        else:
+            c10d._abort_process_group(pg)
 
 
 def destroy_process_group(pg: dist.ProcessGroup | None) -> None:

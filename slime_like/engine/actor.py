@@ -1,0 +1,33 @@
+"""EngineActor: the Ray actor around `Engine`, one per engine per node.
+
+All logic lives in `Engine` (constructible without Ray); this module only decides how the
+actor runs. It is threaded (`max_concurrency`), so a health probe or `get_url` is never
+queued behind a long weight update or a start-up wait, and a group's engines can be driven
+concurrently without the one-call-at-a-time deadlocks slime hits with PP > 1. The caller
+gives resources and placement (placement group + bundle index) with `.options(...)`.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from slime_like.engine.engine import Engine, EngineConfig
+
+MAX_CONCURRENCY = 16
+
+
+class _EngineActor(Engine):
+    """Engine, plus what only makes sense across a Ray boundary."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+
+    def node_ip(self) -> str:
+        """The address this actor's node is reached at (IPv6 unbracketed)."""
+        return self._node_host()
+
+    def ping(self) -> bool:
+        return True
+
+
+EngineActor = ray.remote(max_concurrency=MAX_CONCURRENCY, num_cpus=0)(_EngineActor)

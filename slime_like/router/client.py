@@ -1,0 +1,177 @@
+"""RouterClient: sglang-router 0.3.x's control plane (readiness, add/list/remove workers).
+
+Worker management in 0.3.x is asynchronous: `POST /workers` answers 202 with a worker id
+before the worker is live, and `DELETE /workers/{id}` (a UUID, not the URL) answers 202
+before it is gone. Every call here waits for the effect it asked for, with a deadline, and
+says what it waited for when it gives up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from slime_like.errors import RouterError
+
+WORKER_TYPES = ("regular", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One entry of `GET /workers`."""
+
+    id: str
+    url: str
+    worker_type: str
+    is_healthy: bool
+    bootstrap_port: int | None
+    raw: dict
+
+    @classmethod
+    def from_json(cls, d: dict) -> WorkerInfo:
+        return cls(id=d["id"], url=d["url"], worker_type=d.get("worker_type", "regular"),
+                   is_healthy=bool(d.get("is_healthy")), bootstrap_port=d.get("bootstrap_port"),
+                   raw=d)
+
+
+def _same_url(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+class RouterClient:
+    """Typed calls to one sglang-router; errors are RouterError naming the router and call."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._session = requests.Session()
+        self._session.trust_env = False  # a proxy between us and our own router only breaks things
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def _call(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kw) -> requests.Response:
+        try:
+            resp = self._session.request(method, self.url + path, timeout=kw.pop("timeout", self.timeout), **kw)
+        except requests.RequestException as e:
+            raise RouterError(f"router {self.url}{path}: {method} failed: {e}") from e
+        if resp.status_code not in ok:
+            raise RouterError(f"router {self.url}{path}: {method} answered HTTP "
+                              f"{resp.status_code}: {resp.text[:2000]}")
+        return resp
+
+    # ---- liveness and readiness ------------------------------------------------------------
+
+    def is_live(self) -> bool:
+        try:
+            return self._session.get(self.url + "/liveness", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def readiness(self) -> dict:
+        """`GET /readiness` as a dict; `status` is "ready" or "not ready" (503)."""
+        return self._call("GET", "/readiness", ok=(200, 503)).json()
+
+    def wait_ready(self, timeout: float = 60.0, interval: float = 0.2) -> dict:
+        """Wait until the router has enough healthy workers (PD: one prefill and one decode)."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.readiness()
+                if last.get("status") == "ready":
+                    return last
+            except RouterError as e:
+                last = str(e)
+            time.sleep(interval)
+        raise RouterError(f"router {self.url} not ready after {timeout:.0f}s; last /readiness: {last}")
+
+    # ---- workers ---------------------------------------------------------------------------
+
+    def list_workers(self) -> list[WorkerInfo]:
+        return [WorkerInfo.from_json(w) for w in self._call("GET", "/workers").json()["workers"]]
+
+    def find_worker(self, url: str) -> WorkerInfo | None:
+        return next((w for w in self.list_workers() if _same_url(w.url, url)), None)
+
+    def _job_status(self, worker_id: str) -> dict | None:
+        resp = self._call("GET", f"/workers/{worker_id}", ok=(200, 404))
+        return None if resp.status_code == 404 else resp.json().get("job_status")
+
+    def add_worker(self, url: str, *, worker_type: str = "regular", bootstrap_port: int | None = None,
+                   api_key: str | None = None, timeout: float = 60.0, post_retries: int = 3) -> WorkerInfo:
+        """Register a worker and wait until `GET /workers` lists it healthy.
+
+        The POST is retried (bounded) when the router cannot be reached; a registration that
+        does not complete in time is withdrawn, so it cannot land later behind our back.
+        """
+        if worker_type not in WORKER_TYPES:
+            raise RouterError(f"worker_type {worker_type!r} for {url} is not one of {WORKER_TYPES}")
+        if worker_type == "prefill" and bootstrap_port is None:
+            raise RouterError(f"prefill worker {url} needs a bootstrap_port")
+        existing = self.find_worker(url)
+        if existing is not None and existing.is_healthy:
+            return existing
+        body: dict[str, Any] = {"url": url, "worker_type": worker_type}
+        if bootstrap_port is not None:
+            body["bootstrap_port"] = int(bootstrap_port)
+        if api_key:
+            body["api_key"] = api_key
+        for attempt in range(post_retries):
+            try:
+                worker_id = self._call("POST", "/workers", ok=(200, 201, 202), json=body).json()["worker_id"]
+                break
+            except RouterError:
+                if attempt == post_retries - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+        deadline = time.monotonic() + timeout
+        job: Any = None
+        while time.monotonic() < deadline:
+            found = self.find_worker(url)
+            if found is not None and found.is_healthy:
+                return found
+            job = self._job_status(worker_id) or job
+            if isinstance(job, dict) and job.get("status") == "failed":
+                raise RouterError(f"router {self.url} could not add worker {url}: {job.get('message')}")
+            time.sleep(0.2)
+        self._withdraw(worker_id)
+        raise RouterError(f"router {self.url}: worker {url} ({worker_type}) not listed healthy "
+                          f"after {timeout:.0f}s; registration withdrawn; last job status: {job}")
+
+    def _withdraw(self, worker_id: str) -> None:
+        # Best effort: the caller is already failing with the more useful error.
+        with contextlib.suppress(RouterError):
+            self._call("DELETE", f"/workers/{worker_id}", ok=(200, 202, 404))
+
+    def remove_worker(self, worker_id: str | None = None, *, url: str | None = None,
+                      timeout: float = 30.0) -> bool:
+        """Remove a worker by id (or look it up by URL) and wait until it is gone.
+
+        False when there was nothing to remove.
+        """
+        if worker_id is None:
+            if url is None:
+                raise RouterError("remove_worker needs a worker id or a URL")
+            found = self.find_worker(url)
+            if found is None:
+                return False
+            worker_id = found.id
+        resp = self._call("DELETE", f"/workers/{worker_id}", ok=(200, 202, 404))
+        if resp.status_code == 404:
+            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(w.id != worker_id for w in self.list_workers()):
+                return True
+            time.sleep(0.2)
+        raise RouterError(f"router {self.url}: worker {worker_id} still listed {timeout:.0f}s "
+                          "after DELETE /workers")
+
+    # ---- data plane (tests, probes) --------------------------------------------------------
+
+    def generate(self, body: dict, timeout: float = 60.0) -> Any:
+        return self._call("POST", "/generate", json=body, timeout=timeout).json()

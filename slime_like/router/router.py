@@ -1,0 +1,118 @@
+"""Router: one `python -m sglang_router.launch_router` process, started and stopped cleanly.
+
+Its HTTP and Prometheus ports are reserved on this node until the router binds them; the
+start waits on `/liveness` with a deadline (no fixed sleep) while watching the process, and
+a start that loses a port race (a port taken between our release and its bind) is retried
+with new ports a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from slime_like.engine.launch import server_url
+from slime_like.engine.ports import node_ip, reserve_ports
+from slime_like.engine.process import ServerProcess, server_env
+from slime_like.errors import LaunchError
+from slime_like.router.args import compose_router_args, render_router_argv
+from slime_like.router.client import RouterClient
+
+logger = logging.getLogger(__name__)
+
+
+class Router:
+    """A sglang-router process we own (see `RouterClient` for one we only talk to)."""
+
+    def __init__(self, *, host: str | None = None, pd_disaggregation: bool = False,
+                 router_flags: Mapping[str, Any] | None = None, log_dir: str | Path | None = None,
+                 api_key: str | None = None, startup_timeout: float = 60.0,
+                 port_attempts: int = 3, python: str = sys.executable, name: str = "router"):
+        self.host = host or node_ip()
+        self.pd_disaggregation = pd_disaggregation
+        self.router_flags = dict(router_flags or {})
+        if api_key:
+            self.router_flags.setdefault("api_key", api_key)
+        self.api_key = self.router_flags.get("api_key")
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="slime_like_router_"))
+        self.startup_timeout = startup_timeout
+        self.port_attempts = port_attempts
+        self.python = python
+        self.name = name
+        self.port: int | None = None
+        self.prometheus_port: int | None = None
+        self.process: ServerProcess | None = None
+        self.warnings: list[str] = []
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise LaunchError(f"{self.name}: not started")
+        return server_url(self.host, self.port)
+
+    @property
+    def prometheus_url(self) -> str:
+        if self.prometheus_port is None:
+            raise LaunchError(f"{self.name}: not started")
+        return server_url(self.host, self.prometheus_port) + "/metrics"
+
+    @property
+    def client(self) -> RouterClient:
+        return RouterClient(self.url, api_key=self.api_key)
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def start(self) -> Router:
+        """Launch and wait until the router answers `/liveness`; LaunchError with its log if not."""
+        if self.process is not None and self.process.is_alive():
+            return self
+        last: LaunchError | None = None
+        for attempt in range(1, self.port_attempts + 1):
+            try:
+                self._start_once()
+                return self
+            except LaunchError as e:
+                if self.process is None or not self.process.exit_looks_like_address_in_use():
+                    self.stop()
+                    raise
+                last = e
+                logger.warning("%s: a port was taken before the router bound it (attempt %d/%d); "
+                               "retrying with new ports", self.name, attempt, self.port_attempts)
+                self.stop()
+        raise LaunchError(f"{self.name}: lost the port race {self.port_attempts} times",
+                          last.log_tail if last else "")
+
+    def _start_once(self) -> None:
+        with reserve_ports(2, host=self.host) as reservation:
+            self.port, self.prometheus_port = reservation.ports
+            composed = compose_router_args(host=self.host, port=self.port,
+                                           prometheus_port=self.prometheus_port,
+                                           pd_disaggregation=self.pd_disaggregation,
+                                           router_flags=self.router_flags)
+            self.warnings = composed.warnings
+            for w in composed.warnings:
+                logger.warning("%s: %s", self.name, w)
+            self.process = ServerProcess(render_router_argv(composed.args, self.python),
+                                         log_path=self.log_path, name=self.name,
+                                         env=server_env(local_hosts=[self.host]))
+            reservation.release_for_server()
+            self.process.start()
+            client = self.client
+            self.process.wait_healthy(client.is_live, self.startup_timeout, what="live")
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Terminate the router process tree (idempotent)."""
+        if self.process is not None:
+            self.process.terminate(grace=grace)
+
+    def __enter__(self) -> Router:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,126 @@
+"""EngineActors on a real local Ray cluster, reference engines behind the real sglang-router."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import ray
+import requests
+
+from slime_like.engine.actor import EngineActor
+from slime_like.router.router import Router
+from tests.engine.engine_helpers import reference_engine_missing, server_processes, wait_gone
+
+pytestmark = pytest.mark.skipif(reference_engine_missing() is not None,
+                                reason=str(reference_engine_missing()))
+
+
+def _served(url: str) -> float:
+    """Generation requests an engine has finished, from its Prometheus `/metrics`."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^sglang:num_requests_total\{[^}]*\} ([0-9.e+]+)$",
+                                              text, flags=re.M))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    r = Router(host=None, router_flags={"policy": "round_robin"},
+               log_dir=tmp_path_factory.mktemp("router"))
+    r.start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def two_engines(ray_local, router, tiny_model_dir, tmp_path_factory):
+    from slime_like.engine.engine import EngineConfig
+
+    logs = tmp_path_factory.mktemp("engines")
+    actors = [EngineActor.remote(EngineConfig(
+        model_path=str(tiny_model_dir), program="reference", engine_rank=i, log_dir=str(logs),
+        startup_timeout=120.0)) for i in range(2)]
+    urls = ray.get([a.init.remote(router_url=router.url) for a in actors], timeout=300)
+    yield actors, urls
+    ray.get([a.shutdown.remote() for a in actors], timeout=60)
+    for a in actors:
+        ray.kill(a)
+
+
+def test_engines_read_their_own_node_ip_and_serve_there(two_engines):
+    actors, urls = two_engines
+    ip = ray.util.get_node_ip_address()
+    for actor, url in zip(actors, urls, strict=True):
+        assert ray.get(actor.node_ip.remote()) == ip
+        assert url.startswith(f"http://{ip}:")
+    assert len(set(urls)) == 2
+
+
+def test_both_engines_are_registered_and_generate_through_the_router_reaches_both(two_engines, router):
+    actors, urls = two_engines
+    listed = {w.url: w for w in router.client.list_workers()}
+    assert set(urls) <= set(listed) and all(listed[u].is_healthy for u in urls)
+    before = [_served(u) for u in urls]
+    for i in range(4):
+        out = router.client.generate({"text": f"hello {i}",
+                                      "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert "text" in out
+    after = [_served(u) for u in urls]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_control_verbs_reach_the_engine_through_the_actor(two_engines):
+    actor = two_engines[0][0]
+    assert ray.get(actor.get_weight_version.remote()) == "default"
+    ray.get(actor.pause_generation.remote("abort"))
+    ray.get(actor.continue_generation.remote())
+    assert ray.get(actor.flush_cache.remote()) is True
+    assert ray.get(actor.health_generate.remote()) is True
+
+
+def test_removed_worker_gets_no_traffic_until_registered_again(two_engines, router):
+    actors, urls = two_engines
+    assert ray.get(actors[1].unregister.remote()) is True
+    assert [w.url for w in router.client.list_workers()] == [urls[0]]
+    before = _served(urls[1])
+    for _ in range(3):
+        router.client.generate({"text": "x", "sampling_params": {"max_new_tokens": 1}})
+    assert _served(urls[1]) == before
+    ray.get(actors[1].register.remote(router.url))
+    assert {w.url for w in router.client.list_workers()} == set(urls)
+
+
+def test_ray_kill_of_an_engine_actor_leaves_no_server_process(ray_local, reference_config):
+    actor = EngineActor.remote(reference_config(host=None, engine_rank=7))
+    ray.get(actor.init.remote(), timeout=300)
+    pid = ray.get(actor.server_pid.remote())
+    port = ray.get(actor.describe.remote())["port"]
+    assert [p.pid for p in server_processes(port)] == [pid]
+    ray.kill(actor)
+    assert wait_gone([pid]) == []
+    assert server_processes(port) == []
+
+
+def test_server_exiting_during_start_up_fails_init_within_seconds_with_its_log_tail(
+        ray_local, reference_config, tmp_path):
+    missing = tmp_path / "no-such-model"
+    actor = EngineActor.remote(reference_config(host=None, model_path=str(missing)))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as e:
+            ray.get(actor.init.remote(), timeout=120)
+        assert time.monotonic() - t0 < 60
+        text = str(e.value)
+        assert "LaunchError" in text and "exited with code" in text
+        assert "--- log tail ---" in text and str(missing) in text.split("--- log tail ---")[1]
+        assert ray.get(actor.is_alive.remote()) is False
+    finally:
+        ray.kill(actor)

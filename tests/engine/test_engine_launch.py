@@ -1,0 +1,217 @@
+"""Engine (no Ray): ports that are taken, the port race, external engines, PD registration."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from slime_like.engine.engine import Engine, EngineConfig
+from slime_like.engine.external import ExternalEngine, expected_fields
+from slime_like.engine.launch import server_url
+from slime_like.engine.ports import PortReservation, reserve_ports
+from slime_like.errors import ConfigError, LaunchError
+from slime_like.router.router import Router
+from tests.engine.engine_helpers import reference_engine_missing, wait_gone
+
+needs_engine = pytest.mark.skipif(reference_engine_missing() is not None,
+                                  reason=str(reference_engine_missing()))
+
+
+@pytest.fixture
+def engines():
+    """Engines a test starts; every one is shut down at the end."""
+    started: list[Engine] = []
+
+    def track(engine: Engine) -> Engine:
+        started.append(engine)
+        return engine
+
+    yield track
+    for e in started:
+        e.shutdown(grace=5)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"},
+               log_dir=tmp_path_factory.mktemp("router"))
+    r.start()
+    yield r
+    r.stop()
+
+
+# ---- no server needed ----------------------------------------------------------------------
+
+def test_ipv6_node_ips_are_bracketed_in_urls():
+    assert server_url("fd00::5", 30000) == "http://[fd00::5]:30000"
+    assert server_url("10.0.0.5", 30000) == "http://10.0.0.5:30000"
+    engine = Engine(EngineConfig(model_path="m", host="[fd00::5]"))
+    engine.port = 31000
+    assert engine.get_url() == "http://[fd00::5]:31000"
+
+
+def test_nodes_other_than_node_0_return_early_from_http_verbs():
+    engine = Engine(EngineConfig(model_path="m", nnodes=2, node_rank=1, host="127.0.0.1"))
+    engine.port = 1  # nothing listens there: any HTTP call would fail loudly
+    assert engine.get_url() is None
+    for verb in (engine.pause_generation, engine.continue_generation, engine.flush_cache,
+                 engine.get_weight_version, engine.health_generate, engine.unregister):
+        assert verb() is None
+
+
+def test_a_non_zero_node_needs_node_0s_dist_init_addr():
+    engine = Engine(EngineConfig(model_path="m", nnodes=2, node_rank=1, host="127.0.0.1"))
+    with pytest.raises(ConfigError, match="dist_init_addr"):
+        engine.init()
+
+
+def test_node_0_reserves_the_dist_init_block_on_its_own_node():
+    engine = Engine(EngineConfig(model_path="m", nnodes=2, dp_size=2, host="127.0.0.1"))
+    addr = engine.reserve_dist_init_addr()
+    host, port = addr.rsplit(":", 1)
+    try:
+        assert host == "127.0.0.1"
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", int(port) + Engine.DIST_INIT_BLOCK + 1))  # last port of the block
+    finally:
+        engine.shutdown()
+
+
+# ---- reference engines ---------------------------------------------------------------------
+
+@needs_engine
+def test_taken_ports_do_not_break_launch(engines, reference_config):
+    # Squat on every other port of a small range; the engine needs two free ones.
+    with reserve_ports(1, consecutive=8) as block:
+        start = block.ports[0]
+    squatters = []
+    try:
+        for port in range(start, start + 8, 2):
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            squatters.append(s)
+        engine = engines(Engine(reference_config(port_range=(start, start + 8))))
+        url = engine.init()
+        assert engine.port not in range(start, start + 8, 2)
+        assert engine.nccl_port not in range(start, start + 8, 2)
+        assert url == f"http://127.0.0.1:{engine.port}"
+        assert engine.health_generate()
+    finally:
+        for s in squatters:
+            s.close()
+
+
+class _LosesTheRace(PortReservation):
+    """Stand-in for a fault we cannot cause on demand: another process binds the server's
+    port in the instant between our release and the server's own bind."""
+
+    squatters: list[socket.socket] = []
+
+    def release_for_server(self) -> None:
+        super().release_for_server()
+        s = socket.socket()
+        s.bind(("127.0.0.1", self.ports[0]))
+        s.listen()
+        self.squatters.append(s)
+
+
+def _racing_reserve(losses: int):
+    calls = {"n": 0}
+
+    def reserve(*args, **kwargs) -> PortReservation:
+        real = reserve_ports(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] > losses:
+            return real
+        lost = _LosesTheRace([])
+        lost._heads, lost._held = real._heads, real._held
+        return lost
+    return reserve, calls
+
+
+@needs_engine
+def test_a_port_lost_before_the_server_binds_it_is_retried_with_new_ports(engines, reference_config):
+    reserve, calls = _racing_reserve(losses=1)
+    try:
+        engine = engines(Engine(reference_config(), reserve=reserve))
+        engine.init()
+        taken = _LosesTheRace.squatters[0].getsockname()[1]
+        assert calls["n"] == 2 and engine.port != taken
+        assert engine.health_generate()
+        assert "address already in use" in engine.log_tail(50000).lower()
+    finally:
+        for s in _LosesTheRace.squatters:
+            s.close()
+        _LosesTheRace.squatters.clear()
+
+
+@needs_engine
+def test_losing_the_port_race_every_time_is_a_bounded_launch_error(engines, reference_config):
+    reserve, calls = _racing_reserve(losses=99)
+    try:
+        engine = engines(Engine(reference_config(port_attempts=2), reserve=reserve))
+        with pytest.raises(LaunchError, match="every one of 2 attempts lost a port"):
+            engine.init()
+        assert calls["n"] == 2 and not engine.is_alive()
+    finally:
+        for s in _LosesTheRace.squatters:
+            s.close()
+        _LosesTheRace.squatters.clear()
+
+
+@needs_engine
+def test_external_engine_attaches_when_its_server_info_matches(engines, reference_config, router,
+                                                              tiny_model_dir):
+    owned = engines(Engine(reference_config()))
+    owned.init()
+    ext = ExternalEngine(f"127.0.0.1:{owned.port}",
+                         expected=expected_fields(owned.server_args), worker_type="regular")
+    assert ext.init(router_url=router.url) == owned.get_url()
+    assert ext.sglang_version is not None
+    assert router.client.find_worker(owned.get_url()).is_healthy
+    assert ext.get_weight_version() == "default"
+    ext.shutdown()  # leaves the router, never kills
+    assert router.client.find_worker(owned.get_url()) is None
+    assert owned.is_alive() and owned.health_generate()
+    with pytest.raises(LaunchError, match="never killed"):
+        ext.simulate_crash()
+
+
+@needs_engine
+def test_external_engine_that_does_not_match_is_refused_naming_each_field(engines, reference_config,
+                                                                         router):
+    owned = engines(Engine(reference_config()))
+    owned.init()
+    ext = ExternalEngine(owned.get_url(), expected={"tp_size": 2, "model_path": "other/model",
+                                                    "dp_size": 1}, worker_type="prefill")
+    with pytest.raises(ConfigError) as e:
+        ext.init(router_url=router.url)
+    text = str(e.value)
+    assert f"{owned.get_url()}/server_info" in text
+    assert "tp_size: expected 2" in text and "model_path: expected 'other/model'" in text
+    assert "worker_type: expected 'prefill'" in text and "dp_size" not in text
+    assert router.client.find_worker(owned.get_url()) is None
+    assert owned.is_alive()
+
+
+@needs_engine
+def test_prefill_and_decode_engines_register_with_a_pd_router(engines, reference_config, tmp_path):
+    with Router(host="127.0.0.1", pd_disaggregation=True, log_dir=tmp_path / "pd") as pd:
+        prefill = engines(Engine(reference_config(worker_type="prefill", engine_rank=0)))
+        decode = engines(Engine(reference_config(worker_type="decode", engine_rank=1)))
+        prefill.init(router_url=pd.url)
+        decode.init(router_url=pd.url)
+        workers = {w.url: w for w in pd.client.list_workers()}
+        assert workers[prefill.get_url()].worker_type == "prefill"
+        assert workers[prefill.get_url()].bootstrap_port == prefill.bootstrap_port
+        assert workers[decode.get_url()].worker_type == "decode"
+        assert pd.client.wait_ready(timeout=30)["status"] == "ready"
+        out = pd.client.generate({"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert "text" in out
+        pids = [prefill.server_pid(), decode.server_pid()]
+        prefill.shutdown()
+        decode.shutdown()
+        assert pd.client.list_workers() == []
+        assert wait_gone(pids) == []

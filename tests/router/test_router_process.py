@@ -1,0 +1,75 @@
+"""The real sglang-router process: readiness without sleeps, metrics, failures, clean stop."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import psutil
+import pytest
+import requests
+
+from slime_like.errors import LaunchError, RouterError
+from slime_like.router.router import Router
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"},
+               log_dir=tmp_path_factory.mktemp("router"))
+    r.start()
+    yield r
+    r.stop()
+
+
+def test_started_router_is_live_but_not_ready_without_workers(router):
+    assert router.client.is_live()
+    ready = router.client.readiness()
+    assert ready["status"] == "not ready"
+    assert router.client.list_workers() == []
+
+
+def test_prometheus_metrics_are_served_on_their_own_port(router):
+    router.client.readiness()  # something to count
+    text = requests.get(router.prometheus_url, timeout=5).text
+    assert "smg_" in text and router.prometheus_port != router.port
+
+
+def test_wait_ready_without_workers_gives_up_saying_what_it_waited_for(router):
+    with pytest.raises(RouterError, match=r"not ready after 1s; last /readiness: .*insufficient"):
+        router.client.wait_ready(timeout=1)
+
+
+def test_registering_an_unreachable_worker_fails_in_time_and_is_withdrawn(router):
+    with socket.socket() as s:  # a port nobody serves
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(RouterError, match=rf"worker {dead} \(regular\) not listed healthy after 3s"):
+        router.client.add_worker(dead, timeout=3)
+    assert time.monotonic() - t0 < 15
+    assert router.client.find_worker(dead) is None
+
+
+def test_prefill_registration_needs_a_bootstrap_port(router):
+    with pytest.raises(RouterError, match="bootstrap_port"):
+        router.client.add_worker("http://127.0.0.1:1", worker_type="prefill")
+
+
+def test_router_that_exits_during_start_up_fails_at_once_with_its_log(tmp_path):
+    r = Router(host="127.0.0.1", router_flags={"max_payload_size": "lots"}, log_dir=tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="exited with code") as e:
+        r.start()
+    assert time.monotonic() - t0 < 30
+    assert "max-payload-size" in e.value.log_tail
+
+
+def test_stop_leaves_no_router_process_and_frees_its_ports(tmp_path):
+    r = Router(host="127.0.0.1", log_dir=tmp_path).start()
+    pid, port = r.process.pid, r.port
+    r.stop()
+    assert not psutil.pid_exists(pid)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
