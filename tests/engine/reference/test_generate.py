@@ -177,26 +177,24 @@ def test_missing_body_is_a_400_validation_envelope(engine):
 
 
 def test_duplicate_live_rid_is_refused(engine):
-    barrier = threading.Event()
     first: dict = {}
 
     def long_request():
-        barrier.set()
         first["r"] = engine.generate({"text": "dup", "rid": "dup-rid", "sampling_params": {
-            "max_new_tokens": 400, "ignore_eos": True}})
+            "max_new_tokens": 1000, "ignore_eos": True}})
 
     t = threading.Thread(target=long_request)
     t.start()
-    barrier.wait()
-    for _ in range(100):  # until the first request is live
+    try:
+        while engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
+            assert t.is_alive()
         r = engine.generate({"text": "dup", "rid": "dup-rid", "sampling_params": {"max_new_tokens": 1}})
-        if r.status_code == 400:
-            break
-    assert r.status_code == 400
-    assert r.json() == {"error": {"message": "Duplicate request ID detected: dup-rid"}}
-    engine.post("/abort_request", {"rid": "dup-rid"})
-    t.join(timeout=30)
-    assert first["r"].json()["meta_info"]["finish_reason"]["type"] in ("abort", "length")
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "Duplicate request ID detected: dup-rid"}}
+    finally:
+        engine.post("/abort_request", {"rid": "dup-rid"})
+        t.join(timeout=30)
+    assert first["r"].json()["meta_info"]["finish_reason"]["message"] == "Aborted"
 
 
 def test_router_injected_default_keys_are_tolerated(engine):
