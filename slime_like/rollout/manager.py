@@ -206,11 +206,12 @@ class RolloutManager:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict,
+                 on_sample: Callable[[int], None] | None = None) -> list[Sample]:
         assert self.router is not None
         gen = RouterGenerator(self.router.url,
                               concurrency=self.args.sglang_server_concurrency * max(1, len(self.engines)))
-        return gen.generate(prompts, n, sampling_params)
+        return gen.generate(prompts, n, sampling_params, on_sample)
 
     # ---- failure and recovery -------------------------------------------------------------------
 
