@@ -26,7 +26,9 @@ def _served(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # "local": never attach to a cluster another process on this machine started.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
+             log_to_driver=False)
     yield
     ray.shutdown()
 
