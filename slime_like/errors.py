@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 
 class SlimeLikeError(Exception):
     """Base of every error slime_like raises on purpose."""
@@ -58,3 +60,15 @@ class WeightMetadataError(WeightSyncError):
 
     def __init__(self, message: str, engine: str | None = None):
         super().__init__("check_metadata", message, engine)
+
+
+class UnsafePayloadError(SlimeLikeError, pickle.UnpicklingError):
+    """A serialized weight payload names a global outside the allowlist, or is malformed."""
+
+    def __init__(self, message: str, global_name: str | None = None):
+        self.global_name = global_name
+        super().__init__(message)
+
+
+class PlacementError(SlimeLikeError):
+    """The placement group could not be created or probed (e.g. not enough GPUs in time)."""

@@ -1,0 +1,168 @@
+"""The Ray side of placement: one placement group, its bundles probed and sorted.
+
+A probe actor in each bundle reads the node IP and GPU id Ray gave it; the sorted bundles
+feed the pure `layout.plan_job`. On CPU machines GPUs are declared to Ray (`ray start
+--num-gpus N`, `ray.init(num_gpus=N)`), so the same code runs there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime_like.cluster.layout import (
+    Bundle,
+    EnginePlacement,
+    JobPlan,
+    PlacementGroupLayout,
+    layout_from_args,
+    plan_job,
+    sort_bundles,
+)
+from slime_like.config.topology import Topology
+from slime_like.errors import PlacementError
+
+logger = logging.getLogger(__name__)
+
+BUNDLE = {"GPU": 1, "CPU": 1}
+# slime's fractions: under --colocate a trainer rank and an engine actor share one bundle.
+TRAINER_ACTOR_GPUS = 0.4
+ENGINE_ACTOR_GPUS = 0.2
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+class _BundleProbe:
+    """Lives in one bundle just long enough to say where Ray put it."""
+
+    def where(self) -> tuple[str, list, str]:
+        return (ray.util.get_node_ip_address(), list(ray.get_gpu_ids()),
+                ray.get_runtime_context().get_node_id())
+
+
+def bundle_strategy(pg: PlacementGroup, bundle_index: int) -> PlacementGroupSchedulingStrategy:
+    """Scheduling strategy that puts an actor (and its child tasks) in one bundle."""
+    return PlacementGroupSchedulingStrategy(placement_group=pg,
+                                            placement_group_bundle_index=bundle_index,
+                                            placement_group_capture_child_tasks=True)
+
+
+def _cluster_gpus() -> str:
+    total = ray.cluster_resources()
+    free = ray.available_resources()
+    return (f"the cluster has {total.get('GPU', 0):g} GPUs and {total.get('CPU', 0):g} CPUs, "
+            f"{free.get('GPU', 0):g} GPUs and {free.get('CPU', 0):g} CPUs free")
+
+
+def create_placement_group(num_bundles: int, *, timeout_s: float | None = None,
+                           log_every_s: float = 30.0, name: str = "") -> PlacementGroup | None:
+    """A PACK placement group of `num_bundles` {GPU:1, CPU:1} bundles, once it is ready.
+
+    Without a timeout it waits as long as the autoscaler needs, logging what it waits for;
+    with one it removes the group and raises PlacementError when time is up.
+    """
+    if num_bundles == 0:
+        return None
+    pg = placement_group([dict(BUNDLE) for _ in range(num_bundles)], strategy="PACK", name=name)
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
+    while True:
+        step = log_every_s if deadline is None else max(0.0, min(log_every_s,
+                                                                 deadline - time.monotonic()))
+        ready, _ = ray.wait([pg.ready()], timeout=step)
+        if ready:
+            ray.get(ready[0])
+            return pg
+        waited = time.monotonic() - start
+        if deadline is not None and time.monotonic() >= deadline:
+            remove_placement_group(pg)
+            raise PlacementError(f"placement group of {num_bundles} {BUNDLE} bundles not ready "
+                                 f"after {waited:.0f}s: {_cluster_gpus()}")
+        logger.info("waiting %.0fs for a placement group of %d %s bundles: %s", waited,
+                    num_bundles, BUNDLE, _cluster_gpus())
+
+
+def probe_bundles(pg: PlacementGroup | None, num_bundles: int, *,
+                  timeout_s: float = 120.0) -> list[Bundle]:
+    """Every bundle's (node IP, GPU id), read by a probe actor inside it; sorted by slot."""
+    if pg is None:
+        return []
+    probes = [_BundleProbe.options(scheduling_strategy=bundle_strategy(pg, i)).remote()
+              for i in range(num_bundles)]
+    try:
+        answers = ray.get([p.where.remote() for p in probes], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementError(f"bundle probes did not answer within {timeout_s:g}s") from None
+    finally:
+        for p in probes:
+            ray.kill(p)
+    bundles = []
+    for i, (ip, gpu_ids, node_id) in enumerate(answers):
+        if len(gpu_ids) != 1:
+            raise PlacementError(f"bundle {i} on {ip}: expected one GPU id, Ray gave {gpu_ids}")
+        try:
+            gpu_id = int(gpu_ids[0])
+        except (TypeError, ValueError):
+            raise PlacementError(f"bundle {i} on {ip}: GPU id {gpu_ids[0]!r} is not an "
+                                 "integer index") from None
+        bundles.append(Bundle(i, ip, gpu_id, node_id))
+    return sort_bundles(bundles)
+
+
+@dataclass
+class JobPlacement:
+    """The job's placement group and the plan over it; `release()` gives the GPUs back."""
+
+    pg: PlacementGroup | None
+    plan: JobPlan
+
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        """Ray actor options for trainer rank `rank`."""
+        slot = self.plan.trainer[rank]
+        return {"num_gpus": TRAINER_ACTOR_GPUS, "num_cpus": TRAINER_ACTOR_GPUS,
+                "scheduling_strategy": bundle_strategy(self._pg(), slot.bundle_index)}
+
+    def engine_options(self, engine: EnginePlacement) -> dict[str, Any]:
+        """Ray actor options for one engine actor."""
+        return {"num_gpus": ENGINE_ACTOR_GPUS, "num_cpus": ENGINE_ACTOR_GPUS,
+                "scheduling_strategy": bundle_strategy(self._pg(), engine.bundle_index)}
+
+    def _pg(self) -> PlacementGroup:
+        if self.pg is None:
+            raise PlacementError("this job has no placement group (it places no GPUs)")
+        return self.pg
+
+    def release(self) -> None:
+        """Remove the placement group; actors still in it are killed by Ray."""
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def __enter__(self) -> JobPlacement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def place(topology: Topology, layout: PlacementGroupLayout, *, timeout_s: float | None = None,
+          probe_timeout_s: float = 120.0, name: str = "") -> JobPlacement:
+    """Create the placement group, probe it, and plan the job over its sorted bundles."""
+    pg = create_placement_group(layout.num_bundles, timeout_s=timeout_s, name=name)
+    try:
+        bundles = probe_bundles(pg, layout.num_bundles, timeout_s=probe_timeout_s)
+        return JobPlacement(pg, plan_job(topology, bundles, layout))
+    except BaseException:
+        if pg is not None:
+            remove_placement_group(pg)
+        raise
+
+
+def place_job(args: Any, *, timeout_s: float | None = None) -> JobPlacement:
+    """`place` for parsed flags (`slime_like.config.parse_args` output)."""
+    return place(args.topology, layout_from_args(args), timeout_s=timeout_s)

@@ -1,0 +1,190 @@
+"""The job's flags: slime's names and defaults for the rollout side, plus ours.
+
+One parser built from small groups. `build_parser()` is what `slime-like train --help`
+prints; `slime_like.config.parse_args` adds `--config FILE.yaml`, validation and the
+resolved topology on top of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_like.config import argtypes as t
+from slime_like.config.passthrough import (
+    add_router_flags,
+    add_sglang_server_flags,
+    reserved_flag_hints,
+)
+
+ENGINE_PROGRAMS = ("sglang", "reference")
+PAUSE_MODES = ("abort", "retract", "in_place")
+# `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
+# the distributed (broadcast) path otherwise. On CPU the broadcast runs over gloo.
+WEIGHT_TRANSPORTS = ("nccl", "distributed", "tensor", "disk")
+
+DEFAULT_BUFFER_SIZE = 512 * 1024**2
+
+
+def _cluster(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster", "Trainer and rollout GPUs and how they share nodes "
+                                        "(slime's names and defaults).")
+    g.add_argument("--actor-num-nodes", type=t.positive_int, default=1,
+                   help="Nodes of the trainer (actor) group.")
+    g.add_argument("--actor-num-gpus-per-node", type=t.positive_int, default=8,
+                   help="Trainer GPUs per node.")
+    g.add_argument("--rollout-num-gpus", type=t.non_negative_int, default=None,
+                   help="GPUs of all rollout engines together. Default: the trainer's GPUs with "
+                        "--colocate, the sum of the server groups with --sglang-config. "
+                        "0 starts the routers with no engines.")
+    g.add_argument("--rollout-num-gpus-per-engine", type=t.positive_int, default=1,
+                   help="GPUs per engine (tp_size x pp_size). An engine larger than a node "
+                        "spans whole nodes, one engine actor per node.")
+    g.add_argument("--num-gpus-per-node", type=t.positive_int, default=8,
+                   help="GPUs per node; set it when nodes have fewer than 8.")
+    g.add_argument("--colocate", action="store_true", default=False,
+                   help="Engines share the trainer's GPUs; implies --offload-train and "
+                        "--offload-rollout unless they are set.")
+    g.add_argument("--offload", action="store_true", default=False,
+                   help="Same as --offload-train --offload-rollout.")
+    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="Free the trainer's GPU memory while engines generate.")
+    g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
+                   help="Engines release their GPU memory while the trainer trains "
+                        "(sglang --enable-memory-saver).")
+    g.add_argument("--debug-rollout-only", action="store_true", default=False,
+                   help="Place and run rollout engines only; no trainer slots.")
+    g.add_argument("--debug-train-only", action="store_true", default=False,
+                   help="Place the trainer only; no rollout engines.")
+
+
+def _rollout(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rollout", "What the engines serve and how the job drives them.")
+    g.add_argument("--hf-checkpoint", default=None,
+                   help="HF checkpoint the engines load and the trainer updates. With "
+                        "--engine reference and no checkpoint, the job makes a tiny model.")
+    g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
+                   help="Attach engines started elsewhere instead of launching them; they take "
+                        "no slots of the placement group and are never killed.")
+    g.add_argument("--sglang-server-concurrency", type=t.positive_int, default=512,
+                   help="Concurrent requests per engine (the job's HTTP connection cap is this "
+                        "times the number of engines).")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="Job seed; engines derive their random_seed from it.")
+    g.add_argument("--num-rollout", type=t.positive_int, default=None,
+                   help="Rollout steps of the job.")
+    g.add_argument("--rollout-batch-size", type=t.positive_int, default=None,
+                   help="Prompts per rollout step.")
+    g.add_argument("--n-samples-per-prompt", type=t.positive_int, default=1,
+                   help="Responses sampled per prompt.")
+    g.add_argument("--rollout-max-response-len", type=t.positive_int, default=None,
+                   help="max_new_tokens of each rollout request.")
+    g.add_argument("--rollout-temperature", type=t.positive_float, default=1.0,
+                   help="Sampling temperature of rollouts (> 0: greedy is not a policy).")
+    g.add_argument("--lr", type=t.positive_float, default=1e-6, help="Trainer learning rate.")
+
+
+def _topology(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server groups", "How rollout GPUs are split into engines.")
+    g.add_argument("--sglang-config", default=None, metavar="FILE.yaml",
+                   help="YAML list of models, each with server groups (worker_type "
+                        "regular|prefill|decode|placeholder|encoder, num_gpus, "
+                        "num_gpus_per_engine, overrides); groups take rollout GPUs in YAML "
+                        "order. Excludes --prefill-num-servers and "
+                        "--rollout-external-engine-addrs.")
+    g.add_argument("--prefill-num-servers", type=t.positive_int, default=None,
+                   help="Legacy PD: this many prefill engines, the remaining rollout GPUs "
+                        "decode.")
+
+
+def _router(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router", "The sglang-router in front of each model's engines.")
+    g.add_argument("--sglang-router-ip", default=None,
+                   help="Use the router already running at this address (first model) "
+                        "instead of starting one.")
+    g.add_argument("--sglang-router-port", type=t.port, default=None,
+                   help="Port of that router, or a fixed port for the one we start.")
+    g.add_argument("--sglang-router-request-timeout-secs", type=t.positive_int, default=14400,
+                   help="Request timeout of the router, seconds.")
+
+
+def _weights(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("weight update", "How new weights reach the engines.")
+    g.add_argument("--update-weight-transport", choices=WEIGHT_TRANSPORTS, default="nccl",
+                   help="nccl (slime's default): tensor when --colocate, else distributed; "
+                        "distributed: broadcast over a weight group (NCCL on GPU, gloo on "
+                        "CPU); tensor: CUDA IPC / shared memory to colocated engines; disk: "
+                        "safetensors under --update-weight-disk-dir, then "
+                        "update_weights_from_disk.")
+    g.add_argument("--update-weight-buffer-size", type=t.positive_int,
+                   default=DEFAULT_BUFFER_SIZE, metavar="BYTES",
+                   help="Bucket size of a weight update, bytes.")
+    g.add_argument("--update-weight-disk-dir", default=None,
+                   help="Directory shared by trainer and engines for --update-weight-transport "
+                        "disk.")
+    g.add_argument("--update-weights-interval", type=t.positive_int, default=1,
+                   help="Sync weights every this many rollout steps.")
+    g.add_argument("--pause-mode", choices=PAUSE_MODES, default="retract",
+                   help="How engines pause for an update: abort in-flight requests, retract "
+                        "them (resumed after, KV recomputed) or freeze them in place (KV kept, "
+                        "stale).")
+
+
+def _fault_tolerance(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance", "Engine health checks and recovery.")
+    g.add_argument("--use-fault-tolerance", action="store_true", default=False,
+                   help="Probe engines and replace the ones that die.")
+    g.add_argument("--rollout-health-check-interval", type=t.positive_float, default=30.0,
+                   metavar="SECONDS", help="Seconds between two probes of an engine.")
+    g.add_argument("--rollout-health-check-timeout", type=t.positive_float, default=30.0,
+                   metavar="SECONDS", help="Seconds a /health_generate probe may take.")
+    g.add_argument("--rollout-health-check-first-wait", type=t.non_negative_float,
+                   default=300.0, metavar="SECONDS",
+                   help="Grace after start before the first probe (slime's code says 0, which "
+                        "kills engines during their cold compile; its docs say 300).")
+    g.add_argument("--rollout-health-check-failures", type=t.positive_int, default=3,
+                   metavar="N", help="Consecutive failed probes before an engine counts as dead.")
+
+
+def _ours(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("slime_like", "Options of this framework.")
+    g.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="YAML file of flags (keys are flag names without dashes, e.g. "
+                        "rollout_num_gpus: 4); flags on the command line win.")
+    g.add_argument("--engine", choices=ENGINE_PROGRAMS, default="sglang",
+                   help="Engine program: sglang (python -m sglang.launch_server) or reference "
+                        "(our CPU server speaking the same protocol).")
+    g.add_argument("--dry-run", action="store_true", default=False,
+                   help="Validate the flags, print the resolved server groups and the nominal "
+                        "placement, then exit.")
+    g.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="Report folder of the run (metrics.jsonl, report.md, plots, engine "
+                        "timeline, engine logs); default runs/<timestamp>.")
+    g.add_argument("--simulate-engine-crash-at", type=t.non_negative_int, default=None,
+                   metavar="STEP", help="Kill engine 0's server (SIGKILL) in the middle of this "
+                                        "rollout step, to watch recovery.")
+    g.add_argument("--logprob-check-tolerance", type=t.positive_float, default=1e-4,
+                   help="Largest |engine - trainer| log-probability of a sampled token accepted "
+                        "by the per-step correctness check (fp32 on CPU agrees to ~1e-6).")
+    g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
+                   help="Layers of the tiny model made when --hf-checkpoint is not given.")
+    g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,
+                   help="Hidden size of the tiny model made when --hf-checkpoint is not given.")
+
+
+GROUP_BUILDERS = (_cluster, _rollout, _topology, _router, _weights, _fault_tolerance, _ours)
+
+
+def build_parser(prog: str = "slime-like train") -> argparse.ArgumentParser:
+    """The full parser, grouped as `--help` shows it; raises ConfigError on bad flags."""
+    parser = t.ConfigArgumentParser(
+        prog=prog, allow_abbrev=False,
+        usage=f"{prog} [--config FILE.yaml] [FLAG ...]  (flags by group below)",
+        description="Run an RL job: trainer actors, SGLang (or reference) rollout engines "
+                    "behind sglang-router, weight sync and recovery. Flags may also come from "
+                    "--config FILE.yaml.")
+    parser.unknown_flag_hints = reserved_flag_hints()
+    for add in GROUP_BUILDERS:
+        add(parser)
+    add_sglang_server_flags(parser)
+    add_router_flags(parser)
+    return parser

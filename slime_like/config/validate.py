@@ -1,0 +1,117 @@
+"""Cross-flag rules, checked after parsing and before any GPU is allocated.
+
+Resolves the values other flags imply (offload under --colocate, --rollout-num-gpus,
+the weight transport), attaches the resolved `topology`, and dry-runs placement on the
+nominal cluster (nodes of --num-gpus-per-node GPUs) so misaligned groups fail here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from slime_like.cluster.layout import layout_from_args, nominal_bundles, plan_job
+from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
+from slime_like.config.topology import resolve_topology
+from slime_like.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _exclusive(args: argparse.Namespace) -> None:
+    pairs = [
+        ("sglang_config", "--sglang-config", "prefill_num_servers", "--prefill-num-servers",
+         "describe prefill and decode groups in the YAML instead"),
+        ("sglang_config", "--sglang-config", "rollout_external_engine_addrs",
+         "--rollout-external-engine-addrs", "external engines are not placed"),
+        ("prefill_num_servers", "--prefill-num-servers", "rollout_external_engine_addrs",
+         "--rollout-external-engine-addrs", "external engines are not placed"),
+        ("debug_rollout_only", "--debug-rollout-only", "debug_train_only",
+         "--debug-train-only", "pick one"),
+        ("rollout_external_engine_addrs", "--rollout-external-engine-addrs", "colocate",
+         "--colocate", "external engines cannot share the trainer's GPUs"),
+    ]
+    for a, a_flag, b, b_flag, why in pairs:
+        if getattr(args, a) not in (None, False) and getattr(args, b) not in (None, False):
+            raise ConfigError(a_flag, f"cannot be combined with {b_flag} ({why})")
+
+
+def _resolve_offload(args: argparse.Namespace) -> None:
+    # slime: --colocate and --offload imply both offloads unless a flag says otherwise.
+    implied = args.colocate or args.offload
+    for name in ("offload_train", "offload_rollout"):
+        if getattr(args, name) is None:
+            setattr(args, name, bool(implied))
+
+
+def _resolve_rollout_gpus(args: argparse.Namespace) -> None:
+    actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.rollout_num_gpus is not None or args.sglang_config is not None:
+        return  # with --sglang-config an unset value becomes the YAML's sum (below)
+    if args.colocate:
+        args.rollout_num_gpus = actor_gpus
+    elif args.rollout_external_engine_addrs or args.debug_train_only:
+        args.rollout_num_gpus = 0
+    else:
+        raise ConfigError("--rollout-num-gpus", "required: the GPUs of all rollout engines "
+                                                "(0 starts routers without engines), unless "
+                                                "--colocate or --sglang-config gives it")
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    if args.actor_num_gpus_per_node > args.num_gpus_per_node and not args.debug_rollout_only:
+        raise ConfigError("--actor-num-gpus-per-node",
+                          f"must be <= --num-gpus-per-node ({args.num_gpus_per_node}), got "
+                          f"{args.actor_num_gpus_per_node}")
+
+
+def _check_addresses(args: argparse.Namespace) -> None:
+    for addr in args.rollout_external_engine_addrs or ():
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("--rollout-external-engine-addrs",
+                              f"expected HOST:PORT for each engine, got {addr!r}")
+    if args.sglang_router_ip is not None and args.sglang_router_port is None:
+        raise ConfigError("--sglang-router-port", "required with --sglang-router-ip (the port of "
+                                                  "the router to attach to)")
+
+
+def _resolve_transport(args: argparse.Namespace) -> None:
+    if args.update_weight_transport == "nccl":
+        args.update_weight_transport = "tensor" if args.colocate else "distributed"
+    if args.update_weight_transport == "disk" and not args.update_weight_disk_dir:
+        raise ConfigError("--update-weight-disk-dir",
+                          "required with --update-weight-transport disk (a directory both the "
+                          "trainer and every engine can read)")
+
+
+def _check_router_flags(args: argparse.Namespace) -> None:
+    for name, why in OWNED_ROUTER_FIELDS.items():
+        if name in args.router_flags:
+            raise ConfigError("--router-" + name.replace("_", "-"), f"not settable: {why}")
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check cross-flag rules, fill implied values, attach `args.topology` and `args.plan`."""
+    _exclusive(args)
+    _resolve_offload(args)
+    _check_sizes(args)
+    _check_router_flags(args)
+    _check_addresses(args)
+    _resolve_transport(args)
+    _resolve_rollout_gpus(args)
+    if args.engine == "sglang" and args.hf_checkpoint is None and \
+            not args.rollout_external_engine_addrs and args.sglang_config is None:
+        raise ConfigError("--hf-checkpoint", "required with --engine sglang (the checkpoint "
+                                             "the engines serve and the trainer updates)")
+    topology = resolve_topology(args)
+    if args.rollout_num_gpus is None:
+        args.rollout_num_gpus = topology.num_gpus
+    for warning in topology.warnings:
+        logger.warning("%s", warning)
+    args.topology = topology
+    layout = layout_from_args(args)
+    # Dry run on the nominal cluster: misaligned groups fail before any GPU is allocated.
+    args.nominal_plan = plan_job(topology, nominal_bundles(layout.num_bundles,
+                                                           args.num_gpus_per_node), layout)
+    return args

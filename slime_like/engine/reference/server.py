@@ -1,0 +1,35 @@
+"""Process entry point: parse sglang flags, load the engine, serve HTTP until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from slime_like.engine.reference.args import parse_args
+from slime_like.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    """Run one reference engine; returns the process exit status."""
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        logger.error("invalid argument %s", e)
+        return 2
+    logging.getLogger().setLevel(args.all_args.get("log_level", "info").upper())
+    # Imported after argument parsing so `--help` and flag errors answer fast.
+    from slime_like.engine.reference.engine import ReferenceEngine
+    from slime_like.engine.reference.http_server import create_app
+
+    engine = ReferenceEngine(args)
+    try:
+        app = create_app(engine)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_keep_alive=30, access_log=False)
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0

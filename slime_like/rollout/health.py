@@ -1,0 +1,143 @@
+"""HealthMonitor: finds dead engines fast without killing busy ones.
+
+Two signals per engine, checked every `interval_s` for all engines concurrently:
+- liveness (is the server process still running?) — a death is reported at once;
+- readiness (a probe such as `/health_generate` with a timeout) — reported dead only after
+  `failure_threshold` consecutive failures, and never during the `first_wait_s` grace after
+  an engine (re)starts, so a cold compile is not mistaken for a hang (slime's default of 0 s
+  kills engines during their first compile).
+A hung probe never delays the others: each runs in its own worker with a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HealthPolicy:
+    """How eagerly to call an engine dead (slime's flags: interval, timeout, first wait)."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 10.0
+    failure_threshold: int = 3
+    first_wait_s: float = 30.0
+
+
+@dataclass
+class _Watched:
+    since: float
+    failures: int = 0
+    paused: bool = False
+
+
+class HealthMonitor:
+    """Watches engines by key; calls `on_dead(key, reason)` once per death."""
+
+    def __init__(self, probe: Callable[[Hashable, float], None], is_alive: Callable[[Hashable], bool],
+                 on_dead: Callable[[Hashable, str], None], policy: HealthPolicy | None = None):
+        self.probe = probe
+        self.is_alive = is_alive
+        self.on_dead = on_dead
+        self.policy = policy or HealthPolicy()
+        self._engines: dict[Hashable, _Watched] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="health-probe")
+        self._thread: threading.Thread | None = None
+
+    # ---- membership ------------------------------------------------------------------------
+
+    def watch(self, key: Hashable, *, grace: bool = True) -> None:
+        """Start watching `key`; with `grace`, readiness failures are ignored for first_wait_s."""
+        start = time.monotonic() if grace else time.monotonic() - self.policy.first_wait_s
+        with self._lock:
+            self._engines[key] = _Watched(since=start)
+
+    def unwatch(self, key: Hashable) -> None:
+        with self._lock:
+            self._engines.pop(key, None)
+
+    def pause(self, key: Hashable) -> None:
+        """Skip readiness probes (e.g. while the engine is paused for a weight update)."""
+        with self._lock:
+            if key in self._engines:
+                self._engines[key].paused = True
+
+    def resume(self, key: Hashable) -> None:
+        with self._lock:
+            if key in self._engines:
+                self._engines[key].paused = False
+                self._engines[key].failures = 0
+
+    # ---- loop ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.policy.timeout_s + 5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.policy.interval_s):
+            try:
+                self.check_once()
+            except Exception:  # the monitor must outlive any one bad round
+                logger.exception("health check round failed")
+
+    def check_once(self) -> list[Hashable]:
+        """One round over all engines; returns the keys declared dead in this round."""
+        now = time.monotonic()
+        with self._lock:
+            engines = dict(self._engines)
+        dead: list[tuple[Hashable, str]] = []
+        futures = {}
+        for key, w in engines.items():
+            if not self._alive(key):
+                dead.append((key, "server process exited"))
+                continue
+            if w.paused or now - w.since < self.policy.first_wait_s:
+                continue
+            futures[key] = self._pool.submit(self.probe, key, self.policy.timeout_s)
+        deadline = time.monotonic() + self.policy.timeout_s + 1.0
+        for key, fut in futures.items():
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                ok, why = True, ""
+            except FutureTimeout:
+                ok, why = False, f"probe timed out after {self.policy.timeout_s:.0f}s"
+            except Exception as e:  # noqa: BLE001 - any probe failure counts
+                ok, why = False, f"probe failed: {e}"
+            with self._lock:
+                w = self._engines.get(key)
+                if w is None or w.paused:
+                    continue
+                w.failures = 0 if ok else w.failures + 1
+                if w.failures >= self.policy.failure_threshold:
+                    dead.append((key, f"{w.failures} consecutive failed probes; last: {why}"))
+        for key, reason in dead:
+            with self._lock:
+                if self._engines.pop(key, None) is None:
+                    continue
+            logger.warning("engine %s is dead: %s", key, reason)
+            self.on_dead(key, reason)
+        return [k for k, _ in dead]
+
+    def _alive(self, key: Hashable) -> bool:
+        try:
+            return bool(self.is_alive(key))
+        except Exception:  # noqa: BLE001 - an actor that cannot answer is not alive
+            return False

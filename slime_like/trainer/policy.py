@@ -1,0 +1,75 @@
+"""PolicyTrainer: the model, optimiser and GRPO step of one trainer rank (no Ray here).
+
+Data parallel across trainer ranks: each rank computes gradients on its shard of the batch
+and the gradients are averaged with an all-reduce over the trainer's own process group
+(gloo on CPU, NCCL on GPU) before the optimiser step, so every rank holds the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime_like.models import CausalLM, load_pretrained
+from slime_like.trainer.grpo import PackedBatch, pack, policy_gradient_loss, token_logprobs
+
+
+class PolicyTrainer:
+    """One rank's copy of the policy: train steps and log-probability recomputation."""
+
+    def __init__(self, model_path: str | Path, *, lr: float = 1e-3, device: str = "cpu",
+                 seed: int = 0, group: dist.ProcessGroup | None = None):
+        torch.manual_seed(seed)
+        self.model: CausalLM = load_pretrained(model_path, device=device, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
+                                           weight_decay=0.0)
+        self.group = group
+        self.device = device
+        self.steps = 0
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
+    def train_step(self, samples: Sequence[tuple[list[int], list[int]]],
+                   advantages: Sequence[float], max_grad_norm: float = 1.0) -> dict[str, float]:
+        """One optimiser step on this rank's samples; gradients averaged across ranks."""
+        batch: PackedBatch = pack(samples, advantages)
+        batch.input_ids = batch.input_ids.to(self.device)
+        self.optimizer.zero_grad(set_to_none=False)
+        logits = self.model(batch.input_ids)
+        logprobs = token_logprobs(logits, batch.input_ids)
+        loss = policy_gradient_loss(logprobs, batch)
+        loss.backward()
+        if self._world() > 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.group)
+                    p.grad.div_(self._world())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        self.optimizer.step()
+        self.steps += 1
+        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def completion_logprobs(self, samples: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per generated token, log p(token | prefix) under the current weights (fp32)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            batch = pack(samples, [0.0] * len(samples))
+            logits = self.model(batch.input_ids.to(self.device))
+            lp = token_logprobs(logits, batch.input_ids.to(self.device)).cpu()
+        finally:
+            self.model.train(was_training)
+        out = []
+        for i, (prompt, output) in enumerate(samples):
+            out.append(lp[i, len(prompt): len(prompt) + len(output)].tolist())
+        return out
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """HF-named parameters to sync (tied lm_head left out, as in the checkpoint)."""
+        return list(self.model.hf_state_dict().items())

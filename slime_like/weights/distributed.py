@@ -1,0 +1,327 @@
+"""The `distributed` transport: one weight group over every engine, broadcast from rank 0.
+
+Layout (sglang's): trainer rank 0, engine i's TP ranks at `1 + sum(earlier tp) + tp_rank`,
+`world_size = 1 + sum(tp)`. Each group gets a name unique to the attempt; every name an
+engine was asked to join is remembered and destroyed on re-attach, so a rebuilt group
+(after a dead peer was dropped, or an engine came back) never collides with a stale one.
+
+Per bucket: post `update_weights_from_distributed` (`flattened_bucket`) to every engine,
+each engine's posts strictly in order, and broadcast the flat buffer. Bucket k+1 is packed
+while bucket k is on the wire; on GPU packing runs on its own stream and the broadcast
+waits for it by stream order, so the host never blocks between buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from slime_like.engine import protocol as p
+from slime_like.errors import EngineError, WeightSyncError
+from slime_like.weights.engines import EngineCalls, EngineTarget, engine_ranks, on_all
+from slime_like.weights.process_group import (
+    abort_process_group,
+    destroy_process_group,
+    host_store,
+    init_custom_process_group,
+)
+from slime_like.weights.transfer import (
+    BucketPacker,
+    EngineCall,
+    Watch,
+    bucket_tensors,
+    direct_view,
+    metas_body,
+    timed,
+)
+from slime_like.weights.transport import TransferContext, Transport
+
+log = logging.getLogger(__name__)
+
+FLATTENED = "flattened_bucket"
+PER_TENSOR = "per_tensor"
+
+
+def master_address_for(engines: Sequence[EngineTarget]) -> str:
+    """An address of this host the engines can reach (loopback when they are all local)."""
+    hosts = [urlparse(e.url).hostname or "127.0.0.1" for e in engines]
+    if all(_is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        # Connecting a UDP socket sends nothing; it only selects the outgoing interface.
+        s.connect((hosts[0], 9))
+        return s.getsockname()[0]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DistributedTransport(Transport):
+    """torch.distributed broadcast into every engine (NCCL on GPU, gloo on CPU)."""
+
+    name = "distributed"
+
+    def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int,
+                 load_format: str = FLATTENED, backend: str | None = None,
+                 master_address: str | None = None, group_timeout_s: float = 300.0):
+        if load_format not in (FLATTENED, PER_TENSOR):
+            raise ValueError(f"load_format must be {FLATTENED!r} or {PER_TENSOR!r}, "
+                             f"got {load_format!r}")
+        self.device = torch.device(device)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.backend == "nccl":
+            # NVLink multicast (NVLS) stays off, as sglang's own trainer-side test has it;
+            # cuMem must agree with sglang's engines, which force it off. P2P/SHM stay on.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        self.load_format = load_format
+        self.master_address = master_address
+        self.group_timeout_s = group_timeout_s
+        self.packer = BucketPacker(self.device, bucket_bytes)
+        self.pg: dist.ProcessGroup | None = None
+        self.group_name: str | None = None
+        self.members: tuple[tuple[str, int], ...] = ()
+        self.asked: dict[str, list[str]] = {}  # engine url -> group names it was asked to join
+        self.dirty = False
+        self.attempt = 0
+        self._warned_per_tensor = False
+        self._timing_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # ---- the group ---------------------------------------------------------------------------
+
+    def attach(self, engines: Sequence[EngineTarget], calls: EngineCalls) -> None:
+        members = tuple((e.url, e.tp_size) for e in engines)
+        if self.pg is not None and not self.dirty and members == self.members:
+            return
+        self._teardown()
+        self._create(engines, calls)
+
+    def _create(self, engines: Sequence[EngineTarget], calls: EngineCalls) -> None:
+        self.attempt += 1
+        name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
+        offsets, world_size = engine_ranks(engines)
+        store = host_store(world_size, self.group_timeout_s)
+        address = self.master_address or master_address_for(engines)
+        watch = Watch(self.group_timeout_s + 10)
+        step = "init_weights_update_group"
+        http = []
+        for engine, offset in zip(engines, offsets, strict=True):
+            req = p.InitWeightsUpdateGroupRequest(
+                master_address=address, master_port=store.port, rank_offset=offset,
+                world_size=world_size, group_name=name, backend=self.backend)
+            self.asked.setdefault(engine.url, []).append(name)
+            http.append(watch.add(EngineCall(engine, step, calls.submit(
+                engine, engine.client.init_weights_update_group, req, self.group_timeout_s + 5))))
+        result: dict = {}
+
+        def rank0() -> None:
+            try:
+                result["pg"] = init_custom_process_group(
+                    backend=self.backend, store=store, world_size=world_size, rank=0,
+                    group_name=name, timeout=self.group_timeout_s)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = e
+
+        # Rank 0 joins from a helper thread so an engine that refuses the group (its HTTP
+        # call fails) stops the wait at once instead of after the rendezvous timeout.
+        thread = threading.Thread(target=rank0, name="weight-group-rank0", daemon=True)
+        thread.start()
+        watch.wait(lambda: not thread.is_alive(), step)
+        if "error" in result:
+            err = result["error"]
+            watch.check()  # an engine's own answer explains more than the rendezvous error
+            raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
+                                  f"({world_size} ranks): {err}") from err
+        watch.wait_calls(http)
+        self.pg, self.group_name, self._store = result["pg"], name, store
+        self.members = tuple((e.url, e.tp_size) for e in engines)
+        self.dirty = False
+        log.info("weight group %s: %d ranks over %d engines (%s)", name, world_size,
+                 len(engines), self.backend)
+
+    def _teardown(self) -> None:
+        """Drop our side of the current group and ask engines to destroy every group they joined."""
+        if self.pg is not None:
+            if self.dirty:
+                abort_process_group(self.pg)
+            destroy_process_group(self.pg)
+        self.pg, self.group_name, self.members = None, None, ()
+        asked, self.asked = self.asked, {}
+        targets = [EngineTarget(url) for url in asked]
+        if not targets:
+            return
+
+        def destroy(engine: EngineTarget) -> None:
+            engine.client.timeout = 10.0
+            for name in asked[engine.url]:
+                # 400 = the group is already gone; no answer = the engine is gone.
+                with contextlib.suppress(EngineError):
+                    engine.client.destroy_weights_update_group(name)
+
+        with contextlib.suppress(WeightSyncError):
+            on_all(targets, "destroy_weights_update_group", destroy)
+
+    def failed(self) -> None:
+        """Abort pending collectives so engines blocked receiving fail instead of hanging."""
+        self.dirty = True
+        abort_process_group(self.pg)
+
+    def close(self, engines: Sequence[EngineTarget]) -> None:
+        self._teardown()
+        self.packer.release()
+
+    # ---- the transfer ------------------------------------------------------------------------
+
+    def transfer(self, ctx: TransferContext) -> None:
+        if self.pg is None or self.members != tuple((e.url, e.tp_size) for e in ctx.engines):
+            raise WeightSyncError("transfer", "the weight group does not match the engines; "
+                                  "attach before transferring")
+        flattened = self.load_format == FLATTENED
+        old = [e.url for e in ctx.engines if not e.has_flattened_distributed]
+        if flattened and old:
+            if not self._warned_per_tensor:
+                log.warning("engines %s predate flattened_bucket over distributed updates "
+                            "(sglang < 0.5.9); sending one broadcast per tensor", old)
+                self._warned_per_tensor = True
+            flattened = False
+        try:
+            (self._send_flattened if flattened else self._send_per_tensor)(ctx)
+        except BaseException:
+            self.failed()
+            raise
+
+    def _broadcast(self, buf: torch.Tensor, stream: torch.cuda.Stream | None):
+        if stream is None:
+            return dist.broadcast(buf, src=0, group=self.pg, async_op=True)
+        with torch.cuda.stream(stream):  # NCCL waits for what is queued on this stream
+            return dist.broadcast(buf, src=0, group=self.pg, async_op=True)
+
+    def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None) -> list:
+        last = k == len(ctx.buckets) - 1
+        req = p.UpdateWeightsFromDistributedRequest(
+            **metas_body(metas), group_name=self.group_name, flush_cache=False,
+            weight_version=ctx.weight_version if last else None, load_format=load_format)
+        step = f"update_weights_from_distributed (bucket {k + 1}/{len(ctx.buckets)})"
+        return [ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
+            e, timed(e.client.update_weights_from_distributed, ctx.stats, e.url), req,
+            ctx.http_timeout_s))) for e in ctx.engines]
+
+    def _send_flattened(self, ctx: TransferContext) -> None:
+        packer, watch, stats = self.packer, ctx.watch, ctx.stats
+        cuda = packer.stream is not None
+        packer.begin()
+        start_ev = _record(packer.stream) if cuda else None
+        src = iter(ctx.source.tensors())
+        slot_work: list = [None] * packer.slots
+        works, wire = [], _WireClock(self._timing_stream)
+        for k, bucket in enumerate(ctx.buckets):
+            tensors = bucket_tensors(src, bucket)
+            buf = direct_view(tensors, self.device)
+            slot = k % packer.slots
+            packed = buf is None
+            if packed:
+                prev = slot_work[slot]
+                if prev is not None:  # the buffer is free once its last broadcast is done
+                    if cuda:
+                        with torch.cuda.stream(packer.stream):
+                            prev.wait()  # a stream wait: the host does not block
+                    else:
+                        t0 = time.perf_counter()
+                        watch.wait(prev.is_completed, f"broadcast (bucket {k + 1 - packer.slots}"
+                                   f"/{len(ctx.buckets)})")
+                        prev.wait()
+                        stats.wait_s += time.perf_counter() - t0
+                buf = packer.pack(slot, tensors, bucket.nbytes)
+            pack_end = _record(packer.stream) if cuda else None
+            self._post(ctx, k, bucket.metas, FLATTENED)
+            work = self._broadcast(buf, packer.stream)
+            wire.launched(work, pack_end)
+            if packed:
+                slot_work[slot] = work
+            works.append((work, buf))  # a direct view keeps its tensor alive until sent
+            stats.bytes += bucket.nbytes
+            stats.buckets += 1
+        self._finish(ctx, works)
+        packer.finish()
+        stats.pack_s += packer.pack_seconds()
+        stats.wire_s += wire.seconds(start_ev)
+
+    def _send_per_tensor(self, ctx: TransferContext) -> None:
+        """sglang's per-tensor mode: one request per bucket, one broadcast per tensor."""
+        src = iter(ctx.source.tensors())
+        works = []
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for k, bucket in enumerate(ctx.buckets):
+            tensors = bucket_tensors(src, bucket)
+            self._post(ctx, k, bucket.metas, None)
+            for t in tensors:
+                t = t.detach().to(self.device).contiguous()
+                works.append((self._broadcast(t, stream), t))
+            ctx.stats.bytes += bucket.nbytes
+            ctx.stats.buckets += 1
+        self._finish(ctx, works)
+
+    def _finish(self, ctx: TransferContext, works: list) -> None:
+        """Every broadcast done and every engine answered, or the first failure raised."""
+        t0 = time.perf_counter()
+        ctx.watch.wait(lambda: all(w.is_completed() for w, _ in works), "broadcast")
+        for w, _ in works:
+            w.wait()  # surfaces a collective's error (e.g. a peer that died)
+        ctx.watch.wait(lambda: all(c.future.done() for c in ctx.watch.calls),
+                       "update_weights_from_distributed")
+        ctx.watch.check()
+        ctx.stats.wait_s += time.perf_counter() - t0
+
+
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+class _WireClock:
+    """Broadcast time: on GPU from events on a side stream that waits on each broadcast."""
+
+    def __init__(self, timing_stream: torch.cuda.Stream | None):
+        self.stream = timing_stream
+        self.marks: list[tuple[torch.cuda.Event | None, torch.cuda.Event | None]] = []
+        self.cpu_start = time.perf_counter()
+
+    def launched(self, work, pack_end: torch.cuda.Event | None) -> None:
+        if self.stream is None:
+            return
+        with torch.cuda.stream(self.stream):
+            work.wait()
+            self.marks.append((pack_end, _record(self.stream)))
+
+    def seconds(self, start: torch.cuda.Event | None) -> float:
+        """Sum over buckets of done_k - max(ready_k, done_{k-1}): time the wire was busy."""
+        if self.stream is None or start is None:
+            return 0.0
+        self.stream.synchronize()
+        total, prev_done = 0.0, 0.0
+        for ready, done in self.marks:
+            d = start.elapsed_time(done)
+            r = start.elapsed_time(ready) if ready is not None else 0.0
+            total += max(0.0, d - max(r, prev_done))
+            prev_done = d
+        return total / 1e3

@@ -1,0 +1,43 @@
+"""First-attach handshake: what parameters an engine's model has, to check before sending.
+
+sglang has no endpoint listing parameter names, dtypes and shapes (`/weights_checker`
+names are the engine's internal, TP-sharded ones; `/get_weights_by_name` returns values,
+one tensor per call). What every engine does report is its checkpoint (`/model_info`
+`model_path`) and dtype (`/server_info` `dtype`). When this host can read that checkpoint's
+config.json and the architecture is one we implement (Llama, Qwen3, Qwen3-MoE, the same
+classes the reference engine serves), the expected HF names and shapes come from building
+the model on the meta device: exact, no weights read, no GPU touched. Otherwise the check is
+skipped with one warning naming the engine and why, and the sync still verifies metadata
+against what was registered at attach.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime_like.errors import ConfigError
+from slime_like.models.config import ModelConfig
+from slime_like.models.transformer import CausalLM, hf_named_parameters
+from slime_like.weights.buckets import TensorMeta, dtype_from_name
+from slime_like.weights.engines import EngineTarget
+
+
+def engine_model_metadata(engine: EngineTarget) -> tuple[list[TensorMeta] | None, str, str]:
+    """(expected metadata or None, model_path, why it is None) for one engine."""
+    path = str(engine.client.model_info().get("model_path") or "")
+    try:
+        config = ModelConfig.from_pretrained(path)
+    except ConfigError as e:
+        return None, path, str(e)
+    except OSError as e:
+        return None, path, f"cannot read {path}: {e}"
+    dtype_text = str(engine.server_info.get("dtype") or "auto")
+    dtype_text = {"half": "float16", "float": "float32"}.get(dtype_text, dtype_text)
+    try:
+        dtype = config.dtype if dtype_text == "auto" else dtype_from_name(dtype_text)
+    except ValueError as e:
+        return None, path, f"unknown engine dtype: {e}"
+    with torch.device("meta"):
+        model = CausalLM(config)
+    metas = [TensorMeta(n, dtype, tuple(prm.shape)) for n, prm in hf_named_parameters(model)]
+    return metas, path, ""

@@ -1,0 +1,104 @@
+"""Weight-update process groups, built exactly the way sglang builds them.
+
+A weight group joins the trainer (rank 0, the broadcast source and TCP store host) with
+every TP rank of every engine (`rank_offset + tp_rank`). Both sides must derive the same
+store keys, so the group is made the way sglang's `init_custom_process_group` makes it: a
+TCP rendezvous, the store wrapped in `PrefixStore(group_name)`, and a process group created
+outside the default group (neither side needs `init_process_group` to have run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import ipaddress
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+def tcp_init_method(host: str, port: int) -> str:
+    """`tcp://host:port`, with an IPv6 literal bracketed as torch's rendezvous requires."""
+    try:
+        if isinstance(ipaddress.ip_address(host.strip("[]")), ipaddress.IPv6Address):
+            host = f"[{host.strip('[]')}]"
+    except ValueError:
+        pass  # a host name
+    return f"tcp://{host}:{port}"
+
+
+def _helper_kwargs(pg_options, device_id) -> dict:
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    kwargs = {}
+    # torch renamed pg_options to backend_options in 2.6.
+    kwargs["backend_options" if "backend_options" in params else "pg_options"] = pg_options
+    if "device_id" in params:
+        kwargs["device_id"] = device_id
+    return kwargs
+
+
+def init_custom_process_group(
+    *,
+    backend: str,
+    init_method: str | None = None,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta | float | None = None,
+    pg_options=None,
+    device_id: torch.device | None = None,
+    store: dist.Store | None = None,
+) -> dist.ProcessGroup:
+    """Join (or, as rank 0, host) the weight group `group_name`; blocks until all ranks meet.
+
+    Give either `init_method` (`tcp://host:port`, as engines do) or a `store` the caller
+    already hosts (`host_store`), which lets rank 0 bind port 0 instead of guessing a port.
+    """
+    if not group_name:
+        raise ValueError("group_name must be a non-empty string")
+    if (store is None) == (init_method is None):
+        raise ValueError("give exactly one of init_method and store")
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=float(timeout))
+    timeout = timeout or c10d.default_pg_timeout
+    if store is None:
+        store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size,
+                                                       timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+        timeout=timeout, **_helper_kwargs(pg_options, device_id),
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def host_store(world_size: int, timeout: timedelta | float) -> dist.TCPStore:
+    """A TCPStore for rank 0 on a free port (read it back from `.port`), not waiting for peers."""
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=float(timeout))
+    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def abort_process_group(pg: dist.ProcessGroup | None) -> None:
+    """Abort a weight group's pending collectives (NCCL ones cannot be cancelled otherwise)."""
+    if pg is None:
+        return
+    with contextlib.suppress(Exception):
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            abort()
+        else:
+            c10d._abort_process_group(pg)
+
+
+def destroy_process_group(pg: dist.ProcessGroup | None) -> None:
+    """Tear a weight group down; a group that is already gone is not an error."""
+    if pg is None:
+        return
+    with contextlib.suppress(ValueError, RuntimeError, KeyError):
+        dist.destroy_process_group(pg)

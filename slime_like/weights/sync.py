@@ -1,0 +1,525 @@
+"""`WeightSync`: one API over every engine and transport, each update a transaction.
+
+The transaction (DESIGN.md §4), per `update()`:
+
+  check_metadata  names/dtypes/shapes vs what was registered and what each engine's model
+                  has; a mismatch raises before any engine is paused or any byte moves
+  attach          (re)build the weight group if the engine set changed or a sync failed
+  pause           every engine concurrently (`abort` | `retract` | `in_place`)
+  begin           `begin_weight_update` where the engine has it (sglang >= 0.5.21)
+  transfer        the transport's buckets; the last update carries `weight_version`
+  end             `end_weight_update`
+  flush           abort: always; in_place: never; retract: where the engine frees retracted
+                  requests' KV (sglang >= 0.5.23), else skipped with one warning; a refusal
+                  is reported, not fatal (the weights already landed)
+  verify          every engine's `/model_info` reports the new `weight_version`
+  continue        every engine that was paused, in a `finally`
+
+On failure: pending collectives are aborted, open sessions ended, every paused engine
+continued, engines that stopped answering are dropped (the next sync rebuilds the group for
+the living; `take_dropped()` hands them to recovery), and the `WeightSyncError` names the
+step and the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slime_like.errors import ConfigError, EngineError, WeightMetadataError, WeightSyncError
+from slime_like.weights.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
+from slime_like.weights.engines import EngineCalls, EngineTarget, on_all
+from slime_like.weights.handshake import engine_model_metadata
+from slime_like.weights.source import as_source, check_same_metadata
+from slime_like.weights.transfer import TransferStats, Watch
+from slime_like.weights.transport import TransferContext, Transport
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+TRANSPORTS = ("distributed", "tensor", "disk")
+LOAD_FORMATS = ("flattened_bucket", "per_tensor")
+DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
+
+
+@dataclass
+class WeightSyncConfig:
+    """Settings of a WeightSync; field names double as the flag/YAML names in errors."""
+
+    transport: str = "distributed"
+    pause_mode: str = "retract"
+    update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES
+    load_format: str = "flattened_bucket"
+    device: str | None = None          # where buckets are packed; default: cuda if available
+    backend: str | None = None         # weight-group backend; default nccl on cuda, else gloo
+    master_address: str | None = None  # this host as the engines reach it; default: probed
+    http_timeout_s: float = 300.0
+    group_timeout_s: float = 300.0
+    flush_cache: bool = True           # flush where the pause mode allows it
+    check_engine_metadata: bool = True
+    disk_dir: str | None = None        # disk transport: where checkpoints are written
+    model_dir: str | None = None       # disk transport: config/tokenizer files to copy along
+    liveness_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ConfigError:
+            return ConfigError(name, f"expected {expected}, got {getattr(self, name)!r}")
+
+        if self.transport not in TRANSPORTS:
+            raise bad("transport", f"one of {list(TRANSPORTS)}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise bad("pause_mode", f"one of {list(PAUSE_MODES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"one of {list(LOAD_FORMATS)}")
+        if int(self.update_weight_buffer_size) <= 0:
+            raise bad("update_weight_buffer_size", "a positive number of bytes")
+        for name in ("http_timeout_s", "group_timeout_s", "liveness_timeout_s"):
+            if float(getattr(self, name)) <= 0:
+                raise bad(name, "a positive number of seconds")
+        if self.transport == "disk" and not self.disk_dir:
+            raise ConfigError("disk_dir", "the disk transport needs a directory the engines can read")
+
+
+@dataclass
+class SyncReport:
+    """What one update did and where its time went."""
+
+    weight_version: str
+    transport: str
+    pause_mode: str
+    engines: list[str]
+    seconds: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+    transfer: dict = field(default_factory=dict)
+    flush: dict[str, str] = field(default_factory=dict)
+    in_flight_at_pause: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"weight_version": self.weight_version, "transport": self.transport,
+                "pause_mode": self.pause_mode, "engines": self.engines,
+                "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+                "total_s": round(self.total_s, 6), "transfer": self.transfer,
+                "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
+                "warnings": self.warnings}
+
+
+class _Steps:
+    """Times each named step and remembers which one is running (for error messages)."""
+
+    def __init__(self, report: SyncReport):
+        self.report = report
+        self.current = "check_metadata"
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.seconds[name] = self.report.seconds.get(name, 0.0) + (
+                time.perf_counter() - start)
+
+
+def _target(engine: EngineTarget | str | tuple[str, int] | Mapping) -> EngineTarget:
+    if isinstance(engine, EngineTarget):
+        return engine
+    if isinstance(engine, str):
+        return EngineTarget(engine)
+    if isinstance(engine, Mapping):
+        return EngineTarget(engine["url"], int(engine.get("tp_size", 1)))
+    url, tp = engine
+    return EngineTarget(url, int(tp))
+
+
+def _metadata_list(metadata: Any) -> list[TensorMeta]:
+    """TensorMetas from a list of them or from {name: (dtype, shape)} (get_model_metadata)."""
+    if isinstance(metadata, Mapping):
+        out = []
+        for name, (dtype, shape) in metadata.items():
+            dt = dtype if isinstance(dtype, torch.dtype) else dtype_from_name(str(dtype))
+            out.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
+        return out
+    return list(metadata)
+
+
+class WeightSync:
+    """Pushes weights from this process (trainer rank 0) into a set of engines."""
+
+    def __init__(self, engines: Sequence[EngineTarget | str | tuple[str, int]],
+                 config: WeightSyncConfig | None = None, **overrides: Any):
+        self.config = config or WeightSyncConfig(**overrides)
+        if config is not None and overrides:
+            raise TypeError("pass either a WeightSyncConfig or keyword settings, not both")
+        self.engines: list[EngineTarget] = [_target(e) for e in engines]
+        urls = [e.url for e in self.engines]
+        if len(set(urls)) != len(urls):
+            raise ConfigError("engines", f"an engine is listed twice: {urls}")
+        for e in self.engines:
+            e.client.timeout = self.config.http_timeout_s
+        self.dropped: list[EngineTarget] = []
+        self.transport: Transport | None = None
+        self.weight_version: str | None = None
+        self.last_report: SyncReport | None = None
+        self._registered: list[TensorMeta] | None = None
+        self._verified: tuple | None = None
+        self._engine_meta: dict[tuple[str, str], list[TensorMeta] | None] = {}
+        self._probed: set[str] = set()
+        self._plan: tuple[tuple, list[Bucket]] | None = None
+        self._calls: EngineCalls | None = None
+        self._calls_for: tuple = ()
+        self._counter = 0
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        if self.config.device:
+            return torch.device(self.config.device)
+        if torch.cuda.is_available() and self.config.backend != "gloo":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            cfg = self.config
+            if cfg.transport == "distributed":
+                from slime_like.weights.distributed import DistributedTransport
+
+                self.transport = DistributedTransport(
+                    device=self._device(), bucket_bytes=int(cfg.update_weight_buffer_size),
+                    load_format=cfg.load_format, backend=cfg.backend,
+                    master_address=cfg.master_address, group_timeout_s=cfg.group_timeout_s)
+            elif cfg.transport == "tensor":
+                from slime_like.weights.colocated import TensorTransport
+
+                self.transport = TensorTransport(device=self._device(),
+                                                 bucket_bytes=int(cfg.update_weight_buffer_size))
+            else:
+                from slime_like.weights.disk import DiskTransport
+
+                self.transport = DiskTransport(directory=cfg.disk_dir, model_dir=cfg.model_dir)
+        return self.transport
+
+    def _engine_calls(self) -> EngineCalls:
+        key = tuple(e.url for e in self.engines)
+        if self._calls is None or self._calls_for != key:
+            if self._calls is not None:
+                self._calls.close()
+            self._calls, self._calls_for = EngineCalls(self.engines), key
+        return self._calls
+
+    def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
+        if report is not None:
+            report.warnings.append(message)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def attach(self, weights: Any = None, *, metadata: Any = None) -> None:
+        """Register what every sync will send and connect to the engines (builds the group).
+
+        Optional: the first `update()` attaches by itself. Give the model (or named
+        tensors), or only its `metadata` ({name: (dtype, shape)} or TensorMetas).
+        """
+        with self._lock:
+            if weights is not None:
+                metadata = as_source(weights).metadata()
+            if metadata is not None:
+                self._registered = _metadata_list(metadata)
+            if self._registered is None:
+                raise WeightMetadataError("attach needs the model or its metadata")
+            self._connect(self._registered)
+
+    def _connect(self, metas: list[TensorMeta]) -> None:
+        """Probe new engines, check metadata against their models, build the group."""
+        if not self.engines:
+            raise WeightSyncError("attach", "no engines left to sync (all were dropped: "
+                                  f"{[e.url for e in self.dropped]})")
+        fresh = [e for e in self.engines if e.url not in self._probed]
+        if fresh:
+            on_all(fresh, "attach (GET /server_info)", lambda e: e.probe())
+            self._probed.update(e.url for e in fresh)
+        key = (tuple(metas), tuple(e.url for e in self.engines))
+        if self.config.check_engine_metadata and (self._verified != key
+                                                  or self.config.transport == "disk"):
+            on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
+            self._verified = key
+        self._transport().attach(self.engines, self._engine_calls())
+
+    def _check_engine(self, engine: EngineTarget, metas: list[TensorMeta]) -> None:
+        path = str(engine.client.model_info().get("model_path") or "")
+        cache_key = (engine.url, path)
+        if cache_key not in self._engine_meta:
+            expected, path, why = engine_model_metadata(engine)
+            self._engine_meta[cache_key] = expected
+            if expected is None:
+                self._warn_once(f"meta:{engine.url}", f"cannot check parameter names/shapes "
+                                f"against engine {engine.url}'s model: {why}")
+        expected = self._engine_meta[cache_key]
+        if expected is not None:
+            check_same_metadata(expected, metas, where="the trainer's weights",
+                                against=f"engine {engine.url}'s model ({path})", subset=True,
+                                engine=engine.url)
+
+    def _buckets(self, metas: list[TensorMeta]) -> list[Bucket]:
+        key = tuple(metas)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
+        return self._plan[1]
+
+    # ---- engines coming and going ---------------------------------------------------------------
+
+    def add_engine(self, engine: EngineTarget | str | tuple[str, int]) -> None:
+        """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
+        with self._lock:
+            target = _target(engine)
+            target.client.timeout = self.config.http_timeout_s
+            if any(e.url == target.url for e in self.engines):
+                raise ConfigError("engines", f"engine {target.url} is already synced")
+            self.dropped = [e for e in self.dropped if e.url != target.url]
+            self._probed.discard(target.url)
+            self.engines.append(target)
+
+    def remove_engine(self, url: str) -> None:
+        with self._lock:
+            self.engines = [e for e in self.engines if e.url != url.rstrip("/")]
+
+    def take_dropped(self) -> list[str]:
+        """URLs of engines dropped after they stopped answering (for recovery), once each."""
+        with self._lock:
+            out, self.dropped = [e.url for e in self.dropped], []
+            return out
+
+    # ---- the transaction ------------------------------------------------------------------------
+
+    def update(self, weights: Any, weight_version: str | None = None) -> SyncReport:
+        """Push `weights` (a model, named tensors or a WeightSource) into every engine."""
+        with self._lock:
+            return self._update(weights, weight_version)
+
+    def _update(self, weights: Any, weight_version: str | None) -> SyncReport:
+        cfg = self.config
+        version = weight_version or str(self._counter + 1)
+        report = SyncReport(version, cfg.transport, cfg.pause_mode, [e.url for e in self.engines])
+        steps = _Steps(report)
+        start = time.perf_counter()
+        source = as_source(weights)
+        with steps("check_metadata"):
+            metas = source.metadata()
+            if not metas:
+                raise WeightMetadataError("nothing to sync: the weights have no tensors")
+            if self._registered is None:
+                self._registered = metas
+            check_same_metadata(self._registered, metas)
+        with steps("attach"):
+            self._connect(metas)
+        buckets = self._buckets(metas)
+        engines = list(self.engines)
+        calls = self._engine_calls()
+        paused: list[EngineTarget] = []
+        begun: list[EngineTarget] = []
+        failure: BaseException | None = None
+        try:
+            with steps("pause"):
+                self._pause(engines, paused, report)
+            with steps("begin"):
+                begun = self._begin(engines)
+            with steps("transfer"):
+                stats = TransferStats()
+                self._transport().transfer(TransferContext(
+                    engines=engines, buckets=buckets, source=source, weight_version=version,
+                    watch=Watch(cfg.http_timeout_s), calls=calls, stats=stats,
+                    http_timeout_s=cfg.http_timeout_s))
+                report.transfer = stats.as_dict()
+            with steps("end"):
+                on_all(begun, "end_weight_update", lambda e: e.client.end_weight_update())
+                begun = []
+            with steps("flush"):
+                self._flush(engines, report)
+            with steps("verify"):
+                on_all(engines, "verify_weight_version", lambda e: self._verify(e, version))
+        except BaseException as e:
+            failure = e
+            raise self._failed(e, steps.current, begun) from e
+        finally:
+            with steps("continue"):
+                problems = self._continue(paused)
+            if problems and failure is None:
+                raise WeightSyncError("continue_generation", "; ".join(
+                    f"{url}: {msg}" for url, msg in problems), problems[0][0])
+            if problems:
+                log.error("after a failed sync, continue_generation also failed: %s", problems)
+        self._counter += 1
+        self.weight_version = version
+        report.total_s = time.perf_counter() - start
+        self.last_report = report
+        return report
+
+    def _pause(self, engines: list[EngineTarget], paused: list[EngineTarget],
+               report: SyncReport) -> None:
+        mode = self.config.pause_mode
+
+        def pause(engine: EngineTarget) -> None:
+            if mode == "abort":  # how many requests the pause is about to abort
+                with contextlib.suppress(EngineError, KeyError, TypeError):
+                    loads = engine.client.loads().get("loads") or []
+                    report.in_flight_at_pause[engine.url] = sum(
+                        int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
+                        for x in loads)
+            paused.append(engine)  # even a pause that times out may have paused it
+            engine.client.pause_generation(mode, timeout=self.config.http_timeout_s)
+
+        on_all(engines, "pause_generation", pause)
+
+    def _begin(self, engines: list[EngineTarget]) -> list[EngineTarget]:
+        if not self._transport().gated:
+            return []
+        begun: list[EngineTarget] = []
+        lock = threading.Lock()
+
+        def begin(engine: EngineTarget) -> None:
+            if not engine.has_begin_end:
+                return
+            try:
+                engine.client.begin_weight_update()
+            except EngineError as e:
+                if e.status == 404:  # an engine without sessions (sglang < 0.5.21)
+                    engine.version = engine.version or (0, 5, 20)
+                    return
+                if e.status == 400 and "already open" in e.body:
+                    # left open by an earlier failed sync whose end did not get through
+                    engine.client.end_weight_update()
+                    engine.client.begin_weight_update()
+                else:
+                    raise
+            with lock:
+                begun.append(engine)
+
+        try:
+            on_all(engines, "begin_weight_update", begin)
+        except BaseException:
+            self._end_quietly(begun)
+            raise
+        return begun
+
+    def _flush(self, engines: list[EngineTarget], report: SyncReport) -> None:
+        mode = self.config.pause_mode
+
+        def flush(engine: EngineTarget) -> None:
+            if not self.config.flush_cache:
+                report.flush[engine.url] = "skipped: flush_cache is off"
+                return
+            if mode == "in_place":
+                report.flush[engine.url] = "skipped: in_place keeps the KV cache by design"
+                return
+            if mode == "retract" and not engine.flushes_after_retract:
+                msg = (f"engine {engine.url} (sglang {engine.server_info.get('version')}) keeps "
+                       "retracted requests' KV, so its prefix cache is not flushed after a "
+                       "retract-mode sync; stale prefixes may be reused until it is flushed")
+                self._warn_once(f"flush:{engine.url}", msg, report)
+                report.flush[engine.url] = "skipped: engine keeps retracted KV"
+                return
+            try:
+                ok = engine.client.flush_cache()
+            except EngineError as e:
+                ok, report.flush[engine.url] = False, f"refused: {e}"
+            if ok:
+                report.flush[engine.url] = "flushed"
+            else:
+                report.flush.setdefault(engine.url, "refused: the engine was not idle")
+                report.warnings.append(f"engine {engine.url} refused the cache flush after the "
+                                       "new weights landed; its prefix cache may be stale")
+
+        on_all(engines, "flush_cache", flush)
+
+    @staticmethod
+    def _verify(engine: EngineTarget, version: str) -> None:
+        got = engine.client.weight_version()
+        if got != version:
+            raise WeightSyncError("verify_weight_version",
+                                  f"engine reports weight_version {got!r}, expected {version!r}",
+                                  engine.url)
+
+    def _continue(self, paused: list[EngineTarget]) -> list[tuple[str, str]]:
+        """continue_generation on every paused engine; [(url, problem)] for those it failed on."""
+        problems: list[tuple[str, str]] = []
+        lock = threading.Lock()
+
+        def resume(engine: EngineTarget) -> None:
+            try:
+                engine.client.continue_generation()
+            except Exception as e:  # noqa: BLE001 - collected and reported by the caller
+                with lock:
+                    problems.append((engine.url, str(e)))
+
+        if paused:
+            on_all(paused, "continue_generation", resume)
+        return problems
+
+    def _end_quietly(self, engines: list[EngineTarget]) -> None:
+        def end(engine: EngineTarget) -> None:
+            with contextlib.suppress(Exception):
+                engine.client.request("POST", "/end_weight_update", body={}, admin=True,
+                                      timeout=min(30.0, self.config.http_timeout_s))
+        if engines:
+            with contextlib.suppress(WeightSyncError):
+                on_all(engines, "end_weight_update", end)
+
+    def _failed(self, exc: BaseException, step: str, begun: list[EngineTarget]) -> WeightSyncError:
+        """Clean up after a failed step; the error names the step and an engine."""
+        if self.transport is not None:
+            self.transport.failed()
+        self._end_quietly(begun)
+        dead = self._drop_dead()
+        if isinstance(exc, WeightSyncError):
+            err = exc
+        else:
+            err = WeightSyncError(step, f"{type(exc).__name__}: {exc}", dead[0] if dead else None)
+        if dead:
+            err.args = (f"{err.args[0]}; dropped engines that stopped answering: "
+                        f"{', '.join(dead)} (the next sync rebuilds the group without them)",)
+        return err
+
+    def _drop_dead(self) -> list[str]:
+        def alive(engine: EngineTarget) -> bool:
+            return engine.client.ping(timeout=self.config.liveness_timeout_s)
+
+        if not self.engines:
+            return []
+        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="liveness") as pool:
+            states = list(pool.map(alive, self.engines))
+        dead = [e for e, ok in zip(self.engines, states, strict=True) if not ok]
+        if dead:
+            self.engines = [e for e in self.engines if e not in dead]
+            self.dropped += dead
+            log.error("dropped engines that stopped answering: %s", [e.url for e in dead])
+        return [e.url for e in dead]
+
+    # ---- teardown ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroy weight groups on the engines and release buffers."""
+        with self._lock:
+            if self.transport is not None:
+                self.transport.close(self.engines)
+                self.transport = None
+            if self._calls is not None:
+                self._calls.close()
+                self._calls = None
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,251 @@
+"""Shared machinery of the transports: packing buckets, and waiting with a deadline.
+
+Packing uses two rotating flat buffers: bucket k+1 is packed while bucket k is still in
+use (on the wire, or being read by a colocated engine). On GPU packing runs on its own
+CUDA stream, so it overlaps the NCCL broadcast of the previous bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from slime_like.errors import EngineError, WeightMetadataError, WeightSyncError
+from slime_like.weights.buckets import Bucket, TensorMeta
+from slime_like.weights.engines import EngineTarget, describe
+
+
+@dataclass
+class TransferStats:
+    """Where the transfer's time went (seconds); filled by the transports."""
+
+    bytes: int = 0
+    buckets: int = 0
+    pack_s: float = 0.0      # trainer-side packing (GPU: measured by CUDA events)
+    wire_s: float = 0.0      # broadcast time as seen by the trainer
+    http_s: float = 0.0      # summed engine request latency (receive + load + HTTP)
+    wait_s: float = 0.0      # host time blocked on buffers or engines
+    per_engine_http_s: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_http(self, url: str, seconds: float) -> None:
+        with self._lock:
+            self.http_s += seconds
+            self.per_engine_http_s[url] = self.per_engine_http_s.get(url, 0.0) + seconds
+
+    def as_dict(self) -> dict:
+        return {"bytes": self.bytes, "buckets": self.buckets, "pack_s": round(self.pack_s, 6),
+                "wire_s": round(self.wire_s, 6), "http_s": round(self.http_s, 6),
+                "wait_s": round(self.wait_s, 6),
+                "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
+
+
+def bucket_tensors(stream: Iterator[tuple[str, torch.Tensor]], bucket: Bucket,
+                   ) -> list[torch.Tensor]:
+    """Pull the bucket's tensors from the source (parameter order) into layout order."""
+    got: dict[str, torch.Tensor] = {}
+    for _ in bucket.metas:
+        try:
+            name, tensor = next(stream)
+        except StopIteration:
+            raise WeightMetadataError(f"the weight source ended before {bucket.names[-1]!r}; "
+                                      "it yields fewer tensors than its metadata lists") from None
+        got[name] = tensor
+    out = []
+    for m in bucket.metas:
+        t = got.get(m.name)
+        if t is None:
+            raise WeightMetadataError(f"the weight source yielded {sorted(got)} where its "
+                                      f"metadata promised {m.name!r}: tensors out of order")
+        if t.dtype != m.dtype or tuple(t.shape) != m.shape:
+            raise WeightMetadataError(f"{m.name!r} is {t.dtype}{list(t.shape)} but its metadata "
+                                      f"said {m.dtype}{list(m.shape)}")
+        out.append(t)
+    return out
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a 1-D uint8 tensor (a view when contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """A one-tensor bucket already on `device` and contiguous goes out of its own storage."""
+    if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
+        return flat_bytes(tensors[0])
+    return None
+
+
+class BucketPacker:
+    """Rotating flat uint8 buffers on one device, reused across buckets and syncs."""
+
+    def __init__(self, device: torch.device, capacity: int, slots: int = 2,
+                 cpu_share: bool = False):
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.cpu_share = cpu_share and self.device.type == "cpu"
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self.is_cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.cpu_pack_s = 0.0
+
+    @property
+    def slots(self) -> int:
+        return len(self._buffers)
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.capacity), dtype=torch.uint8, device=self.device)
+            if self.cpu_share:
+                # Move into named shared memory once; later packs write into it in place.
+                buf.untyped_storage()._share_filename_cpu_()
+            self._buffers[slot] = buf
+        return buf
+
+    def begin(self) -> None:
+        """Order packing after the trainer's pending work (e.g. its last optimizer step)."""
+        self._events.clear()
+        self.cpu_pack_s = 0.0
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def pack(self, slot: int, tensors: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor:
+        """Copy tensors (layout order) into slot's buffer; returns the used uint8 prefix."""
+        dst = self._buffer(slot, nbytes)[:nbytes]
+        flat = [flat_bytes(t) for t in tensors]
+        if self.stream is None:
+            start = time.perf_counter()
+            _copy_into(dst, flat)
+            self.cpu_pack_s += time.perf_counter() - start
+            return dst
+        with torch.cuda.stream(self.stream):
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            _copy_into(dst, flat)
+            ev1.record()
+            self._events.append((ev0, ev1))
+        return dst
+
+    def pack_seconds(self) -> float:
+        """Total packing time of this sync (synchronizes the GPU events it reads)."""
+        if self.stream is None:
+            return self.cpu_pack_s
+        return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+
+    def finish(self) -> None:
+        """Later work on the trainer's stream (which may change parameters) waits for packing."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def release(self) -> None:
+        self._buffers = [None] * len(self._buffers)
+
+
+def _copy_into(dst: torch.Tensor, flat: list[torch.Tensor]) -> None:
+    if all(f.device == dst.device for f in flat):
+        torch.cat(flat, out=dst)  # one kernel for the whole bucket
+        return
+    offset = 0
+    for f in flat:
+        dst[offset:offset + f.numel()].copy_(f, non_blocking=True)
+        offset += f.numel()
+
+
+@dataclass
+class EngineCall:
+    """An HTTP call in flight to one engine, for one step of the transfer."""
+
+    engine: EngineTarget
+    step: str
+    future: Future
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Watch:
+    """Waits that give up at a deadline, or as soon as any watched engine call fails.
+
+    This is what keeps the trainer out of a collective its peers never joined: an engine
+    that answers 400 before joining a broadcast fails its HTTP call, and the wait on the
+    broadcast sees that at once instead of sitting out the group timeout.
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.calls: list[EngineCall] = []
+
+    def add(self, call: EngineCall) -> EngineCall:
+        self.calls.append(call)
+        return call
+
+    def check(self) -> None:
+        """Raise the first failed engine call (naming engine and step)."""
+        pending = []
+        for call in self.calls:
+            if not call.future.done():
+                pending.append(call)
+                continue
+            exc = call.future.exception()
+            if exc is not None:
+                raise call_error(call, exc)
+        self.calls = pending
+
+    def wait(self, done: Callable[[], bool], what: str, poll_s: float = 2e-4) -> None:
+        """Spin until done() (or an engine call fails, or the deadline passes)."""
+        while not done():
+            self.check()
+            if time.monotonic() > self.deadline:
+                slow = sorted({c.engine.url for c in self.calls if not c.future.done()})
+                raise WeightSyncError(
+                    what, f"not finished after {self.timeout_s:.0f}s"
+                    + (f"; engines still busy: {', '.join(slow)}" if slow else ""),
+                    slow[0] if slow else None)
+            time.sleep(poll_s)
+
+    def wait_calls(self, calls: Sequence[EngineCall], stats: TransferStats | None = None) -> list:
+        """Results of engine calls, failing fast on the first error among all watched."""
+        self.wait(lambda: all(c.future.done() for c in calls), calls[0].step if calls else "")
+        self.check()
+        results = []
+        for c in calls:
+            results.append(c.future.result())
+        return results
+
+
+def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:
+    if isinstance(exc, WeightSyncError):
+        return exc
+    err = WeightSyncError(call.step, describe(exc), call.engine.url)
+    err.__cause__ = exc
+    return err
+
+
+def timed(fn: Callable, stats: TransferStats, url: str) -> Callable:
+    """Wrap an engine call so its latency lands in the stats."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stats.add_http(url, time.perf_counter() - start)
+    return run
+
+
+def metas_body(metas: Sequence[TensorMeta]) -> dict:
+    """names / dtypes / shapes as sglang's update requests spell them."""
+    from slime_like.weights.buckets import dtype_name
+
+    return {"names": [m.name for m in metas], "dtypes": [dtype_name(m.dtype) for m in metas],
+            "shapes": [list(m.shape) for m in metas]}
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """An engine answered (4xx/5xx), as opposed to not answering at all."""
+    return isinstance(exc, EngineError) and exc.status is not None

@@ -1,0 +1,118 @@
+"""Tensor-transport payloads both ways against sglang's own MultiprocessingSerializer."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from slime_like.errors import UnsafePayloadError
+from slime_like.weights import serialization
+from slime_like.weights.buckets import FlattenedTensorMetadata, flatten, unflatten
+
+pytestmark = pytest.mark.sglang
+
+
+def mixed_named_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        ("model.embed_tokens.weight", torch.arange(11, dtype=torch.int64)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(3, 7, generator=g)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(13, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(5, generator=g).to(torch.float16)),
+    ]
+
+
+def test_our_allowlist_is_exactly_sglangs(import_sglang):
+    sglang_allowed = import_sglang("sglang.srt.utils.common").SafeUnpickler.ALLOWED_GLOBALS
+    resolvable = {(m, n) for m, n in sglang_allowed
+                  if not (m == "torch" and n.startswith("bcomplex") and not hasattr(torch, n))}
+    ours = serialization.ALLOWED_GLOBALS | set(serialization.MAPPED_GLOBALS)
+    refused = set(serialization.NOT_WEIGHT_PAYLOAD)
+    assert resolvable - ours - refused == set(), "sglang allows globals we would refuse"
+    # The one extra is torch's storage loader, which both sides replace by a weights-only load.
+    assert ours - set(sglang_allowed) == {("torch.storage", "_load_from_bytes")}
+
+
+def test_sglang_accepts_our_flattened_bucket_payload_in_another_process(import_sglang):
+    import_sglang("sglang.srt.utils.common")
+    named = mixed_named_tensors()
+    buf, meta = flatten(named)
+    payload = serialization.serialize({"flattened_tensor": buf, "metadata": meta})
+    code = """
+        import json, sys
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        obj = MultiprocessingSerializer.deserialize(sys.stdin.read())
+        bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"],
+                                       metadata=obj["metadata"])
+        print(json.dumps({
+            "classes": sorted({type(m).__module__ + "." + type(m).__name__
+                               for m in obj["metadata"]}),
+            "tensors": [[n, str(t.dtype), list(t.shape), t.float().flatten().tolist()]
+                        for n, t in bucket.reconstruct_tensors()]}))
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], input=payload,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["classes"] == ["sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata"]
+    for (name, t), (name2, dtype, shape, values) in zip(named, out["tensors"], strict=True):
+        assert (name2, dtype, shape) == (name, str(t.dtype), list(t.shape))
+        assert torch.equal(torch.tensor(values), t.float().flatten())
+
+
+def test_we_accept_sglangs_flattened_bucket_payload_from_another_process(import_sglang):
+    import_sglang("sglang.srt.utils.common")
+    code = """
+        import json, sys, torch, torch.multiprocessing
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        # CPU tensors between unrelated processes: by shm file name (fds need a shared authkey).
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        named = json.loads(sys.stdin.readline())
+        tensors = [(n, torch.tensor(v, dtype=getattr(torch, d))) for n, d, v in named]
+        b = FlattenedTensorBucket(named_tensors=tensors)
+        print(MultiprocessingSerializer.serialize(
+            {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()},
+            output_str=True), flush=True)
+        sys.stdin.read()  # keep the tensors alive until the receiver is done
+    """
+    named = mixed_named_tensors()
+    spec = [[n, str(t.dtype).removeprefix("torch."), t.tolist()] for n, t in named]
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write(json.dumps(spec) + "\n")
+        proc.stdin.flush()
+        payload = proc.stdout.readline().strip()
+        assert payload, proc.stderr.read()[-3000:]
+        obj = serialization.deserialize(payload)
+        assert all(isinstance(m, FlattenedTensorMetadata) for m in obj["metadata"])
+        got = unflatten(obj["flattened_tensor"], obj["metadata"])
+        for (name, t), (name2, t2) in zip(named, got, strict=True):
+            assert name == name2 and t2.dtype == t.dtype and torch.equal(t2, t)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_sglang_blocks_what_we_block(import_sglang):
+    common = import_sglang("sglang.srt.utils.common")
+    data = base64.b64encode(pickle.dumps(_RunsCode())).decode()
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        common.MultiprocessingSerializer.deserialize(data)
+    with pytest.raises(UnsafePayloadError, match="Blocked unsafe global"):
+        serialization.deserialize(data)
