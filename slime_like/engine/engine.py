@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from slime_like.engine import protocol as p
 from slime_like.engine.client import EngineClient
+from slime_like.engine.compat import EngineFeatures
 from slime_like.engine.launch import (
     compose_server_args,
     forced_server_args,
@@ -115,6 +116,7 @@ class Engine:
         self._client: EngineClient | None = None
         self._pause_mode: str | None = None
         self._weight_groups: list[str] = []
+        self.features: EngineFeatures | None = None  # read from /server_info once serving
 
     # ---- addresses -------------------------------------------------------------------------
 
@@ -253,6 +255,7 @@ class Engine:
                                   self.process.log_tail()) from e
             raise LaunchError(f"{self.config.label}: healthy but cannot generate: {e}",
                               self.process.log_tail()) from e
+        self.features = EngineFeatures.from_server_info(client.server_info())
 
     def register(self, router_url: str, *, api_key: str | None = None, timeout: float = 60.0) -> str | None:
         """Add this engine to the router (node 0, not encoders) and wait until it is listed healthy."""
@@ -463,4 +466,5 @@ class Engine:
                 "bootstrap_port": self.bootstrap_port, "dist_init_addr": self.dist_init_addr,
                 "server_pid": self.server_pid(), "worker_type": self.config.worker_type,
                 "node_rank": self.config.node_rank, "warnings": list(self.warnings),
+                "sglang_version": ".".join(map(str, self.features.version)) if self.features else None,
                 "log_path": str(self.process.log_path) if self.process else None}

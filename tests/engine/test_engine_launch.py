@@ -12,10 +12,7 @@ from slime_like.engine.launch import server_url
 from slime_like.engine.ports import PortReservation, reserve_ports
 from slime_like.errors import ConfigError, LaunchError
 from slime_like.router.router import Router
-from tests.engine.engine_helpers import reference_engine_missing, wait_gone
-
-needs_engine = pytest.mark.skipif(reference_engine_missing() is not None,
-                                  reason=str(reference_engine_missing()))
+from tests.engine.engine_helpers import wait_gone
 
 
 @pytest.fixture
@@ -80,7 +77,6 @@ def test_node_0_reserves_the_dist_init_block_on_its_own_node():
 
 # ---- reference engines ---------------------------------------------------------------------
 
-@needs_engine
 def test_taken_ports_do_not_break_launch(engines, reference_config):
     # Squat on every other port of a small range; the engine needs two free ones.
     with reserve_ports(1, consecutive=8) as block:
@@ -131,7 +127,6 @@ def _racing_reserve(losses: int):
     return reserve, calls
 
 
-@needs_engine
 def test_a_port_lost_before_the_server_binds_it_is_retried_with_new_ports(engines, reference_config):
     reserve, calls = _racing_reserve(losses=1)
     try:
@@ -147,7 +142,6 @@ def test_a_port_lost_before_the_server_binds_it_is_retried_with_new_ports(engine
         _LosesTheRace.squatters.clear()
 
 
-@needs_engine
 def test_losing_the_port_race_every_time_is_a_bounded_launch_error(engines, reference_config):
     reserve, calls = _racing_reserve(losses=99)
     try:
@@ -161,7 +155,6 @@ def test_losing_the_port_race_every_time_is_a_bounded_launch_error(engines, refe
         _LosesTheRace.squatters.clear()
 
 
-@needs_engine
 def test_external_engine_attaches_when_its_server_info_matches(engines, reference_config, router,
                                                               tiny_model_dir):
     owned = engines(Engine(reference_config()))
@@ -179,7 +172,6 @@ def test_external_engine_attaches_when_its_server_info_matches(engines, referenc
         ext.simulate_crash()
 
 
-@needs_engine
 def test_external_engine_that_does_not_match_is_refused_naming_each_field(engines, reference_config,
                                                                          router):
     owned = engines(Engine(reference_config()))
@@ -196,7 +188,6 @@ def test_external_engine_that_does_not_match_is_refused_naming_each_field(engine
     assert owned.is_alive()
 
 
-@needs_engine
 def test_prefill_and_decode_engines_register_with_a_pd_router(engines, reference_config, tmp_path):
     with Router(host="127.0.0.1", pd_disaggregation=True, log_dir=tmp_path / "pd") as pd:
         prefill = engines(Engine(reference_config(worker_type="prefill", engine_rank=0)))
