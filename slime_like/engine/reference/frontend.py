@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -218,17 +219,30 @@ class Frontend:
     # ---- health ----------------------------------------------------------------------------
 
     async def health_generate(self) -> bool:
-        """One greedy token through the normal path (so it waits at the pause gate, as sglang)."""
+        """sglang's probe: one greedy token through the normal path (so it waits at the pause
+        gate); any forward step the scheduler finishes meanwhile counts as healthy too, so a
+        busy engine with every slot taken still answers at once."""
         timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
         job = self.parse({"input_ids": [0], "rid": f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
                           "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
                          internal=True)
         job.log_metrics = False
+        started = time.monotonic()
+        task = asyncio.create_task(self.generate(job))
         try:
-            await asyncio.wait_for(self.generate(job), timeout)
-            return True
-        except (TimeoutError, asyncio.TimeoutError, EngineUnavailable):
-            return False
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.05)
+                if done:
+                    return task.exception() is None
+                if not self.paused and self.scheduler.last_step_at > started:
+                    return True
+                if time.monotonic() - started > timeout:
+                    return False
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     async def warmup(self) -> None:
         """sglang's warm-up request; the server reports ready only after it succeeded."""

@@ -116,6 +116,7 @@ class Scheduler:
         self.paused_mode: str | None = None  # "retract" | "in_place" while the engine is paused
         self.weights_ready = True  # False between a weights release and the next update
         self.forward_steps = 0
+        self.last_step_at = 0.0  # time.monotonic() at the end of the last forward step
         self.last_step_tokens_per_s = 0.0
         self._shared_gen = make_generator(seed, self.device)
         self._cmds: list[Callable[[], None]] = []
@@ -331,6 +332,7 @@ class Scheduler:
             n_tokens = len(decoding)
         self.running = [r for r in self.running if r.finish is None]
         self.forward_steps += 1
+        self.last_step_at = time.monotonic()
         dt = time.perf_counter() - t0
         if n_tokens:
             self.last_step_tokens_per_s = n_tokens / dt

@@ -117,7 +117,8 @@ def test_flush_is_refused_while_busy_and_waits_with_timeout(resumed, pool):
     assert r.status_code == 400 and r.text == "Timed out waiting for idle state."
     r = engine.post("/flush_cache?timeout=30")
     assert r.status_code == 200 and r.text.startswith("Cache flushed.")
-    assert futs[0].done() and futs[0].result().json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert _loads(engine)["num_running_reqs"] == 0  # the deferred flush waited for the request
+    assert futs[0].result(timeout=10).json()["meta_info"]["finish_reason"]["type"] == "length"
     assert engine.get("/flush_cache").status_code == 200  # GET works too, as in sglang
 
 
