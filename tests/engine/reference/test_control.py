@@ -171,3 +171,16 @@ def test_abort_of_a_request_held_at_the_pause_gate_answers_it_at_once(resumed, p
     meta = fut.result(timeout=10).json()["meta_info"]
     assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
     assert meta["completion_tokens"] == 0
+
+
+def test_health_answers_at_once_while_every_slot_is_busy(resumed, pool):
+    engine = resumed  # 16 slots
+    with cf.ThreadPoolExecutor(16) as many:
+        futs = [many.submit(engine.generate, {"text": f"busy {i}", "sampling_params": {
+            "max_new_tokens": 800, "ignore_eos": True}}) for i in range(16)]
+        _wait_running(engine, 16)
+        t0 = time.monotonic()
+        assert engine.get("/health").status_code == 200
+        assert time.monotonic() - t0 < 1.5
+        engine.post("/abort_request", {"abort_all": True})
+        assert all(f.result(timeout=30).status_code == 200 for f in futs)
