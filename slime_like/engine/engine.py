@@ -364,7 +364,7 @@ class Engine:
             time.sleep(interval)
         raise EngineError(self.client.url, "/flush_cache", 400,
                           f"engine still busy after {attempts} attempts over "
-                          f"{attempts * interval:.0f}s", reason="busy")
+                          f"{attempts * interval:.1f}s", reason="busy")
 
     @_node0
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
