@@ -23,7 +23,7 @@ import ray
 
 from slime_like.cluster.layout import layout_from_args
 from slime_like.cluster.placement import place_job
-from slime_like.errors import SlimeLikeError, WeightSyncError
+from slime_like.errors import SlimeLikeError
 from slime_like.models.tiny import make_tiny_model
 from slime_like.report import RunReport
 from slime_like.rollout.generate import Sample
@@ -83,7 +83,7 @@ def sync_weights(rollout: RolloutManager, trainer: TrainerGroup) -> dict:
     try:
         try:
             report = trainer.sync_weights()
-        except (WeightSyncError, ray.exceptions.RayTaskError) as e:
+        except Exception as e:  # noqa: BLE001 - WeightSyncError, possibly wrapped by Ray
             logger.warning("weight sync failed (%s); retrying for the living engines", e)
             report = trainer.sync_weights()
     finally:
@@ -110,14 +110,13 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     return worst
 
 
-def _crash_later(rollout: RolloutManager, delay_s: float) -> threading.Thread:
-    def crash() -> None:
-        time.sleep(delay_s)
-        rollout.simulate_crash(0)
-
-    t = threading.Thread(target=crash, name="simulated-crash", daemon=True)
-    t.start()
-    return t
+def crash_midway(rollout: RolloutManager, total: int):
+    """An `on_sample` hook that kills engine 0 once a quarter of the samples are back."""
+    def on_sample(done: int) -> None:
+        if done == max(1, total // 4):
+            threading.Thread(target=rollout.simulate_crash, args=(0,), name="simulated-crash",
+                             daemon=True).start()
+    return on_sample
 
 
 def train(args: argparse.Namespace) -> int:
@@ -148,9 +147,9 @@ def train(args: argparse.Namespace) -> int:
         for step in range(args.num_rollout or 10):
             t0 = time.time()
             prompts = task.sample_prompts(args.rollout_batch_size or 8)
-            if step == args.simulate_engine_crash_at:
-                _crash_later(rollout, delay_s=0.2)
-            samples = rollout.generate([p.input_ids for p in prompts], n, sampling)
+            hook = (crash_midway(rollout, len(prompts) * n)
+                    if step == args.simulate_engine_crash_at else None)
+            samples = rollout.generate([p.input_ids for p in prompts], n, sampling, hook)
             rollout_s = time.time() - t0
             rewards = [task.reward(prompts[s.prompt_index], s.output_ids) for s in samples]
             advantages = group_advantages(rewards, n)

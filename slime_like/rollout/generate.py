@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,15 @@ class RouterGenerator:
     retry_backoff_s: float = 0.5
     request_timeout_s: float = 300.0
 
-    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any]) -> list[Sample]:
-        """n samples per prompt (n separate requests, each abortable by its own rid)."""
+    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any],
+                 on_sample: Callable[[int], None] | None = None) -> list[Sample]:
+        """n samples per prompt (n separate requests, each abortable by its own rid).
+
+        `on_sample(k)` is called after the k-th sample arrived (e.g. to inject a fault while
+        the rest are in flight).
+        """
+        self._on_sample = on_sample
+        self._done = 0
         return asyncio.run(self._generate_all(prompts, n, sampling_params))
 
     async def _generate_all(self, prompts, n, sampling_params) -> list[Sample]:
@@ -76,6 +84,9 @@ class RouterGenerator:
                             sample = self._parse(index, prompt_ids, await resp.json(content_type=None))
                             if sample is not None:
                                 sample.attempts = attempt
+                                self._done += 1
+                                if self._on_sample is not None:
+                                    self._on_sample(self._done)
                                 return sample
                             last = "aborted or produced at more than one weight version"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:

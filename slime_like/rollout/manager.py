@@ -142,7 +142,7 @@ class RolloutManager:
         """The router, then every engine concurrently; engines end LOADED (not yet routed)."""
         self.router = Router(pd_disaggregation=self.pd, router_flags=self.args.router_flags,
                              log_dir=self.log_dir, name=f"router-{self.model_name}").start()
-        self.on_event("router", "READY", url=self.router.url)
+        self.on_event("router", "READY", url=self.router.url, pid=self.router.process.pid)
         refs = {}
         for e in self.engines:
             self._set(e, EngineState.LAUNCHING)
@@ -150,7 +150,8 @@ class RolloutManager:
         for e in self.engines:
             e.url = ray.get(refs[e.engine_id])
             e.version = ray.get(e.head.get_weight_version.remote())
-            self._set(e, EngineState.LOADED, url=e.url, version=e.version)
+            self._set(e, EngineState.LOADED, url=e.url, version=e.version,
+                      pid=ray.get(e.head.server_pid.remote()))
         if self.args.use_fault_tolerance:
             self.monitor = HealthMonitor(self._probe, self._alive, self._on_dead, HealthPolicy(
                 interval_s=self.args.rollout_health_check_interval,
@@ -206,11 +207,12 @@ class RolloutManager:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict,
+                 on_sample: Callable[[int], None] | None = None) -> list[Sample]:
         assert self.router is not None
         gen = RouterGenerator(self.router.url,
                               concurrency=self.args.sglang_server_concurrency * max(1, len(self.engines)))
-        return gen.generate(prompts, n, sampling_params)
+        return gen.generate(prompts, n, sampling_params, on_sample)
 
     # ---- failure and recovery -------------------------------------------------------------------
 
@@ -267,7 +269,8 @@ class RolloutManager:
             e.url = ray.get(self._launch(e))
             e.version = ray.get(e.head.get_weight_version.remote())
             with self._lock:
-                self._set(e, EngineState.STALE, url=e.url, version=e.version)
+                self._set(e, EngineState.STALE, url=e.url, version=e.version,
+                          pid=ray.get(e.head.server_pid.remote()))
             if self.trainer is None:
                 raise RuntimeError("no trainer attached to sync the replacement")
             ray.get(self.trainer.sync_new_engine.remote(e.url, e.tp_size))

@@ -80,7 +80,8 @@ class DistributedTransport(Transport):
 
     def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int,
                  load_format: str = FLATTENED, backend: str | None = None,
-                 master_address: str | None = None, group_timeout_s: float = 300.0):
+                 master_address: str | None = None, master_port: int | None = None,
+                 group_timeout_s: float = 300.0):
         if load_format not in (FLATTENED, PER_TENSOR):
             raise ValueError(f"load_format must be {FLATTENED!r} or {PER_TENSOR!r}, "
                              f"got {load_format!r}")
@@ -93,6 +94,7 @@ class DistributedTransport(Transport):
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         self.load_format = load_format
         self.master_address = master_address
+        self.master_port = master_port
         self.group_timeout_s = group_timeout_s
         self.packer = BucketPacker(self.device, bucket_bytes)
         self.pg: dist.ProcessGroup | None = None
@@ -117,7 +119,7 @@ class DistributedTransport(Transport):
         self.attempt += 1
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
-        store = host_store(world_size, self.group_timeout_s)
+        store = host_store(world_size, self.group_timeout_s, port=self.master_port or 0)
         address = self.master_address or master_address_for(engines)
         watch = Watch(self.group_timeout_s + 10)
         step = "init_weights_update_group"

@@ -76,11 +76,11 @@ def init_custom_process_group(
     return pg
 
 
-def host_store(world_size: int, timeout: timedelta | float) -> dist.TCPStore:
-    """A TCPStore for rank 0 on a free port (read it back from `.port`), not waiting for peers."""
+def host_store(world_size: int, timeout: timedelta | float, port: int = 0) -> dist.TCPStore:
+    """A TCPStore for rank 0 (port 0: a free one, read back from `.port`), not waiting for peers."""
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=float(timeout))
-    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout,
+    return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, timeout=timeout,
                          wait_for_workers=False)
 
 

@@ -61,6 +61,7 @@ class WeightSyncConfig:
     device: str | None = None          # where buckets are packed; default: cuda if available
     backend: str | None = None         # weight-group backend; default nccl on cuda, else gloo
     master_address: str | None = None  # this host as the engines reach it; default: probed
+    master_port: int | None = None     # the weight group's store port; default: a free one
     http_timeout_s: float = 300.0
     group_timeout_s: float = 300.0
     flush_cache: bool = True           # flush where the pause mode allows it
@@ -199,7 +200,8 @@ class WeightSync:
                 self.transport = DistributedTransport(
                     device=self._device(), bucket_bytes=int(cfg.update_weight_buffer_size),
                     load_format=cfg.load_format, backend=cfg.backend,
-                    master_address=cfg.master_address, group_timeout_s=cfg.group_timeout_s)
+                    master_address=cfg.master_address, master_port=cfg.master_port,
+                    group_timeout_s=cfg.group_timeout_s)
             elif cfg.transport == "tensor":
                 from slime_like.weights.colocated import TensorTransport
 

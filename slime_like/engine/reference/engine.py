@@ -67,7 +67,8 @@ class ReferenceEngine:
         self.frontend = Frontend(self.scheduler, context_len=self.context_len,
                                  skip_tokenizer_init=args.skip_tokenizer_init,
                                  incremental_streaming=args.incremental_streaming_output,
-                                 vocab_size=self.config.vocab_size)
+                                 vocab_size=self.config.vocab_size,
+                                 prefill_only=args.disaggregation_mode == "prefill")
         self.receiver = WeightReceiver(self.model, tp_rank=0, tp_size=args.tp_size, device=self.device,
                                        model_path=args.model_path, load_format=args.load_format,
                                        seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)

@@ -89,13 +89,14 @@ class Frontend:
     """Request admission, pause/continue, aborts and the update lock, on the event loop."""
 
     def __init__(self, scheduler: Scheduler, *, context_len: int, skip_tokenizer_init: bool,
-                 incremental_streaming: bool, vocab_size: int):
+                 incremental_streaming: bool, vocab_size: int, prefill_only: bool = False):
         self.scheduler = scheduler
         self.context_len = context_len
         self.vocab_size = vocab_size
         self.tokenizer = ByteTokenizer()
         self.out_tokenizer = None if skip_tokenizer_init else self.tokenizer
         self.incremental_streaming = incremental_streaming
+        self.prefill_only = prefill_only
         self.paused = False
         self.ready = False  # warm-up done (sglang's server_status == Up)
         self.live: dict[str, _Live] = {}
@@ -117,7 +118,8 @@ class Frontend:
 
     def parse(self, body: dict, internal: bool = False) -> GenerateJob:
         return parse_generate(body, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                              context_len=self.context_len, internal=internal)
+                              context_len=self.context_len, internal=internal,
+                              prefill_only=self.prefill_only and not internal)
 
     def _make_live(self, job: GenerateJob) -> list[_Live]:
         updates: asyncio.Queue = asyncio.Queue()
@@ -125,7 +127,8 @@ class Frontend:
         for i, item in enumerate(job.items):
             req = Req(rid=item.rid, prompt_ids=item.prompt_ids, spec=item.spec, max_len=item.max_len,
                       return_logprob=item.return_logprob, top_logprobs_num=item.top_logprobs_num,
-                      stream=job.stream, log_metrics=job.log_metrics)
+                      input_logprob_start=item.input_logprob_start, stream=job.stream,
+                      log_metrics=job.log_metrics)
             live = _Live(req=req, index=i, updates=updates)
             req.sink = self._sink_for(live)
             lives.append(live)

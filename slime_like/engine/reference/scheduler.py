@@ -58,6 +58,8 @@ class Req:
     ids: list[int] = field(default_factory=list)  # prompt + output so far
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprob_start: int | None = None  # prompt position the input-logprob window opens at
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     slot: int | None = None
     kv_len: int = 0  # positions of `ids` whose KV sits in the slot
     cached_tokens: int = 0
@@ -303,6 +305,8 @@ class Scheduler:
                         for r in [*self.running]:
                             self._finish(r, {"type": "abort", "message": f"Internal error: {e}",
                                              "status_code": 500, "err_type": "InternalError"})
+                    # A deferred flush fires as soon as the step that emptied the engine ends.
+                    self._check_pending_flush()
                 self.metrics.set_queue(len(self.running), len(self.waiting),
                                        len(self.waiting) if self.paused_mode else 0,
                                        (self.pool.num_slots - self.pool.num_free) / self.pool.num_slots)
@@ -334,8 +338,12 @@ class Scheduler:
         slot = self.pool.alloc()
         assert slot is not None
         r.slot = slot
-        # Keep one token to compute: its logits choose the next token.
-        matched, pieces = self.cache.match(r.ids[:len(r.ids) - 1])
+        # Keep one token to compute: its logits choose the next token. Prompt logprobs
+        # need the logits of every position from the window's start, so no reuse past it.
+        limit = len(r.ids) - 1
+        if r.input_logprob_start is not None and not r.input_logprobs:
+            limit = min(limit, max(r.input_logprob_start - 1, 0))
+        matched, pieces = self.cache.match(r.ids[:limit])
         pos = 0
         kv = self.pool.kv
         for piece in pieces:
@@ -369,6 +377,8 @@ class Scheduler:
                                                       any(r.return_logprob for r in rows))
         now = time.perf_counter()
         for b, r in enumerate(rows):
+            if r.input_logprob_start is not None and not r.input_logprobs:
+                self._input_logprobs(r, logits[b, :lens[b]], starts[b])
             r.kv_len += lens[b]
             if r.spec.max_new_tokens == 0:  # prefill only (sglang's cache warm-up request)
                 self._finish(r, {"type": "length", "length": 0})
@@ -389,6 +399,18 @@ class Scheduler:
                 self._finish(r, reason)
             elif r.stream and r.sink is not None:
                 r.sink(r, r.num_output, False)
+
+    def _input_logprobs(self, r: Req, row_logits: torch.Tensor, kv_start: int) -> None:
+        """Logprobs of prompt tokens from the window start (the first prompt token has none)."""
+        lp = torch.log_softmax(row_logits.float(), dim=-1)
+        prompt = r.prompt_ids
+        out: list[tuple[float | None, int]] = []
+        for pos in range(r.input_logprob_start, len(prompt)):
+            if pos == 0:
+                out.append((None, prompt[0]))
+            else:
+                out.append((lp[pos - 1 - kv_start, prompt[pos]].item(), prompt[pos]))
+        r.input_logprobs = out
 
     def _finish_reason(self, r: Req, tok: int) -> dict | None:
         n_out = r.num_output

@@ -1,0 +1,142 @@
+"""The seed's public API (torchrl's SGLang weight-sync scheme) over `WeightSync`.
+
+A torchrl user switches by changing one import:
+
+    from slime_like.weights import SGLangWeightSyncScheme, get_model_metadata
+
+    scheme = SGLangWeightSyncScheme(server_url, num_gpus=2, pause_mode="retract")
+    sender = scheme.create_sender()
+    sender.register_model(policy)
+    sender.init_all_workers_group(get_model_metadata(policy))
+    sender.update_weights()          # bucketed broadcast, version checked, engine resumed
+
+Behind it is the whole transaction (bucketed broadcast instead of one per tensor, no
+`NCCL_P2P_DISABLE`/`NCCL_SHM_DISABLE`, begin/end sessions, version verification, every
+engine resumed on failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from slime_like.errors import ConfigError, WeightSyncError
+from slime_like.weights.engines import EngineTarget
+from slime_like.weights.source import NamedTensors, get_model_metadata
+from slime_like.weights.sync import PAUSE_MODES, SyncReport, WeightSync, WeightSyncConfig
+
+__all__ = ["SGLangWeightSender", "SGLangWeightSyncScheme", "get_model_metadata"]
+
+STRATEGIES = ("tensordict", "state_dict")
+
+
+class SGLangWeightSyncScheme:
+    """Weight sync into one SGLang server (`num_gpus` = its TP size) over a weight group."""
+
+    def __init__(self, server_url: str, master_address: str | None = None,
+                 master_port: int | None = None, num_gpus: int = 1,
+                 strategy: str = "tensordict", device: int | str | torch.device = 0,
+                 flush_cache_on_update: bool | None = None, pause_mode: str | None = None):
+        pause_mode = pause_mode or "retract"
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError("pause_mode", f"expected one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        if flush_cache_on_update and pause_mode != "abort":
+            # sglang flushes only an idle scheduler; with retract/in_place requests stay queued.
+            raise ConfigError("flush_cache_on_update", f"True needs pause_mode='abort' (got "
+                              f"{pause_mode!r}): sglang refuses to flush while paused requests "
+                              "are kept; leave it None to flush wherever the pause mode allows")
+        if strategy not in STRATEGIES:
+            raise ConfigError("strategy", f"expected one of {list(STRATEGIES)}, got {strategy!r}")
+        if int(num_gpus) < 1:
+            raise ConfigError("num_gpus", f"expected >= 1, got {num_gpus!r}")
+        self.server_url = server_url.rstrip("/")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.num_gpus = int(num_gpus)
+        self.strategy = strategy
+        self.device = _resolve_device(device)
+        self.flush_cache_on_update = flush_cache_on_update
+        self.pause_mode = pause_mode
+
+    def create_sender(self) -> SGLangWeightSender:
+        config = WeightSyncConfig(
+            transport="distributed", pause_mode=self.pause_mode, device=str(self.device),
+            master_address=self.master_address, master_port=self.master_port,
+            flush_cache=self.flush_cache_on_update is not False)
+        return SGLangWeightSender(self, WeightSync([EngineTarget(self.server_url, self.num_gpus)],
+                                                   config))
+
+
+def _resolve_device(device: int | str | torch.device) -> torch.device:
+    """An int is a CUDA ordinal; on a machine without CUDA the sync runs on CPU over gloo."""
+    if isinstance(device, int):
+        return torch.device("cuda", device) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+class SGLangWeightSender:
+    """The trainer side: registered model, collectors to notify, one WeightSync."""
+
+    def __init__(self, scheme: SGLangWeightSyncScheme, sync: WeightSync):
+        self.scheme = scheme
+        self.sync = sync
+        self.model: nn.Module | None = None
+        self.collectors: list[Any] = []
+        self.last_report: SyncReport | None = None
+
+    def register_model(self, model: nn.Module) -> None:
+        self.model = model
+
+    def register_collector(self, collector: Any) -> None:
+        """A collector whose policy version goes up by one after every successful update."""
+        self.collectors.append(collector)
+
+    def init_all_workers_group(self, model_metadata: Mapping[str, tuple[torch.dtype, torch.Size]]
+                               ) -> None:
+        """Register the metadata every update must match and build the weight group."""
+        self.sync.attach(metadata=model_metadata)
+
+    def update_weights(self, weights: Any = None) -> SyncReport:
+        """Push `weights` (default: the registered model) into the server."""
+        if weights is None:
+            if self.model is None:
+                raise WeightSyncError("update_weights", "no weights given and no model "
+                                      "registered; call register_model(model) first")
+            weights = self.model
+        elif not isinstance(weights, nn.Module):
+            weights = NamedTensors(_named_tensors(weights, self.scheme.strategy))
+        self.last_report = self.sync.update(weights)
+        for collector in self.collectors:
+            _increment_version(collector)
+        return self.last_report
+
+    def flush_cache(self) -> bool:
+        """Flush the server's prefix cache now; False when it refused (not idle)."""
+        return self.sync.engines[0].client.flush_cache() if self.sync.engines else False
+
+    def shutdown(self) -> None:
+        self.sync.close()
+
+
+def _named_tensors(weights: Any, strategy: str) -> dict[str, torch.Tensor]:
+    """A TensorDict (keys joined with '.') or a state dict, as {HF name: tensor}."""
+    if hasattr(weights, "flatten_keys"):  # a TensorDict, without importing tensordict
+        flat = weights.flatten_keys(".")
+        return {str(k): v for k, v in flat.items()}
+    if isinstance(weights, Mapping):
+        return {str(k): v for k, v in weights.items()}
+    raise WeightSyncError("update_weights", f"strategy {strategy!r}: cannot read weights from a "
+                          f"{type(weights).__name__}; pass a TensorDict, a state dict or a model")
+
+
+def _increment_version(collector: Any) -> None:
+    if hasattr(collector, "increment_version"):
+        collector.increment_version()
+    elif isinstance(getattr(collector, "policy_version", None), int):
+        collector.policy_version += 1
+    else:
+        raise WeightSyncError("register_collector", f"{type(collector).__name__} has neither "
+                              "increment_version() nor an int policy_version")
