@@ -32,6 +32,17 @@ def engines():
 
 
 @pytest.fixture(scope="module")
+def shared_engine(tiny_model_dir, tmp_path_factory):
+    """One reference engine for the tests that leave it as they found it."""
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), program="reference",
+                                 host="127.0.0.1", log_dir=str(tmp_path_factory.mktemp("shared")),
+                                 startup_timeout=120.0))
+    engine.init()
+    yield engine
+    engine.shutdown(grace=5)
+
+
+@pytest.fixture(scope="module")
 def router(tmp_path_factory):
     r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"},
                log_dir=tmp_path_factory.mktemp("router"))
@@ -145,22 +156,22 @@ def test_a_port_lost_before_the_server_binds_it_is_retried_with_new_ports(engine
 
 
 def test_losing_the_port_race_every_time_is_a_bounded_launch_error(engines, reference_config):
+    # With the retry shown above, one attempt allowed and lost is enough to show the bound.
+    attempts = 1
     reserve, calls = _racing_reserve(losses=99)
     try:
-        engine = engines(Engine(reference_config(port_attempts=2), reserve=reserve))
-        with pytest.raises(LaunchError, match="every one of 2 attempts lost a port"):
+        engine = engines(Engine(reference_config(port_attempts=attempts), reserve=reserve))
+        with pytest.raises(LaunchError, match=f"every one of {attempts} attempts lost a port"):
             engine.init()
-        assert calls["n"] == 2 and not engine.is_alive()
+        assert calls["n"] == attempts and not engine.is_alive()
     finally:
         for s in _LosesTheRace.squatters:
             s.close()
         _LosesTheRace.squatters.clear()
 
 
-def test_external_engine_attaches_when_its_server_info_matches(engines, reference_config, router,
-                                                              tiny_model_dir):
-    owned = engines(Engine(reference_config()))
-    owned.init()
+def test_external_engine_attaches_when_its_server_info_matches(shared_engine, router):
+    owned = shared_engine
     ext = ExternalEngine(f"127.0.0.1:{owned.port}",
                          expected=expected_fields(owned.server_args), worker_type="regular")
     assert ext.init(router_url=router.url) == owned.get_url()
@@ -174,10 +185,8 @@ def test_external_engine_attaches_when_its_server_info_matches(engines, referenc
         ext.simulate_crash()
 
 
-def test_external_engine_that_does_not_match_is_refused_naming_each_field(engines, reference_config,
-                                                                         router):
-    owned = engines(Engine(reference_config()))
-    owned.init()
+def test_external_engine_that_does_not_match_is_refused_naming_each_field(shared_engine, router):
+    owned = shared_engine
     ext = ExternalEngine(owned.get_url(), expected={"tp_size": 2, "model_path": "other/model",
                                                     "dp_size": 1}, worker_type="prefill")
     with pytest.raises(ConfigError) as e:
@@ -229,9 +238,8 @@ def _generate_in_background(engine: Engine, max_new_tokens: int = 900):
     raise AssertionError("the engine never picked up the request")
 
 
-def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(engines, reference_config):
-    engine = engines(Engine(reference_config()))
-    engine.init()
+def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(shared_engine):
+    engine = shared_engine
     t, result = _generate_in_background(engine)
     # Frozen behind the engine's back (not through Engine.pause_generation): stuck requests.
     engine.client.pause_generation("in_place")
@@ -243,10 +251,8 @@ def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(engines, r
     assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-def test_flush_cache_never_aborts_requests_paused_in_place_and_gives_up_in_time(engines,
-                                                                              reference_config):
-    engine = engines(Engine(reference_config()))
-    engine.init()
+def test_flush_cache_never_aborts_requests_paused_in_place_and_gives_up_in_time(shared_engine):
+    engine = shared_engine
     t, result = _generate_in_background(engine, max_new_tokens=300)
     engine.pause_generation("in_place")
     try:
