@@ -65,10 +65,14 @@ def server_env(base: Mapping[str, str] | None = None, extra: Mapping[str, str] |
     return env
 
 
+# Resolved here, in the parent: between fork and exec in a threaded process (a Ray worker)
+# the child may call nothing that takes a lock, and dlopen does.
+_prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+
+
 def _set_pdeathsig() -> None:
     """Runs in the child before exec: die with the parent, whatever killed it."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def read_tail(path: Path, max_bytes: int = 6000) -> str:
