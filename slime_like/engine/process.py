@@ -68,7 +68,7 @@ def server_env(base: Mapping[str, str] | None = None, extra: Mapping[str, str] |
 
 # Resolved here, in the parent: between fork and exec in a threaded process (a Ray worker)
 # the child may call nothing that takes a lock, and dlopen does.
-# Linux only; elsewhere (macOS laptops) shutdown() and ray.kill's cleanup are what remain.
+# Linux only; elsewhere (macOS laptops) only shutdown() takes the server down with us.
 _prctl = (ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
           if sys.platform.startswith("linux") else None)
 
