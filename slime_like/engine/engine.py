@@ -187,6 +187,9 @@ class Engine:
                 last = e
                 logger.warning("%s: a port was taken before the server bound it (attempt %d/%d)",
                                cfg.label, attempt, cfg.port_attempts)
+            except BaseException:
+                self._stop_process()  # nothing half started is left behind, whatever failed
+                raise
         else:
             self._stop_process()
             raise LaunchError(f"{cfg.label}: every one of {cfg.port_attempts} attempts lost a port "
