@@ -262,3 +262,25 @@ def test_flush_cache_never_aborts_requests_paused_in_place_and_gives_up_in_time(
         engine.continue_generation()
     t.join(60)
     assert result["out"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_ipv6_engine_registers_and_serves_through_an_ipv6_router(engines, reference_config, tmp_path):
+    engine = engines(Engine(reference_config(host="::1")))
+    assert engine.init() == f"http://[::1]:{engine.port}"
+    with Router(host="::1", log_dir=tmp_path / "r6") as r6:
+        assert r6.url.startswith("http://[::1]:")
+        engine.register(r6.url)
+        assert r6.client.find_worker(engine.get_url()).is_healthy
+        out = r6.client.generate({"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert "text" in out
+        engine.unregister()
