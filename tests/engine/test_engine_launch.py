@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 
@@ -10,7 +12,7 @@ from slime_like.engine.engine import Engine, EngineConfig
 from slime_like.engine.external import ExternalEngine, expected_fields
 from slime_like.engine.launch import server_url
 from slime_like.engine.ports import PortReservation, reserve_ports
-from slime_like.errors import ConfigError, LaunchError
+from slime_like.errors import ConfigError, EngineError, LaunchError
 from slime_like.router.router import Router
 from tests.engine.engine_helpers import wait_gone
 
@@ -206,3 +208,51 @@ def test_prefill_and_decode_engines_register_with_a_pd_router(engines, reference
         decode.shutdown()
         assert pd.client.list_workers() == []
         assert wait_gone(pids) == []
+
+
+def _generate_in_background(engine: Engine, max_new_tokens: int = 900):
+    """Start one long generation; wait until the engine is running it."""
+    result: dict = {}
+
+    def run():
+        result["out"] = engine.client.generate({
+            "text": "a", "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                             "temperature": 0}}, timeout=120)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = engine.client.loads()["loads"][0]
+        if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
+            return t, result
+        time.sleep(0.02)
+    raise AssertionError("the engine never picked up the request")
+
+
+def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(engines, reference_config):
+    engine = engines(Engine(reference_config()))
+    engine.init()
+    t, result = _generate_in_background(engine)
+    # Frozen behind the engine's back (not through Engine.pause_generation): stuck requests.
+    engine.client.pause_generation("in_place")
+    try:
+        assert engine.flush_cache(attempts=20, interval=0.2) is True
+    finally:
+        engine.client.continue_generation()
+    t.join(60)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_flush_cache_never_aborts_requests_paused_in_place_and_gives_up_in_time(engines,
+                                                                              reference_config):
+    engine = engines(Engine(reference_config()))
+    engine.init()
+    t, result = _generate_in_background(engine, max_new_tokens=300)
+    engine.pause_generation("in_place")
+    try:
+        with pytest.raises(EngineError, match=r"/flush_cache.*still busy after 3 attempts"):
+            engine.flush_cache(attempts=3, interval=0.1)
+    finally:
+        engine.continue_generation()
+    t.join(60)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "length"
