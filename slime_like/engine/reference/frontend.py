@@ -140,8 +140,9 @@ class Frontend:
 
         def sink(req: Req, n_out: int, finished: bool) -> None:
             # Runs on the scheduler thread: capture the version now, hand over to the loop.
-            loop.call_soon_threadsafe(live.updates.put_nowait,
-                                      (live, n_out, finished, scheduler.weight_version))
+            with contextlib.suppress(RuntimeError):  # the loop is gone: shutting down
+                loop.call_soon_threadsafe(live.updates.put_nowait,
+                                          (live, n_out, finished, scheduler.weight_version))
         return sink
 
     async def run(self, job: GenerateJob) -> AsyncIterator[tuple[int, dict]]:
@@ -173,6 +174,10 @@ class Frontend:
                     raise EngineUnavailable(
                         "the weights were released by /release_memory_occupation and no weight "
                         "update has arrived since; refusing to serve stale or empty weights")
+                if self.scheduler.pool.released:
+                    raise EngineUnavailable(
+                        "the KV cache was released by /release_memory_occupation; call "
+                        "/resume_memory_occupation before generating")
                 # No await between picking and marking: an abort cannot slip in between.
                 pending = [lv for lv in lives if not lv.done]
                 for lv in pending:

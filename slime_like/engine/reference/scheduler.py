@@ -281,6 +281,8 @@ class Scheduler:
                 and bool(self.waiting or self.running))
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         with torch.no_grad():
             while True:
                 with self._cv:

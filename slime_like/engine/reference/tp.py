@@ -123,7 +123,7 @@ class TPGroup:
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self._lock = threading.Lock()
+        self._stopping = False
 
     def _expect(self, rank: int, conn, wanted: str) -> None:
         proc = self._procs[rank - 1]
@@ -146,6 +146,21 @@ class TPGroup:
                                 world_size=self.size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
         for rank, conn in enumerate(self._conns, start=1):
             self._expect(rank, conn, "ready")
+        if self._procs:
+            threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True).start()
+
+    def _watch_ranks(self) -> None:
+        """A TP rank that dies takes the server down, as a crashed sglang scheduler does."""
+        while not self._stopping:
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive() and not self._stopping:
+                    logger.error("TP rank %d exited with code %s; shutting the engine down",
+                                 rank, proc.exitcode)
+                    for other in self._procs:
+                        if other.is_alive():
+                            other.kill()
+                    os._exit(1)
+            time.sleep(0.2)
 
     def start(self, method: str, per_rank_kwargs: list[dict]) -> None:
         """Send `method` to ranks 1..N-1 (rank 0's kwargs are per_rank_kwargs[0], run by the caller)."""
@@ -169,6 +184,7 @@ class TPGroup:
         return all(p.is_alive() for p in self._procs)
 
     def shutdown(self) -> None:
+        self._stopping = True
         for conn in self._conns:
             with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send(None)

@@ -157,3 +157,16 @@ def test_health_blocks_while_paused_then_503_and_recovers(resumed):
     assert engine.get("/ping").status_code == 200
     engine.post("/continue_generation", {})
     assert engine.get("/health").status_code == 200
+
+
+def test_abort_of_a_request_held_at_the_pause_gate_answers_it_at_once(resumed, pool):
+    engine = resumed
+    engine.post("/pause_generation", {"mode": "in_place"})
+    fut = pool.submit(engine.generate, {"text": "gated", "rid": "gated-rid",
+                                        "sampling_params": {"max_new_tokens": 3}})
+    time.sleep(0.3)
+    assert not fut.done()
+    engine.post("/abort_request", {"rid": "gated-rid"})
+    meta = fut.result(timeout=10).json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert meta["completion_tokens"] == 0

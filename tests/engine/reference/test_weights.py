@@ -226,6 +226,20 @@ def test_update_flush_fails_with_sglang_message_when_requests_hold_kv(weights_en
     assert [s["version"] for s in meta["weight_versions"]] == ["v0", "in-place-v"]
 
 
+def test_update_on_a_running_engine_waits_for_in_flight_requests(weights_engine, tiny_model_dir, pool):
+    fut = pool.submit(weights_engine.generate, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 300, "ignore_eos": True}})
+    while weights_engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
+        pass
+    r = weights_engine.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                          "weight_version": "after-drain"})
+    assert r.status_code == 200
+    # The writer lock drained the request first: it finished whole, under the old version.
+    meta = fut.result(timeout=10).json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["weight_versions"] == [{"version": "v0", "start": 0, "end": 300}]
+
+
 def test_disk_update_switches_model_path_and_rolls_back_a_bad_checkpoint(weights_engine, tiny_model_dir, tmp_path):
     state = perturbed_state(tiny_model_dir, seed=4)
     good = save_state_dict_atomic(state, tmp_path / "good")
