@@ -1,9 +1,8 @@
 """Round trip for every config in configs/: the argv an engine actor would render ->
 sglang 0.5.23's ServerArgs -> our view of the engine (sizes, ports, role, overrides) agrees.
 
-The argv is made by the code that launches engines at run time: the rollout manager's
-EngineConfig for each placement, then `Engine.compose_args` with the ports its actor would
-have reserved. sglang itself is rendered as the program, whatever the config says.
+The argv is made by the code that launches engines at run time: `engine_config` for each
+placement, then `Engine.compose_args` with the ports its actor would have reserved. sglang itself is rendered as the program, whatever the config says.
 """
 
 from __future__ import annotations
@@ -11,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from slime_like.config import parse_args
 from slime_like.engine.engine import Engine
+from slime_like.engine.from_placement import engine_config
 from slime_like.engine.launch import engine_view, render_argv
-from slime_like.rollout.manager import RolloutManager
 from tests.contract.sglang_parse import register_argv
 
 pytestmark = pytest.mark.sglang
@@ -30,13 +28,9 @@ def _engines(config: Path):
     """(key, Engine, composed args, the group's overrides) for every engine actor of a config."""
     args = parse_args(["--config", str(config)])
     plan = args.nominal_plan
-    manager = RolloutManager(args, SimpleNamespace(plan=plan), model_path="tiny-model",
-                             log_dir=Path("unused"))
     out = []
     for i, p in enumerate(plan.engines):
-        cfg = manager._engine_config(p)
-        cfg.model_path = p.model_path or "tiny-model"  # each model's own path
-        engine = Engine(cfg)
+        engine = Engine(engine_config(p, args, model_path=p.model_path or "tiny-model"))
         if p.nnodes > 1:
             engine.dist_init_addr = f"{p.dist_init_host}:{20000 + 50 * i}"
         port = 30000 + 10 * i
