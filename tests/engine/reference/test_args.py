@@ -50,3 +50,15 @@ def test_weight_update_gate_flag_defaults_to_strict():
     assert parse_args(["--model-path", "m"]).weight_update_gate == "strict"
     args = parse_args(["--model-path", "m", "--reference-weight-update-gate", "optional"])
     assert args.weight_update_gate == "optional"
+
+
+def test_the_engine_imports_neither_ray_nor_sglang():
+    import subprocess
+    import sys
+
+    code = ("import sys, slime_like.engine.reference.server, slime_like.engine.reference.http_server, "
+            "slime_like.engine.reference.engine, slime_like.weights.serialization; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'sglang', 'sglang_router')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
