@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import itertools
 import os
 import pickle
@@ -18,7 +19,7 @@ from weight_sync_helpers import (
     trainer_model,
 )
 
-from slime_like.errors import WeightMetadataError, WeightSyncError
+from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.weights import ModelWeights, WeightSync, get_model_metadata
 
 PROMPT = [1, 72, 101, 108, 108, 111]
@@ -227,3 +228,72 @@ def test_engine_refusing_a_bucket_before_joining_does_not_hang_the_trainer(engin
             assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
     finally:
         sync.close()
+
+
+class Collector:
+    """What torchrl's collectors expose to a weight sender: a policy version to bump."""
+
+    def __init__(self):
+        self.version = 0
+
+    def increment_version(self):
+        self.version += 1
+
+
+def test_seed_api_switches_by_changing_the_import(engines, tiny_model_dir):
+    from slime_like.weights import SGLangWeightSyncScheme
+    from slime_like.weights import get_model_metadata as metadata_of
+
+    server = engines[1]  # the TP=2 engine: num_gpus=2 ranks in the group
+    policy = trainer_model(tiny_model_dir, seed=next(_seeds))
+    scheme = SGLangWeightSyncScheme(server.url, num_gpus=2, device=0, pause_mode="retract")
+    sender = scheme.create_sender()
+    collector = Collector()
+    try:
+        sender.register_model(policy)
+        sender.register_collector(collector)
+        sender.init_all_workers_group(metadata_of(policy))
+        sender.update_weights()
+        assert server.rank_checksums() == [model_checksum(policy)] * 2
+        assert collector.version == 1
+        newer = trainer_model(tiny_model_dir, seed=next(_seeds))
+        sender.update_weights(newer.hf_state_dict())  # strategy="state_dict"-style weights
+        assert server.rank_checksums() == [model_checksum(newer)] * 2
+        assert server.greedy(PROMPT, 6) == greedy_continuation(newer, PROMPT, 6)
+        assert collector.version == 2
+        assert sender.flush_cache() is True
+    finally:
+        sender.shutdown()
+
+
+def test_seed_api_refuses_a_flush_its_pause_mode_cannot_honour():
+    from slime_like.weights import SGLangWeightSyncScheme
+
+    with pytest.raises(ConfigError, match="flush_cache_on_update: True needs pause_mode='abort'"):
+        SGLangWeightSyncScheme("http://127.0.0.1:1", flush_cache_on_update=True,
+                               pause_mode="retract")
+    SGLangWeightSyncScheme("http://127.0.0.1:1", flush_cache_on_update=True, pause_mode="abort")
+
+
+def test_lora_model_is_merged_and_sent_under_base_names(engines, tiny_model_dir):
+    peft = pytest.importorskip("peft")
+    base = trainer_model(tiny_model_dir, seed=next(_seeds))
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # peft starts B at zero; make the adapter matter
+    merged = copy.deepcopy(lora).merge_and_unload()
+    sync = WeightSync([(e.url, e.tp_size) for e in engines], update_weight_buffer_size=64 << 10)
+    try:
+        sync.update(lora)
+    finally:
+        sync.close()
+    for e in engines:
+        assert e.rank_checksums() == [model_checksum(merged)] * e.tp_size
+        assert e.greedy(PROMPT, 6) == greedy_continuation(merged, PROMPT, 6)
+    # the trainer's model is untouched: base weights as they were, adapter still separate
+    assert all(torch.equal(p, before[n.replace("base_model.model.", "").replace(".base_layer", "")])
+               for n, p in lora.named_parameters() if "lora_" not in n)
