@@ -66,6 +66,7 @@ class WeightSyncError(SlimeLikeError):
     def __init__(self, step: str, message: str, engine: str | None = None):
         self.step = step
         self.engine = engine
+        self.detail = message
         where = f" on engine {engine}" if engine else ""
         super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
 

@@ -28,7 +28,7 @@ import ray
 from slime_like.cluster.layout import EnginePlacement
 from slime_like.cluster.placement import JobPlacement
 from slime_like.engine.actor import EngineActor
-from slime_like.engine.engine import EngineConfig
+from slime_like.engine.from_placement import engine_config
 from slime_like.rollout.generate import RouterGenerator, Sample
 from slime_like.rollout.health import HealthMonitor, HealthPolicy
 from slime_like.router.client import RouterClient
@@ -60,9 +60,7 @@ class ManagedEngine:
     restarts: int = 0
     dead_at: float | None = None
 
-    @property
-    def tp_size(self) -> int:
-        return self.placements[0].num_gpus
+    tp_size: int = 1
 
     @property
     def head(self) -> Any:
@@ -70,11 +68,6 @@ class ManagedEngine:
 
 
 EventSink = Callable[..., None]
-
-
-def _size(name: str, overrides: dict, flags: dict) -> int:
-    value = overrides.get(name, flags.get(name))
-    return 1 if value is None else int(value)
 
 
 class RolloutManager:
@@ -106,7 +99,8 @@ class RolloutManager:
             by_engine.setdefault(p.engine_index, []).append(p)
         for _, ps in sorted(by_engine.items()):
             ps.sort(key=lambda p: p.node_rank)
-            self.engines.append(ManagedEngine(ps[0].engine_id, ps))
+            pp = engine_config(ps[0], args, model_path=model_path).pp_size
+            self.engines.append(ManagedEngine(ps[0].engine_id, ps, tp_size=ps[0].num_gpus // pp))
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -114,24 +108,11 @@ class RolloutManager:
         engine.state = state
         self.on_event(engine.engine_id, state.value, **details)
 
-    def _engine_config(self, p: EnginePlacement) -> EngineConfig:
-        a = self.args
-        overrides = dict(p.overrides)
-        return EngineConfig(
-            model_path=self.model_path, program=a.engine, worker_type=p.worker_type,
-            num_gpus_per_engine=p.num_gpus, pp_size=_size("pp_size", overrides, a.sglang_flags),
-            dp_size=_size("dp_size", overrides, a.sglang_flags),
-            ep_size=_size("ep_size", overrides, a.sglang_flags), nnodes=p.nnodes,
-            node_rank=p.node_rank, base_gpu_id=p.base_gpu_id, engine_rank=p.engine_index,
-            seed=a.seed, enable_memory_saver=bool(a.offload_rollout and p.shares_trainer_gpus),
-            sglang_flags=dict(a.sglang_flags), overrides=overrides,
-            overrides_path=f"{p.group_where}.overrides", log_dir=str(self.log_dir),
-            name=p.engine_id.replace("/", "-") + (f"-node{p.node_rank}" if p.nnodes > 1 else ""))
-
     def _launch(self, engine: ManagedEngine) -> Any:
         """Create the engine's node actors and start their servers; an ObjectRef of the URL."""
         engine.actors = [EngineActor.options(**self.placement.engine_options(p)).remote(
-            self._engine_config(p)) for p in engine.placements]
+            engine_config(p, self.args, model_path=self.model_path, log_dir=str(self.log_dir)))
+            for p in engine.placements]
         dist_init = None
         if len(engine.actors) > 1:
             dist_init = ray.get(engine.head.reserve_dist_init_addr.remote())

@@ -14,12 +14,14 @@ waits for it by stream order, so the host never blocks between buckets.
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import logging
 import os
 import socket
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Sequence
 from urllib.parse import urlparse
@@ -110,7 +112,7 @@ class DistributedTransport(Transport):
 
     def attach(self, engines: Sequence[EngineTarget], calls: EngineCalls) -> None:
         members = tuple((e.url, e.tp_size) for e in engines)
-        if self.pg is not None and not self.dirty and members == self.members:
+        if self.pg is not None and members == self.members:
             return
         self._teardown()
         self._create(engines, calls)
@@ -161,8 +163,6 @@ class DistributedTransport(Transport):
     def _teardown(self) -> None:
         """Drop our side of the current group and ask engines to destroy every group they joined."""
         if self.pg is not None:
-            if self.dirty:
-                abort_process_group(self.pg)
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members = None, None, ()
         asked, self.asked = self.asked, {}
@@ -181,9 +181,18 @@ class DistributedTransport(Transport):
             on_all(targets, "destroy_weights_update_group", destroy)
 
     def failed(self) -> None:
-        """Abort pending collectives so engines blocked receiving fail instead of hanging."""
+        """Drop our end of the group: engines blocked receiving from us fail instead of hanging.
+
+        Closing rank 0's connections is what releases them (a gloo receive otherwise waits
+        out the group timeout); the next sync builds a fresh group.
+        """
         self.dirty = True
-        abort_process_group(self.pg)
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            abort_process_group(pg)
+            destroy_process_group(pg)
+            del pg
+            gc.collect()  # the last reference gone, gloo closes its connections
 
     def close(self, engines: Sequence[EngineTarget]) -> None:
         self._teardown()
@@ -205,9 +214,16 @@ class DistributedTransport(Transport):
             flattened = False
         try:
             (self._send_flattened if flattened else self._send_per_tensor)(ctx)
-        except BaseException:
+        except Exception as e:
+            # The traceback's frames hold the pending works, which keep rank 0's sockets
+            # open; clear them so failed() really closes the group.
+            traceback.clear_frames(e.__traceback__)
             self.failed()
-            raise
+            # Whichever failure surfaced first, blame the engine that most likely caused it.
+            err = ctx.watch.explain(e)
+            if err is e:
+                raise
+            raise err from e
 
     def _broadcast(self, buf: torch.Tensor, stream: torch.cuda.Stream | None):
         if stream is None:

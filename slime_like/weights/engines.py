@@ -133,19 +133,26 @@ def on_all(engines: Sequence[EngineTarget], step: str, fn: Callable[[EngineTarge
 
 
 def step_error(step: str, errors: Sequence[tuple[EngineTarget, BaseException]]) -> WeightSyncError:
-    """One WeightSyncError for failures on one or more engines (the first names the engine)."""
+    """One WeightSyncError for failures on one or more engines (the first names the engine).
+
+    A WeightSyncError raised by the call itself (e.g. WeightMetadataError) is kept, type
+    and all, with the other engines' failures appended to its message.
+    """
     first_engine, first = errors[0]
-    if isinstance(first, WeightSyncError) and len(errors) == 1:
+    others = "; also failed on " + ", ".join(
+        f"{e.url} ({describe(x)})" for e, x in errors[1:]) if len(errors) > 1 else ""
+    if isinstance(first, WeightSyncError):
+        if others:
+            first.args = (str(first) + others,)
         return first
-    msg = describe(first)
-    if len(errors) > 1:
-        msg += "; also failed on " + ", ".join(f"{e.url} ({describe(x)})" for e, x in errors[1:])
-    err = WeightSyncError(step, msg, first_engine.url)
+    err = WeightSyncError(step, describe(first) + others, first_engine.url)
     err.__cause__ = first
     return err
 
 
 def describe(exc: BaseException) -> str:
+    if isinstance(exc, WeightSyncError):
+        return exc.detail
     if isinstance(exc, EngineError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"

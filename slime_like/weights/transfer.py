@@ -165,7 +165,18 @@ class EngineCall:
     engine: EngineTarget
     step: str
     future: Future
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.monotonic)
+    done_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._mark)
+
+    def _mark(self, _: Future) -> None:
+        self.done_at = time.monotonic()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
 
 
 class Watch:
@@ -186,16 +197,12 @@ class Watch:
         return call
 
     def check(self) -> None:
-        """Raise the first failed engine call (naming engine and step)."""
-        pending = []
-        for call in self.calls:
-            if not call.future.done():
-                pending.append(call)
-                continue
-            exc = call.future.exception()
-            if exc is not None:
-                raise call_error(call, exc)
-        self.calls = pending
+        """Raise the engine call that failed first (naming engine and step)."""
+        failed = [c for c in self.calls if c.error is not None]
+        if failed:
+            first = min(failed, key=lambda c: c.done_at or 0.0)
+            raise call_error(first, first.error)
+        self.calls = [c for c in self.calls if not c.future.done()]
 
     def wait(self, done: Callable[[], bool], what: str, poll_s: float = 2e-4) -> None:
         """Spin until done() (or an engine call fails, or the deadline passes)."""
@@ -209,14 +216,50 @@ class Watch:
                     slow[0] if slow else None)
             time.sleep(poll_s)
 
-    def wait_calls(self, calls: Sequence[EngineCall], stats: TransferStats | None = None) -> list:
+    def wait_calls(self, calls: Sequence[EngineCall]) -> list:
         """Results of engine calls, failing fast on the first error among all watched."""
         self.wait(lambda: all(c.future.done() for c in calls), calls[0].step if calls else "")
         self.check()
-        results = []
-        for c in calls:
-            results.append(c.future.result())
-        return results
+        return [c.future.result() for c in calls]
+
+    def explain(self, exc: BaseException, grace_s: float = 5.0) -> WeightSyncError:
+        """The error for a failed collective, naming the engine that most likely broke it.
+
+        A peer that refused a bucket, or died, breaks the collective for everyone, so the
+        other engines' receives fail too. Called after our end of the group is closed (so no
+        engine is still blocked), it waits for the engines' answers and picks, in order: an
+        engine that no longer answers, an engine whose refusal is not itself a broken
+        connection, then the earliest failure.
+        """
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
+            time.sleep(0.01)
+        failed = sorted((c for c in self.calls if c.error is not None),
+                        key=lambda c: (_blame_rank(c.error), c.done_at or 0.0))
+        if not failed:
+            if isinstance(exc, WeightSyncError):
+                return exc
+            err = WeightSyncError("broadcast", f"{type(exc).__name__}: {exc}")
+        else:
+            first = failed[0]
+            also = "" if isinstance(exc, WeightSyncError) else (
+                f" (the broadcast then failed: {type(exc).__name__}: {exc})")
+            err = WeightSyncError(first.step, describe(first.error) + also, first.engine.url)
+        err.__cause__ = exc
+        return err
+
+
+# What a receive reports when a *peer* broke the collective (not a cause, a consequence).
+_COLLATERAL = ("pair.cc", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "NCCL error", "ncclRemoteError", "ncclSystemError")
+
+
+def _blame_rank(exc: BaseException) -> int:
+    if isinstance(exc, EngineError) and exc.status is None:
+        return 0  # no answer at all: the engine is gone
+    if not any(marker in str(exc) for marker in _COLLATERAL):
+        return 1  # a refusal of its own (unknown group, bad layout, closed session...)
+    return 2
 
 
 def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:

@@ -7,9 +7,7 @@ placement group, so the next one starts from an empty cluster.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import secrets
 
 import pytest
 import ray
@@ -27,9 +25,7 @@ GPUS_PER_NODE = 4
 
 @pytest.fixture(scope="module")
 def cluster():
-    saved = os.environ.get("RAY_AUTH_TOKEN")
-    # Token auth stays on; this throwaway cluster gets its own token.
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # Token auth stays on, with the session's token (tests/conftest.py).
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         for ip in NODES:
@@ -40,10 +36,6 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_TOKEN", None)
-        else:
-            os.environ["RAY_AUTH_TOKEN"] = saved
 
 
 @ray.remote

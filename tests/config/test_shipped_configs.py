@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slime_like.cluster.server_args import engine_argv, engine_server_args
 from slime_like.config import parse_args
+from slime_like.engine.from_placement import engine_argv, engine_server_args
 from slime_like.engine.launch import parse_argv
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

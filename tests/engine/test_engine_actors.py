@@ -112,6 +112,21 @@ def test_ray_kill_of_an_engine_actor_leaves_no_server_process(ray_local, referen
     assert server_processes(port) == []
 
 
+def test_a_crash_is_seen_at_once_by_a_caller_waiting_on_the_actor(ray_local, reference_config):
+    actor = EngineActor.remote(reference_config(host=None, engine_rank=8))
+    try:
+        ray.get(actor.init.remote(), timeout=300)
+        waiting = actor.wait_exit.remote(None)  # parked on the threaded actor, no polling
+        assert ray.wait([waiting], timeout=1)[0] == []
+        t0 = time.monotonic()
+        ray.get(actor.simulate_crash.remote(), timeout=30)
+        assert ray.get(waiting, timeout=10) == -9
+        assert time.monotonic() - t0 < 10
+        assert ray.get(actor.is_alive.remote()) is False
+    finally:
+        ray.kill(actor)
+
+
 def test_server_exiting_during_start_up_fails_init_within_seconds_with_its_log_tail(
         ray_local, reference_config, tmp_path):
     missing = tmp_path / "no-such-model"

@@ -11,9 +11,14 @@ import sys
 import textwrap
 
 import pytest
+import requests
 import torch
 
+from slime_like.engine.process import ServerProcess
+from slime_like.engine.reference.tp import free_port
 from slime_like.errors import UnsafePayloadError
+from slime_like.models.loading import init_dummy_weights, load_pretrained
+from slime_like.models.transformer import hf_named_parameters
 from slime_like.weights import serialization
 from slime_like.weights.buckets import FlattenedTensorMetadata, flatten, unflatten
 
@@ -116,3 +121,58 @@ def test_sglang_blocks_what_we_block(import_sglang):
         common.MultiprocessingSerializer.deserialize(data)
     with pytest.raises(UnsafePayloadError, match="Blocked unsafe global"):
         serialization.deserialize(data)
+
+
+def _start_reference_engine(model_dir, log_dir) -> tuple[str, ServerProcess]:
+    port = free_port()
+    proc = ServerProcess([sys.executable, "-m", "slime_like.engine.reference", "--model-path",
+                          str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
+                         log_path=log_dir / f"engine-{port}.log", name=f"engine:{port}")
+    proc.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return requests.get(url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        proc.wait_healthy(healthy, timeout=120)
+    except BaseException:
+        proc.terminate(grace=5)
+        raise
+    return url, proc
+
+
+def test_reference_engine_loads_a_flattened_bucket_made_by_sglangs_serializer(
+        import_sglang, tiny_model_dir, tmp_path):
+    common = import_sglang("sglang.srt.utils.common")
+    tensor_bucket = import_sglang("sglang.srt.weight_sync.tensor_bucket")
+    model = load_pretrained(tiny_model_dir)
+    init_dummy_weights(model, seed=11)
+    # the way slime/verl send a colocated update: sglang's bucket, sglang's serializer
+    named = [(n, p.detach()) for n, p in hf_named_parameters(model)]
+    bucket = tensor_bucket.FlattenedTensorBucket(named_tensors=named)
+    url, proc = _start_reference_engine(tiny_model_dir, tmp_path)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors to another program
+    try:
+        payload = common.MultiprocessingSerializer.serialize(
+            {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()},
+            output_str=True)
+        assert requests.post(url + "/begin_weight_update", json={}, timeout=30).ok
+        resp = requests.post(url + "/update_weights_from_tensor", timeout=60, json={
+            "serialized_named_tensors": [payload], "load_format": "flattened_bucket",
+            "weight_version": "from-sglang"})
+        assert requests.post(url + "/end_weight_update", json={}, timeout=30).ok
+        assert resp.status_code == 200, resp.text
+        for name, tensor in named[:3] + named[-2:]:
+            got = requests.post(url + "/get_weights_by_name", timeout=30,
+                                json={"name": name, "truncate_size": 1000}).json()
+            assert torch.equal(torch.tensor(got), tensor.float()), name
+        info = requests.get(url + "/model_info", timeout=30).json()
+        assert info["weight_version"] == "from-sglang"
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+        proc.terminate(grace=10)

@@ -69,9 +69,17 @@ def _engine_rank(rank: int, port: int, world_size: int, plan: dict, out) -> None
             bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
             dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
             weights += [(f"bucket:{n}", t) for n, t in bucket.reconstruct_tensors()]
-        got[group_name] = [(n, t.clone()) for n, t in weights]
+        # plain bytes back to the parent: a tensor in a Queue travels as a shared fd that the
+        # parent could try to fetch after this process exited
+        got[group_name] = [(n, str(t.dtype), list(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                           for n, t in weights]
         dist.destroy_process_group(pg)
     out.put((rank, got))
+
+
+def _from_bytes(dtype: str, shape: list[int], raw: bytes) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype.removeprefix("torch."))).view(shape)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +118,11 @@ def broadcast_results(tmp_path_factory):
                 flatten_into([by_name[m.name] for m in b.metas], buf)
                 dist.broadcast(buf, src=0, group=pg)
             destroy_process_group(pg)
-        received = dict(q.get(timeout=180) for _ in procs)
+        received = {}
+        for _ in procs:
+            rank, got = q.get(timeout=180)
+            received[rank] = {g: [(n, _from_bytes(d, shape, raw)) for n, d, shape, raw in items]
+                              for g, items in got.items()}
     finally:
         for p in procs:
             p.join(timeout=30)

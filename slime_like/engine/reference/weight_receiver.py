@@ -110,8 +110,10 @@ class WeightReceiver:
             pg = init_custom_process_group(
                 backend=backend, init_method=tcp_init_method(master_address, master_port),
                 world_size=world_size, rank=rank, group_name=group_name,
-                timeout=timedelta(seconds=timeout_s),
-                device_id=self.device if backend == "nccl" else None)
+                # No device_id, as sglang: a bound device makes NCCL connect eagerly inside
+                # this call, which then blocks until the trainer's first collective, while
+                # the trainer (like sglang's) waits for this call's answer before sending.
+                timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - answered as sglang's 400 message
             return False, f"Failed to initialize custom process group: {e}."
         self.groups[group_name] = pg
