@@ -90,8 +90,9 @@ def test_nccl_flattened_buckets_serial_and_pipelined_then_checksums_and_greedy_m
     fut = pool.submit(gpu_engine.post, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
         "group_name": "gpu", "backend": "nccl"})
+    # No device_id: NCCL connects lazily at the first broadcast on both sides, as with sglang.
     pg = init_custom_process_group(backend="nccl", world_size=2, rank=0, group_name="gpu", store=store,
-                                   timeout=120, device_id=torch.device("cuda:0"))
+                                   timeout=120)
     assert fut.result(timeout=120).json()["success"]
     try:
         gpu_engine.post("/pause_generation", {"mode": "retract"})
