@@ -26,6 +26,7 @@ _DEFAULT_MAX_RUNNING = 64
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies across all layers."""
     return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
             * torch.empty((), dtype=dtype).element_size())
 
@@ -98,6 +99,7 @@ class ReferenceEngine:
     # ---- info ------------------------------------------------------------------------------
 
     def model_info(self) -> dict:
+        """GET /model_info: live model path, served name and weight version."""
         return {
             "model_path": self.model_path, "served_model_name": self.served_model_name,
             "tokenizer_path": self.args.all_args.get("tokenizer_path") or self.model_path,
@@ -110,6 +112,7 @@ class ReferenceEngine:
         }
 
     def server_info(self) -> dict:
+        """GET /server_info: every resolved sglang arg plus scheduler state."""
         info = {k: _jsonable(v) for k, v in self.args.all_args.items()}
         info.update({
             "model_path": self.model_path, "served_model_name": self.served_model_name,
@@ -129,12 +132,14 @@ class ReferenceEngine:
         return info
 
     def internal_state(self) -> dict:
+        """The per-DP scheduler state dict of /server_info's internal_states."""
         load = self.scheduler.load()
         return {"dp_rank": 0, "tp_size": self.args.tp_size, "weight_version": self.scheduler.weight_version,
                 "paused": self.frontend.paused, "forward_steps": self.scheduler.forward_steps,
                 "last_gen_throughput": load["gen_throughput"], **load}
 
     def load_entry(self) -> dict:
+        """One entry of /v1/loads' `loads` (this engine is dp_rank 0)."""
         load = self.scheduler.load()
         return {"timestamp": _iso_now(), "dp_rank": 0, **load,
                 "utilization": load["token_usage"],
@@ -144,6 +149,7 @@ class ReferenceEngine:
                            "retracted": load["num_retracted_reqs"], "prealloc_ready": 0}}
 
     def model_dir(self) -> Path:
+        """The checkpoint directory currently served."""
         return Path(self.model_path)
 
 

@@ -42,10 +42,12 @@ class RWLock:
         self._writers_waiting = 0
 
     def is_locked(self) -> bool:
+        """True while any request or update holds the lock."""
         return self._readers > 0 or self._writer
 
     @contextlib.asynccontextmanager
     async def reader(self) -> AsyncIterator[None]:
+        """Held by a /generate from admission until its answer is complete."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
             self._readers += 1
@@ -58,6 +60,7 @@ class RWLock:
 
     @contextlib.asynccontextmanager
     async def writer(self) -> AsyncIterator[None]:
+        """Held by a weight update; waits for readers, blocks new ones."""
         async with self._cond:
             self._writers_waiting += 1
             try:
@@ -113,11 +116,13 @@ class Frontend:
 
     @property
     def weight_version(self) -> str:
+        """The live weight version (changed by updates and /update_weight_version)."""
         return self.scheduler.weight_version
 
     # ---- generation ------------------------------------------------------------------------
 
     def parse(self, body: dict, internal: bool = False) -> GenerateJob:
+        """A /generate body -> GenerateJob (SchemaError / ValueError on bad input)."""
         return parse_generate(body, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                               context_len=self.context_len, internal=internal,
                               prefill_only=self.prefill_only and not internal)
@@ -254,6 +259,7 @@ class Frontend:
     # ---- pause / continue / abort ------------------------------------------------------------
 
     async def pause(self, mode: str) -> None:
+        """/pause_generation: close the gate; abort drains, retract/in_place stop the scheduler."""
         async with self._pause_cond:
             self.paused = True
             if mode == "abort":
@@ -268,6 +274,7 @@ class Frontend:
                 await asyncio.wrap_future(self.scheduler.pause(mode))
 
     async def continue_generation(self) -> None:
+        """/continue_generation: resume the scheduler, then open the gate."""
         async with self._pause_cond:
             self.paused = False
             await asyncio.wrap_future(self.scheduler.resume())
@@ -309,7 +316,9 @@ class Frontend:
                 yield
 
     def is_locked(self) -> bool:
+        """True while any request or update holds the lock."""
         return self._lock is not None and self._lock.is_locked()
 
     def snapshot(self) -> dict[str, Any]:
+        """Frontend state for diagnostics."""
         return {"paused": self.paused, "live_requests": len(self.live)}

@@ -104,6 +104,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
+        """sglang's greedy: top-k 1 at temperature 1."""
         return self.top_k == 1
 
 

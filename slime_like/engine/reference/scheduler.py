@@ -77,6 +77,7 @@ class Req:
 
     @property
     def num_output(self) -> int:
+        """Tokens generated so far (kept across retractions)."""
         return len(self.ids) - len(self.prompt_ids)
 
 
@@ -129,9 +130,11 @@ class Scheduler:
     # ---- thread-safe entry points --------------------------------------------------------
 
     def start(self) -> None:
+        """Start the scheduler thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread after the current step."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -155,15 +158,19 @@ class Scheduler:
         return fut
 
     def submit(self, reqs: list[Req]) -> concurrent.futures.Future:
+        """Queue requests for admission (in order)."""
         return self.call(lambda: self._add(reqs))
 
     def abort(self, rid: str = "", abort_all: bool = False) -> concurrent.futures.Future:
+        """Abort requests whose rid starts with `rid`, or all of them."""
         return self.call(lambda: self._abort(rid, abort_all))
 
     def pause(self, mode: str) -> concurrent.futures.Future:
+        """Apply a pause mode (retract frees KV, in_place freezes)."""
         return self.call(lambda: self._pause(mode))
 
     def resume(self) -> concurrent.futures.Future:
+        """Leave the paused state."""
         return self.call(self._resume)
 
     def flush(self, timeout_s: float = 0.0) -> concurrent.futures.Future:
@@ -212,6 +219,7 @@ class Scheduler:
         self.weight_version = new_version
 
     def abort_everything(self) -> None:
+        """Abort every waiting and running request (scheduler thread)."""
         self._abort("", True)
 
     def _add(self, reqs: list[Req]) -> None:
@@ -261,6 +269,7 @@ class Scheduler:
             self._pending_flush = (time.monotonic() + timeout_s, fut)
 
     def flush_now(self) -> None:
+        """Drop every cached prefix (the caller checked the engine is idle)."""
         self.cache.reset()
 
     def _check_pending_flush(self) -> None:

@@ -54,6 +54,7 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -181,9 +182,11 @@ class TPGroup:
         return out
 
     def alive(self) -> bool:
+        """True while every rank process runs."""
         return all(p.is_alive() for p in self._procs)
 
     def shutdown(self) -> None:
+        """Ask ranks to exit, kill those that don't, leave the default group."""
         self._stopping = True
         for conn in self._conns:
             with contextlib.suppress(OSError, BrokenPipeError):
