@@ -240,6 +240,29 @@ def test_update_on_a_running_engine_waits_for_in_flight_requests(weights_engine,
     assert meta["weight_versions"] == [{"version": "v0", "start": 0, "end": 300}]
 
 
+def test_prefix_cache_goes_stale_after_an_update_until_flushed(weights_engine, tiny_model_dir, tmp_path):
+    prompt = TOK.encode("a prompt whose KV is cached before the update")
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    weights_engine.generate(body)  # caches the prompt's KV under the old weights
+    state = perturbed_state(tiny_model_dir, seed=8)
+    ckpt = save_state_dict_atomic(state, tmp_path / "new")
+    r = weights_engine.post("/update_weights_from_disk", {"model_path": str(ckpt), "flush_cache": False})
+    assert r.status_code == 200
+    stale = weights_engine.generate(body).json()
+    assert stale["meta_info"]["cached_tokens"] == len(prompt) - 1
+    assert weights_engine.post("/flush_cache").status_code == 200
+    fresh = weights_engine.generate(body).json()
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    model = load_pretrained(tiny_model_dir)
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        ids = list(prompt)
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert fresh["output_ids"] == ids[len(prompt):]
+    assert stale["output_ids"] != fresh["output_ids"]  # old KV, new weights: a different answer
+
+
 def test_disk_update_switches_model_path_and_rolls_back_a_bad_checkpoint(weights_engine, tiny_model_dir, tmp_path):
     state = perturbed_state(tiny_model_dir, seed=4)
     good = save_state_dict_atomic(state, tmp_path / "good")
