@@ -202,7 +202,8 @@ class PrefixCache:
             pos += n
             node = child
         if self.num_tokens > self.capacity:
-            self._evict(self.num_tokens - self.capacity)
+            # Evict down to 90% so a full cache does not rescan the tree on every insert.
+            self._evict(self.num_tokens - int(self.capacity * 0.9))
 
     def _split(self, child: _Node, n: int) -> None:
         """Cut `child`'s edge after n tokens so a diverging suffix can hang off the cut."""

@@ -53,3 +53,33 @@ def test_rank_dies_with_its_engine_and_engine_dies_with_its_rank(tiny_model_dir,
     finally:
         stop_engine(a)
         stop_engine(b)
+
+
+def test_sigterm_stops_the_engine_even_with_a_stream_open(tiny_model_dir, engine_log_dir):
+    import threading
+
+    import requests
+
+    e = start_engine(tiny_model_dir, engine_log_dir, "--skip-server-warmup")
+    try:
+        opened = threading.Event()
+
+        def hold_stream() -> None:
+            try:
+                with requests.post(e.url + "/generate", json={"text": "x", "stream": True, "sampling_params": {
+                        "max_new_tokens": 1000, "ignore_eos": True}}, stream=True, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        opened.set()
+            except requests.RequestException:
+                pass
+
+        t = threading.Thread(target=hold_stream, daemon=True)
+        t.start()
+        assert opened.wait(20)
+        e.post("/pause_generation", {"mode": "in_place"})  # the stream now never ends by itself
+        t0 = time.monotonic()
+        e.proc.send_signal(signal.SIGTERM)
+        assert e.proc.wait(timeout=20) is not None
+        assert time.monotonic() - t0 < 15
+    finally:
+        stop_engine(e)
