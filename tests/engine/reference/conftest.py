@@ -21,6 +21,10 @@ import requests
 
 from slime_like.engine.reference.tp import free_port
 
+# Engines listen on loopback; a machine-wide HTTP proxy must never see these requests.
+for _var in ("no_proxy", "NO_PROXY"):
+    os.environ[_var] = ",".join(x for x in ("127.0.0.1", "localhost", os.environ.get(_var, "")) if x)
+
 
 @dataclass
 class RunningEngine:
