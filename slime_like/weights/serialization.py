@@ -20,6 +20,7 @@ import base64
 import binascii
 import io
 import pickle
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
@@ -124,6 +125,9 @@ class _Pickler(pickle._Pickler):
 
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=4)
+        # The base class dispatches plain functions straight to its own save_global, which
+        # would bypass ours and put our module path for rebuild_cuda_tensor on the wire.
+        self.dispatch = {**pickle._Pickler.dispatch, types.FunctionType: type(self).save_global}
         self.dispatch_table = dict(ForkingPickler._copyreg_dispatch_table)
         self.dispatch_table.update(ForkingPickler._extra_reducers)
         for cls in (torch.Tensor, torch.nn.Parameter):
