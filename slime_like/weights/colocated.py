@@ -62,6 +62,9 @@ class TensorTransport(Transport):
                 keep.append(buf)
             obj = {"flattened_tensor": buf, "metadata": layout(bucket.metas)}
             step = f"update_weights_from_tensor (bucket {k + 1}/{n})"
+            # Each bucket carries its own handles and layout, so buckets may reach an engine
+            # in any order; only the last one (it sets weight_version) waits for the others.
+            gate = _all_done(list(all_calls)) if k == n - 1 else _always
             calls = []
             for engine in ctx.engines:
                 req = p.UpdateWeightsFromTensorRequest(
@@ -70,7 +73,7 @@ class TensorTransport(Transport):
                     weight_version=ctx.weight_version if k == n - 1 else None)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
                     engine, timed(engine.client.update_weights_from_tensor, stats, engine.url),
-                    req, ctx.http_timeout_s))))
+                    req, ctx.http_timeout_s, gate=gate))))
             if packed:
                 slot_calls[slot] = calls
             all_calls += calls
@@ -86,3 +89,11 @@ class TensorTransport(Transport):
 
     def close(self, engines) -> None:
         self.packer.release()
+
+
+def _always() -> bool:
+    return True
+
+
+def _all_done(calls: list[EngineCall]):
+    return lambda: all(c.future.done() for c in calls)

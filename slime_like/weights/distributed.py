@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 FLATTENED = "flattened_bucket"
 PER_TENSOR = "per_tensor"
+# A finished NCCL broadcast of at least this many bytes proves every receiver joined it
+# (NCCL buffers at most channels x NCCL_BUFFSIZE, ~128 MiB, without the receiver running),
+# so the next bucket's update may be sent before the engine answers this one.
+PIPELINE_MIN_BYTES = 256 << 20
 
 
 def master_address_for(engines: Sequence[EngineTarget]) -> str:
@@ -231,7 +235,8 @@ class DistributedTransport(Transport):
         with torch.cuda.stream(stream):  # NCCL waits for what is queued on this stream
             return dist.broadcast(buf, src=0, group=self.pg, async_op=True)
 
-    def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None) -> list:
+    def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None,
+              gate=None) -> list:
         last = k == len(ctx.buckets) - 1
         req = p.UpdateWeightsFromDistributedRequest(
             **metas_body(metas), group_name=self.group_name, flush_cache=False,
@@ -239,7 +244,7 @@ class DistributedTransport(Transport):
         step = f"update_weights_from_distributed (bucket {k + 1}/{len(ctx.buckets)})"
         return [ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
             e, timed(e.client.update_weights_from_distributed, ctx.stats, e.url), req,
-            ctx.http_timeout_s))) for e in ctx.engines]
+            ctx.http_timeout_s, gate=gate))) for e in ctx.engines]
 
     def _send_flattened(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
@@ -268,7 +273,12 @@ class DistributedTransport(Transport):
                         stats.wait_s += time.perf_counter() - t0
                 buf = packer.pack(slot, tensors, bucket.nbytes)
             pack_end = _record(packer.stream) if cuda else None
-            self._post(ctx, k, bucket.metas, FLATTENED)
+            # Strict order by default; on GPU after a large bucket, as soon as its broadcast
+            # is done (the engine is then loading it, and can take the next one meanwhile).
+            gate = None
+            if cuda and works and ctx.buckets[k - 1].nbytes >= PIPELINE_MIN_BYTES:
+                gate = works[-1][0].is_completed
+            self._post(ctx, k, bucket.metas, FLATTENED, gate)
             work = self._broadcast(buf, packer.stream)
             wire.launched(work, pack_end)
             if packed:

@@ -482,6 +482,8 @@ class WeightSync:
         """Clean up after a failed step; the error names the step and an engine."""
         if self.transport is not None:
             self.transport.failed()
+        if self._calls is not None:
+            self._calls.cancel_pending()
         self._end_quietly(begun)
         dead = self._drop_dead()
         if isinstance(exc, WeightSyncError):

@@ -17,7 +17,7 @@ import torch
 
 from slime_like.errors import EngineError, WeightMetadataError, WeightSyncError
 from slime_like.weights.buckets import Bucket, TensorMeta
-from slime_like.weights.engines import EngineTarget, describe
+from slime_like.weights.engines import CallCancelled, EngineTarget, describe
 
 
 @dataclass
@@ -255,6 +255,8 @@ _COLLATERAL = ("pair.cc", "Connection closed by peer", "Connection reset by peer
 
 
 def _blame_rank(exc: BaseException) -> int:
+    if isinstance(exc, CallCancelled):
+        return 3  # never sent: a consequence of the failure, not a cause
     if isinstance(exc, EngineError) and exc.status is None:
         return 0  # no answer at all: the engine is gone
     if not any(marker in str(exc) for marker in _COLLATERAL):
