@@ -289,7 +289,9 @@ class DistributedTransport(Transport):
         self._finish(ctx, works)
         packer.finish()
         stats.pack_s += packer.pack_seconds()
-        stats.wire_s += wire.seconds(start_ev)
+        wire_s = wire.seconds(start_ev)
+        if wire_s is not None:
+            stats.wire_s = (stats.wire_s or 0.0) + wire_s
 
     def _send_per_tensor(self, ctx: TransferContext) -> None:
         """sglang's per-tensor mode: one request per bucket, one broadcast per tensor."""
@@ -341,10 +343,10 @@ class _WireClock:
             work.wait()
             self.marks.append((pack_end, _record(self.stream)))
 
-    def seconds(self, start: torch.cuda.Event | None) -> float:
+    def seconds(self, start: torch.cuda.Event | None) -> float | None:
         """Sum over buckets of done_k - max(ready_k, done_{k-1}): time the wire was busy."""
         if self.stream is None or start is None:
-            return 0.0
+            return None
         self.stream.synchronize()
         total, prev_done = 0.0, 0.0
         for ready, done in self.marks:
