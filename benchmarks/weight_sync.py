@@ -115,16 +115,18 @@ class EngineSpec:
 
 
 def parse_engines(text: str, cuda: bool) -> list[EngineSpec]:
+    """One engine per comma item: `1` (1 GPU, TP=1) or `2tp2` (2 GPUs, TP=2), e.g. `1,2tp2`."""
     specs, gpu = [], 1
-    for i, item in enumerate(text.split(",")):
-        item = item.strip()
-        tp = int(item.split("tp")[1]) if "tp" in item else 1
-        count = int(item.split("tp")[0]) if "tp" in item else int(item)
-        for _ in range(count):
-            specs.append(EngineSpec(chr(ord("A") + len(specs)), tp, gpu if cuda else 0))
-            gpu += tp
-        if not specs or i > 8:
-            raise SystemExit(f"--engines: cannot parse {text!r} (e.g. 1 or 1,2tp2)")
+    for item in (x.strip() for x in text.split(",")):
+        gpus, _, tp = item.partition("tp")
+        try:
+            gpus_n, tp_n = int(gpus), int(tp or gpus)
+        except ValueError:
+            raise SystemExit(f"--engines: cannot parse {item!r} in {text!r} (e.g. 1 or 1,2tp2)") from None
+        if gpus_n != tp_n or tp_n < 1:
+            raise SystemExit(f"--engines: {item!r}: an engine's GPU count must equal its TP size")
+        specs.append(EngineSpec(chr(ord("A") + len(specs)), tp_n, gpu if cuda else 0))
+        gpu += tp_n
     if cuda and gpu > torch.cuda.device_count():
         raise SystemExit(f"--engines {text}: needs {gpu} GPUs (trainer on GPU 0), "
                          f"{torch.cuda.device_count()} visible")
