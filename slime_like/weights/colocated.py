@@ -20,7 +20,7 @@ import torch
 from slime_like.engine import protocol as p
 from slime_like.weights.buckets import layout
 from slime_like.weights.serialization import serialize
-from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors, timed
+from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors
 from slime_like.weights.transport import TransferContext, Transport
 
 
@@ -61,14 +61,15 @@ class TensorTransport(Transport):
             # in any order; only the last one (it sets weight_version) waits for the others.
             gate = _all_done(list(all_calls)) if k == n - 1 else _always
             calls = []
+            last = k == n - 1
             for engine in ctx.engines:
                 req = p.UpdateWeightsFromTensorRequest(
                     serialized_named_tensors=[serialize(obj) for _ in range(engine.tp_size)],
-                    load_format="flattened_bucket", flush_cache=False,
-                    weight_version=ctx.weight_version if k == n - 1 else None)
+                    load_format="flattened_bucket", flush_cache=ctx.flush_flag(engine, last),
+                    weight_version=ctx.weight_version if last else None)
+                call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
-                    engine, timed(engine.client.update_weights_from_tensor, stats, engine.url),
-                    req, ctx.http_timeout_s, gate=gate))))
+                    engine, call, req, ctx.http_timeout_s, gate=gate))))
             slot_calls[slot] = calls
             all_calls += calls
             del obj, buf  # CUDA: the block sits in torch's IPC limbo until engines let go

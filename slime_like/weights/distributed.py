@@ -45,7 +45,6 @@ from slime_like.weights.transfer import (
     bucket_tensors,
     direct_view,
     metas_body,
-    timed,
 )
 from slime_like.weights.transport import TransferContext, Transport
 
@@ -238,13 +237,17 @@ class DistributedTransport(Transport):
     def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None,
               gate=None) -> list:
         last = k == len(ctx.buckets) - 1
-        req = p.UpdateWeightsFromDistributedRequest(
-            **metas_body(metas), group_name=self.group_name, flush_cache=False,
-            weight_version=ctx.weight_version if last else None, load_format=load_format)
         step = f"update_weights_from_distributed (bucket {k + 1}/{len(ctx.buckets)})"
-        return [ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
-            e, timed(e.client.update_weights_from_distributed, ctx.stats, e.url), req,
-            ctx.http_timeout_s, gate=gate))) for e in ctx.engines]
+        calls = []
+        for e in ctx.engines:
+            req = p.UpdateWeightsFromDistributedRequest(
+                **metas_body(metas), group_name=self.group_name,
+                flush_cache=ctx.flush_flag(e, last),
+                weight_version=ctx.weight_version if last else None, load_format=load_format)
+            call = ctx.update_call(e.client.update_weights_from_distributed, e, last)
+            calls.append(ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
+                e, call, req, ctx.http_timeout_s, gate=gate))))
+        return calls
 
     def _send_flattened(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
