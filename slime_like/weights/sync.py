@@ -333,7 +333,12 @@ class WeightSync:
                 check_same_metadata(self._registered, metas)
                 self._checked = metas
         with steps("attach"):
-            self._connect(metas)
+            try:
+                self._connect(metas)
+            except WeightMetadataError:
+                raise
+            except Exception as e:  # e.g. an engine died between syncs: drop it, say so
+                raise self._failed(e, "attach", []) from e
         buckets = self._buckets(metas)
         engines = list(self.engines)
         calls = self._engine_calls()
