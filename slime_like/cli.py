@@ -26,8 +26,15 @@ def _make_tiny_model(argv: list[str]) -> int:
     return 0
 
 
+def _train(argv: list[str]) -> int:
+    from slime_like.config.cli import main as train_main
+
+    return train_main(argv)
+
+
 COMMANDS = {
     "make-tiny-model": _make_tiny_model,
+    "train": _train,
 }
 
 

@@ -5,8 +5,23 @@ from __future__ import annotations
 import pickle
 
 
+def _rebuild(cls: type, message: str, state: dict) -> SlimeLikeError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
 class SlimeLikeError(Exception):
-    """Base of every error slime_like raises on purpose."""
+    """Base of every error slime_like raises on purpose.
+
+    Subclasses take their own constructor arguments, so pickling (Ray sends exceptions
+    between processes) rebuilds from the message and attributes instead of re-calling
+    `__init__`.
+    """
+
+    def __reduce__(self):
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
 
 
 class ConfigError(SlimeLikeError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -16,6 +17,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
 )
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# One token for every Ray cluster this test session starts: Ray caches the token it first
+# loads for the life of the process, so clusters with different tokens cannot follow one
+# another in one pytest run, and ~/.ray/auth_token (shared with anything else on the
+# machine) is never read or written.
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 

@@ -129,6 +129,7 @@ class EnginePlacement:
     bundle_indices: tuple[int, ...] = ()
     dist_init_host: str | None = None
     shares_trainer_gpus: bool = False
+    group_where: str = ""
 
     @property
     def engine_id(self) -> str:
@@ -239,7 +240,8 @@ def plan_job(topology: Topology, bundles: Sequence[Bundle],
                         update_weights=model.update_weights, slot=slot,
                         bundle_indices=tuple(b.index for b in chunk),
                         dist_init_host=nodes[0] if group.nnodes > 1 else None,
-                        shares_trainer_gpus=slot < layout.num_trainer_slots))
+                        shares_trainer_gpus=slot < layout.num_trainer_slots,
+                        group_where=group.where))
                 engine_index += 1
     routers = tuple(RouterPlan(m.name, m.model_path, m.update_weights, m.pd_disaggregation,
                                m.num_engines) for m in topology.models)

@@ -116,6 +116,8 @@ def convert_value(action: argparse.Action, value: Any, where: str) -> Any:
         return [[_scalar(action, v, f"{where}[{i}][{j}]", False) for j, v in enumerate(row)]
                 for i, row in enumerate(value)]
     nargs = action.nargs
+    if value is None:
+        return _scalar(action, value, where, json_text)
     if nargs in ("+", "*") or isinstance(nargs, int):
         items = value if isinstance(value, list) else [value]
         if nargs == "+" and not items:

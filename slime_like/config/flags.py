@@ -156,6 +156,19 @@ def _ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true", default=False,
                    help="Validate the flags, print the resolved server groups and the nominal "
                         "placement, then exit.")
+    g.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="Report folder of the run (metrics.jsonl, report.md, plots, engine "
+                        "timeline, engine logs); default runs/<timestamp>.")
+    g.add_argument("--simulate-engine-crash-at", type=t.non_negative_int, default=None,
+                   metavar="STEP", help="Kill engine 0's server (SIGKILL) in the middle of this "
+                                        "rollout step, to watch recovery.")
+    g.add_argument("--logprob-check-tolerance", type=t.positive_float, default=1e-4,
+                   help="Largest |engine - trainer| log-probability of a sampled token accepted "
+                        "by the per-step correctness check (fp32 on CPU agrees to ~1e-6).")
+    g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
+                   help="Layers of the tiny model made when --hf-checkpoint is not given.")
+    g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,
+                   help="Hidden size of the tiny model made when --hf-checkpoint is not given.")
 
 
 GROUP_BUILDERS = (_cluster, _rollout, _topology, _router, _weights, _fault_tolerance, _ours)

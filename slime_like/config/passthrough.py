@@ -102,16 +102,6 @@ def server_arg_table() -> tuple[str, tuple[FlagSpec, ...]]:
 
 
 @cache
-def server_arg_fields() -> dict[str, FlagSpec]:
-    """ServerArgs field name -> its (non-deprecated where there are two) flag row."""
-    fields: dict[str, FlagSpec] = {}
-    for spec in server_arg_table()[1]:
-        if spec.dest not in fields or not spec.kind.startswith("deprecated"):
-            fields[spec.dest] = spec
-    return fields
-
-
-@cache
 def router_arg_table() -> tuple[str, tuple[FlagSpec, ...]]:
     """(sglang-router version, every launch_router flag row)."""
     version, specs = _load_table("sglang_router_args.json")

@@ -13,12 +13,10 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from slime_like.config.argtypes import did_you_mean
 from slime_like.config.config_file import InlineSglangConfig, show
-from slime_like.config.passthrough import server_arg_fields
 from slime_like.config.sglang_config import (
     ModelConfig,
     ServerGroupConfig,
@@ -26,6 +24,7 @@ from slime_like.config.sglang_config import (
     load_sglang_config,
     parse_sglang_config,
 )
+from slime_like.engine.launch import server_arg_table
 from slime_like.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -149,7 +148,7 @@ class TopologyInputs:
 # ---- overrides ---------------------------------------------------------------------------
 
 def _check_override_value(key: str, value: Any, where: str) -> None:
-    spec = server_arg_fields()[key]
+    spec = server_arg_table()[key]
     if value is None:
         return
     if spec.kind in ("storetrue", "deprecatedstoretrue", "booleanoptional"):
@@ -170,7 +169,7 @@ def _check_override_value(key: str, value: Any, where: str) -> None:
 def normalize_overrides(raw: Mapping[str, Any], where: str,
                         warnings: list[str]) -> dict[str, Any]:
     """Overrides with `-` -> `_` keys, each a known ServerArgs field with a plausible value."""
-    fields = server_arg_fields()
+    fields = server_arg_table().specs
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
@@ -225,12 +224,13 @@ def _resolve_group(model: ModelConfig, m_where: str, j: int, g: ServerGroupConfi
     overrides = normalize_overrides(g.overrides, where, warnings)
     _check_parallelism(gpe, gpe_where, overrides, where, inputs)
     return GroupSpec(model.name, j, g.worker_type, g.num_gpus, gpe, nnodes,
-                     MappingProxyType(overrides), where)
+                     overrides, where)
 
 
 def _check_parallelism(gpe: int, gpe_where: str, overrides: Mapping[str, Any], where: str,
                        inputs: TopologyInputs) -> None:
-    if "pp_size" in overrides:
+    # A None override means "sglang's default", i.e. unset here.
+    if overrides.get("pp_size") is not None:
         pp, pp_where = overrides["pp_size"], f"{where}.overrides.pp_size"
     else:
         pp, pp_where = inputs.sglang_pp_size or 1, "--sglang-pp-size"
@@ -239,7 +239,7 @@ def _check_parallelism(gpe: int, gpe_where: str, overrides: Mapping[str, Any], w
     if gpe % pp:
         raise ConfigError(pp_where, f"must divide num_gpus_per_engine ({gpe} at {gpe_where}), "
                                     f"got {pp}")
-    if "tp_size" in overrides:
+    if overrides.get("tp_size") is not None:
         tp = overrides["tp_size"]
         if tp <= 0:
             raise ConfigError(f"{where}.overrides.tp_size", f"must be > 0, got {tp}")

@@ -65,6 +65,17 @@ def _check_sizes(args: argparse.Namespace) -> None:
                           f"{args.actor_num_gpus_per_node}")
 
 
+def _check_addresses(args: argparse.Namespace) -> None:
+    for addr in args.rollout_external_engine_addrs or ():
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("--rollout-external-engine-addrs",
+                              f"expected HOST:PORT for each engine, got {addr!r}")
+    if args.sglang_router_ip is not None and args.sglang_router_port is None:
+        raise ConfigError("--sglang-router-port", "required with --sglang-router-ip (the port of "
+                                                  "the router to attach to)")
+
+
 def _resolve_transport(args: argparse.Namespace) -> None:
     if args.update_weight_transport == "nccl":
         args.update_weight_transport = "tensor" if args.colocate else "distributed"
@@ -86,6 +97,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _resolve_offload(args)
     _check_sizes(args)
     _check_router_flags(args)
+    _check_addresses(args)
     _resolve_transport(args)
     _resolve_rollout_gpus(args)
     if args.engine == "sglang" and args.hf_checkpoint is None and \

@@ -3,8 +3,9 @@
 All logic lives in `Engine` (constructible without Ray); this module only decides how the
 actor runs. It is threaded (`max_concurrency`), so a health probe or `get_url` is never
 queued behind a long weight update or a start-up wait, and a group's engines can be driven
-concurrently without the one-call-at-a-time deadlocks slime hits with PP > 1. The caller
-gives resources and placement (placement group + bundle index) with `.options(...)`.
+concurrently without the one-call-at-a-time deadlocks slime hits with PP > 1; a caller
+that parks `wait_exit.remote(None)` learns of a server crash the moment it happens. The
+caller gives resources and placement (placement group + bundle index) with `.options(...)`.
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ class EngineClient:
         s = getattr(self._local, "session", None)
         if s is None:
             s = requests.Session()
+            # Orchestrator <-> engine traffic never goes through a machine-wide HTTP proxy
+            # (a proxy on the head node is a classic cause of router/engine failures).
+            s.trust_env = False
             retry = Retry(total=self._read_retries, connect=self._read_retries, read=0,
                           backoff_factor=0.2, allowed_methods=frozenset({"GET"}),
                           status_forcelist=(502, 504), raise_on_status=False)

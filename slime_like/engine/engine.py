@@ -21,7 +21,9 @@ from typing import Any, Literal, TypeVar
 
 from slime_like.engine import protocol as p
 from slime_like.engine.client import EngineClient
+from slime_like.engine.compat import EngineFeatures
 from slime_like.engine.launch import (
+    ComposedArgs,
     compose_server_args,
     forced_server_args,
     format_host,
@@ -115,6 +117,7 @@ class Engine:
         self._client: EngineClient | None = None
         self._pause_mode: str | None = None
         self._weight_groups: list[str] = []
+        self.features: EngineFeatures | None = None  # read from /server_info once serving
 
     # ---- addresses -------------------------------------------------------------------------
 
@@ -184,6 +187,9 @@ class Engine:
                 last = e
                 logger.warning("%s: a port was taken before the server bound it (attempt %d/%d)",
                                cfg.label, attempt, cfg.port_attempts)
+            except BaseException:
+                self._stop_process()  # nothing half started is left behind, whatever failed
+                raise
         else:
             self._stop_process()
             raise LaunchError(f"{cfg.label}: every one of {cfg.port_attempts} attempts lost a port "
@@ -192,6 +198,23 @@ class Engine:
         if router_url is not None:
             self.register(router_url, api_key=router_api_key, timeout=register_timeout)
         return self.get_url()
+
+    def compose_args(self, *, host: str, port: int, nccl_port: int | None = None,
+                     bootstrap_port: int | None = None) -> ComposedArgs:
+        """This engine's server args for the given address (pure: no ports are touched)."""
+        cfg = self.config
+        forced = forced_server_args(
+            model_path=cfg.model_path, host=host, port=port, nccl_port=nccl_port,
+            num_gpus_per_engine=cfg.num_gpus_per_engine, pp_size=cfg.pp_size,
+            dp_size=cfg.dp_size, ep_size=cfg.ep_size, nnodes=cfg.nnodes,
+            node_rank=cfg.node_rank, dist_init_addr=self.dist_init_addr,
+            base_gpu_id=cfg.base_gpu_id, gpu_id_step=cfg.gpu_id_step, seed=cfg.seed,
+            engine_rank=cfg.engine_rank, enable_memory_saver=cfg.enable_memory_saver,
+            api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
+            disaggregation_bootstrap_port=bootstrap_port)
+        return compose_server_args(forced=forced, sglang_flags=cfg.sglang_flags,
+                                   overrides=cfg.overrides, worker_type=cfg.worker_type,
+                                   overrides_path=cfg.overrides_path)
 
     def _start_once(self) -> None:
         cfg = self.config
@@ -204,18 +227,8 @@ class Engine:
             self.port, self.nccl_port = ports[0], ports[1]
             self.bootstrap_port = ports[2] if prefill else None
             self._client = None
-            forced = forced_server_args(
-                model_path=cfg.model_path, host=host, port=self.port, nccl_port=self.nccl_port,
-                num_gpus_per_engine=cfg.num_gpus_per_engine, pp_size=cfg.pp_size,
-                dp_size=cfg.dp_size, ep_size=cfg.ep_size, nnodes=cfg.nnodes,
-                node_rank=cfg.node_rank, dist_init_addr=self.dist_init_addr,
-                base_gpu_id=cfg.base_gpu_id, gpu_id_step=cfg.gpu_id_step, seed=cfg.seed,
-                engine_rank=cfg.engine_rank, enable_memory_saver=cfg.enable_memory_saver,
-                api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
-                disaggregation_bootstrap_port=self.bootstrap_port)
-            composed = compose_server_args(forced=forced, sglang_flags=cfg.sglang_flags,
-                                           overrides=cfg.overrides, worker_type=cfg.worker_type,
-                                           overrides_path=cfg.overrides_path)
+            composed = self.compose_args(host=host, port=self.port, nccl_port=self.nccl_port,
+                                         bootstrap_port=self.bootstrap_port)
             self.server_args, self.warnings = composed.args, composed.warnings
             # An override may move the port; the server's URL is wherever it was told to bind.
             self.port = int(composed.args["port"])
@@ -253,6 +266,7 @@ class Engine:
                                   self.process.log_tail()) from e
             raise LaunchError(f"{self.config.label}: healthy but cannot generate: {e}",
                               self.process.log_tail()) from e
+        self.features = EngineFeatures.from_server_info(client.server_info())
 
     def register(self, router_url: str, *, api_key: str | None = None, timeout: float = 60.0) -> str | None:
         """Add this engine to the router (node 0, not encoders) and wait until it is listed healthy."""
@@ -353,7 +367,7 @@ class Engine:
             time.sleep(interval)
         raise EngineError(self.client.url, "/flush_cache", 400,
                           f"engine still busy after {attempts} attempts over "
-                          f"{attempts * interval:.0f}s", reason="busy")
+                          f"{attempts * interval:.1f}s", reason="busy")
 
     @_node0
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -463,4 +477,5 @@ class Engine:
                 "bootstrap_port": self.bootstrap_port, "dist_init_addr": self.dist_init_addr,
                 "server_pid": self.server_pid(), "worker_type": self.config.worker_type,
                 "node_rank": self.config.node_rank, "warnings": list(self.warnings),
+                "sglang_version": ".".join(map(str, self.features.version)) if self.features else None,
                 "log_path": str(self.process.log_path) if self.process else None}

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from slime_like.engine.compat import EngineFeatures
 from slime_like.engine.engine import Engine, EngineConfig
 from slime_like.engine.launch import server_arg_table, worker_type_of
 from slime_like.errors import ConfigError, LaunchError
@@ -94,6 +95,7 @@ class ExternalEngine(Engine):
             raise ConfigError(f"external engine {url}/server_info",
                               "does not match the configuration: " + "; ".join(problems))
         self.config.worker_type = actual_type
+        self.features = EngineFeatures.from_server_info(self.info)
         self.bootstrap_port = self.info.get("disaggregation_bootstrap_port") if actual_type == "prefill" else None
         if router_url is not None:
             self.register(router_url, api_key=router_api_key, timeout=register_timeout)

@@ -31,7 +31,7 @@ RENAMED_FIELDS: dict[str, str] = {
     "enable_ep_moe": "ep_size=<n>",
     "enable_flashinfer_mla": "attention_backend=flashinfer",
     "enable_flashmla": "attention_backend=flashmla",
-    "prefill_round_robin_balance": "(dropped; the router balances prefill itself)",
+    "prefill_round_robin_balance": "(removed, no replacement)",
 }
 
 # Parser-only options that are not ServerArgs fields: a YAML `--config` would bypass our
@@ -426,3 +426,23 @@ def format_host(host: str) -> str:
 def server_url(host: str, port: int) -> str:
     """`http://host:port` with IPv6 bracketed, as the router and clients expect."""
     return f"http://{format_host(host)}:{port}"
+
+
+# What the orchestrator relies on an engine's args for: its size and weight-group ranks,
+# where it listens, and its role. Compared against sglang's own parse in the contract tests.
+VIEW_FIELDS: tuple[str, ...] = (
+    "model_path", "host", "port", "nccl_port", "dist_init_addr", "nnodes", "node_rank",
+    "base_gpu_id", "tp_size", "pp_size", "dp_size", "attn_dp_size", "ep_size",
+    "disaggregation_mode", "enable_memory_saver",
+)
+
+
+def engine_view(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Our view of an engine from its server args (sglang's defaults where a field is absent),
+    so a dict we composed and a ServerArgs sglang parsed can be compared field by field."""
+    table = server_arg_table()
+    view = {k: args.get(k, table[k].default if k in table else None) for k in VIEW_FIELDS}
+    view["worker_type"] = worker_type_of(args)
+    view["bootstrap_port"] = args.get("disaggregation_bootstrap_port") \
+        if view["worker_type"] == "prefill" else None
+    return view

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -65,10 +66,17 @@ def server_env(base: Mapping[str, str] | None = None, extra: Mapping[str, str] |
     return env
 
 
+# Resolved here, in the parent: between fork and exec in a threaded process (a Ray worker)
+# the child may call nothing that takes a lock, and dlopen does.
+# Linux only; elsewhere (macOS laptops) only shutdown() takes the server down with us.
+_prctl = (ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+          if sys.platform.startswith("linux") else None)
+
+
 def _set_pdeathsig() -> None:
     """Runs in the child before exec: die with the parent, whatever killed it."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def read_tail(path: Path, max_bytes: int = 6000) -> str:

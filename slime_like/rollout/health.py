@@ -99,15 +99,20 @@ class HealthMonitor:
                 logger.exception("health check round failed")
 
     def check_once(self) -> list[Hashable]:
-        """One round over all engines; returns the keys declared dead in this round."""
+        """One round over all engines; returns the keys declared dead in this round.
+
+        Exited servers are reported before any readiness probe is waited on, so a hung
+        probe of one engine never delays the report of another's death.
+        """
         now = time.monotonic()
         with self._lock:
             engines = dict(self._engines)
-        dead: list[tuple[Hashable, str]] = []
+        dead: list[Hashable] = []
         futures = {}
         for key, w in engines.items():
             if not self._alive(key):
-                dead.append((key, "server process exited"))
+                if self._declare_dead(key, "server process exited"):
+                    dead.append(key)
                 continue
             if w.paused or now - w.since < self.policy.first_wait_s:
                 continue
@@ -126,15 +131,20 @@ class HealthMonitor:
                 if w is None or w.paused:
                     continue
                 w.failures = 0 if ok else w.failures + 1
-                if w.failures >= self.policy.failure_threshold:
-                    dead.append((key, f"{w.failures} consecutive failed probes; last: {why}"))
-        for key, reason in dead:
-            with self._lock:
-                if self._engines.pop(key, None) is None:
-                    continue
-            logger.warning("engine %s is dead: %s", key, reason)
-            self.on_dead(key, reason)
-        return [k for k, _ in dead]
+                failures = w.failures
+            if failures >= self.policy.failure_threshold and self._declare_dead(
+                    key, f"{failures} consecutive failed probes; last: {why}"):
+                dead.append(key)
+        return dead
+
+    def _declare_dead(self, key: Hashable, reason: str) -> bool:
+        """Stop watching `key` and call on_dead once; False if it was already gone."""
+        with self._lock:
+            if self._engines.pop(key, None) is None:
+                return False
+        logger.warning("engine %s is dead: %s", key, reason)
+        self.on_dead(key, reason)
+        return True
 
     def _alive(self, key: Hashable) -> bool:
         try:

@@ -23,7 +23,13 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-from slime_like.engine.launch import ArgTable, ComposedArgs, load_arg_table, render_flags
+from slime_like.engine.launch import (
+    ArgTable,
+    ComposedArgs,
+    format_host,
+    load_arg_table,
+    render_flags,
+)
 from slime_like.errors import ConfigError
 
 ROUTER_DEFAULTS: dict[str, Any] = {
@@ -82,7 +88,10 @@ def compose_router_args(
     if dropped:
         warnings.append(f"dropped {len(dropped)} router flag(s) that sglang-router "
                         f"{table.version} does not have: {', '.join(dropped)}")
-    args.update(host=host, port=int(port), prometheus_host=prometheus_host or host,
+    # sglang-router 0.3.2 parses its bind addresses as socket addresses: an IPv6 host must
+    # come bracketed ("[::1]"); bare "::1" makes it exit with "invalid socket address syntax".
+    args.update(host=format_host(host), port=int(port),
+                prometheus_host=format_host(prometheus_host or host),
                 prometheus_port=int(prometheus_port), pd_disaggregation=pd_disaggregation)
     return ComposedArgs(args=args, dropped=dropped, warnings=warnings)
 

@@ -8,6 +8,7 @@ with new ports a bounded number of times.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slime_like.engine.compat import MIN_ROUTER, SUPPORTED_ROUTER, parse_version
 from slime_like.engine.launch import server_url
 from slime_like.engine.ports import node_ip, reserve_ports
 from slime_like.engine.process import ServerProcess, server_env
@@ -23,6 +25,24 @@ from slime_like.router.args import compose_router_args, render_router_argv
 from slime_like.router.client import RouterClient
 
 logger = logging.getLogger(__name__)
+
+
+def installed_router_version() -> str:
+    """The sglang-router installed for this Python (the one `launch_router` will run)."""
+    try:
+        return importlib.metadata.version("sglang-router")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise LaunchError("sglang-router is not installed (pip install 'sglang-router>=0.3.2')") from e
+
+
+def check_router_version() -> str:
+    """Refuse a router whose worker API we do not speak (UUID worker ids came in 0.3.0)."""
+    version = installed_router_version()
+    if parse_version(version) < MIN_ROUTER:
+        raise LaunchError(f"sglang-router {version} is installed; slime_like needs >= "
+                          f"{'.'.join(map(str, MIN_ROUTER))} (tested with {SUPPORTED_ROUTER}): "
+                          "older routers add workers by URL, not by worker id")
+    return version
 
 
 class Router:
@@ -72,6 +92,7 @@ class Router:
         """Launch and wait until the router answers `/liveness`; LaunchError with its log if not."""
         if self.process is not None and self.process.is_alive():
             return self
+        check_router_version()
         last: LaunchError | None = None
         for attempt in range(1, self.port_attempts + 1):
             try:

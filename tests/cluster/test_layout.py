@@ -169,3 +169,18 @@ def test_external_and_router_only_jobs_place_no_engines():
                                "--debug-rollout-only"])
     assert rollout_only.nominal_plan.trainer == () and \
         [e.slot for e in rollout_only.nominal_plan.engines] == [0, 1]
+
+
+def test_plan_and_topology_survive_pickling_for_ray_actors(tmp_path):
+    import pickle
+
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("sglang:\n  - name: m\n    server_groups:\n      - worker_type: regular\n"
+                   "        num_gpus: 2\n        overrides: {mem_fraction_static: 0.5}\n")
+    args = parse_args(["--hf-checkpoint", "m", "--sglang-config", str(cfg),
+                       "--actor-num-gpus-per-node", "2"])
+    plan = pickle.loads(pickle.dumps(args.nominal_plan))
+    assert plan == args.nominal_plan
+    assert pickle.loads(pickle.dumps(args.topology)) == args.topology
+    assert plan.engines[0].overrides == {"mem_fraction_static": 0.5}
+    assert vars(pickle.loads(pickle.dumps(args))) == vars(args)  # args go to Ray actors whole

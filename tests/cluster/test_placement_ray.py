@@ -7,8 +7,7 @@ placement group, so the next one starts from an empty cluster.
 
 from __future__ import annotations
 
-import os
-import secrets
+import pathlib
 
 import pytest
 import ray
@@ -26,9 +25,7 @@ GPUS_PER_NODE = 4
 
 @pytest.fixture(scope="module")
 def cluster():
-    saved = os.environ.get("RAY_AUTH_TOKEN")
-    # Token auth stays on; this throwaway cluster gets its own token.
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # Token auth stays on, with the session's token (tests/conftest.py).
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         for ip in NODES:
@@ -39,10 +36,6 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_TOKEN", None)
-        else:
-            os.environ["RAY_AUTH_TOKEN"] = saved
 
 
 @ray.remote
@@ -140,3 +133,14 @@ def test_too_large_a_placement_group_fails_in_time_and_is_removed(cluster):
     assert "the cluster has 8 GPUs" in str(err.value)
     after = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
     assert after == before
+
+
+def test_quickstart_places_one_trainer_and_two_engines_on_declared_gpus(cluster):
+    # The CPU job: GPUs are only declared to Ray, and the same placement code runs.
+    config = pathlib.Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    with place_job(parse_args(["--config", str(config)]), timeout_s=60) as placement:
+        plan = placement.plan
+        assert len({b.node_ip for b in plan.bundles}) == 1  # PACK: one node holds all three
+        node = plan.bundles[0].node_ip
+        assert [(t.node_ip, t.gpu_id) for t in plan.trainer] == [(node, 0)]
+        assert [(e.node_ip, e.base_gpu_id) for e in plan.engines] == [(node, 1), (node, 2)]

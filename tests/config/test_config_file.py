@@ -39,7 +39,7 @@ pause_mode: in_place
     assert a.sglang_flags == {"mem_fraction_static": 0.5, "cuda_graph_bs_decode": [1, 2, 4]}
     assert a.router_flags["policy"] == "round_robin"
     assert a.rollout_health_check_first_wait == 10.0 and a.pause_mode == "in_place"
-    assert a.config == str(cfg)
+    assert a.config == str(cfg) and a.rollout_external_engine_addrs is None
 
 
 def test_inline_sglang_config_is_resolved(tmp_path):

@@ -68,24 +68,23 @@ def _value_for(spec) -> list[str]:
 def test_every_sglang_server_flag_reaches_sglang_flags_except_reserved_fields():
     version, specs = server_arg_table()
     assert version == "0.5.23"
-    checked = 0
+    options = {o for action in build_parser()._actions for o in action.option_strings}
+    argv, expected = [], set()
     for spec in specs:
-        for flag in spec.flags:
-            if flag.startswith("--no-"):
-                continue
-            ours = "--sglang-" + flag[2:]
-            if spec.dest == "config":
-                continue  # --sglang-config is slime's server-group YAML, not sglang's --config
-            if spec.dest in RESERVED_SERVER_FIELDS:
-                with pytest.raises(ConfigError, match="not a flag"):
-                    parse_args([ours, *_value_for(spec)], validate=False)
-                continue
-            # validate=False: a value that parses (e.g. pp_size 3) may break a cross-flag rule.
-            a = parse_args([ours, *_value_for(spec)], validate=False)
-            assert spec.dest in a.sglang_flags, ours
-            assert list(a.sglang_flags) == [spec.dest]
-            checked += 1
-    assert checked > 500
+        if spec.dest == "config":
+            continue  # --sglang-config is slime's server-group YAML, not sglang's --config
+        ours = ["--sglang-" + f[2:] for f in spec.flags if not f.startswith("--no-")]
+        if spec.dest in RESERVED_SERVER_FIELDS:
+            assert not options & set(ours), ours
+            with pytest.raises(ConfigError, match="not a flag"):
+                parse_args([ours[0], *_value_for(spec)], validate=False)
+            continue
+        assert set(ours) <= options, ours  # aliases too, e.g. --sglang-pipeline-parallel-size
+        argv += [ours[0], *_value_for(spec)]
+        expected.add(spec.dest)
+    # validate=False: values that parse (e.g. pp_size 3) may break cross-flag rules.
+    a = parse_args(argv, validate=False)
+    assert set(a.sglang_flags) == expected and len(expected) > 500
 
 
 def test_sglang_flags_hold_typed_values_and_only_what_was_set():
@@ -175,6 +174,11 @@ def test_abbreviated_flags_are_not_guessed():
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "4",
       "--sglang-pp-size", "3"], "--sglang-pp-size: must divide num_gpus_per_engine (4 at "
                                 "--rollout-num-gpus-per-engine), got 3"),
+    (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "10.0.0.5:30000", "10.0.0.6"],
+     "--rollout-external-engine-addrs: expected HOST:PORT for each engine, got '10.0.0.6'"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--sglang-router-ip", "10.0.0.9"],
+     "--sglang-router-port: required with --sglang-router-ip (the port of the router to attach "
+     "to)"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "16"],
      "--actor-num-gpus-per-node: must be <= --num-gpus-per-node (8), got 16"),
 ])

@@ -103,3 +103,10 @@ def test_reference_engine_may_run_without_a_checkpoint():
     topo = _resolve({"sglang": [{"name": "m", "server_groups": [
         {"worker_type": "regular", "num_gpus": 1}]}]}, inputs)
     assert topo.models[0].model_path is None and topo.models[0].update_weights
+
+
+def test_null_override_means_sglang_default_not_an_error():
+    topo = _resolve({"sglang": [{"name": "m", "server_groups": [
+        {"worker_type": "regular", "num_gpus": 2, "num_gpus_per_engine": 2,
+         "overrides": {"pp_size": None, "tp_size": None, "chunked_prefill_size": None}}]}]})
+    assert topo.models[0].groups[0].overrides["pp_size"] is None

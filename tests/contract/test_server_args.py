@@ -7,7 +7,6 @@ and every value we meant must come back equal from sglang's parsed record.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -20,7 +19,7 @@ from slime_like.engine.launch import (
     server_arg_table,
     worker_type_of,
 )
-from slime_like.engine.sglang_args_check import check_argvs
+from tests.contract.sglang_parse import register_argv
 
 pytestmark = pytest.mark.sglang
 
@@ -72,15 +71,15 @@ def _composed(case):
                                overrides=overrides, worker_type=worker_type)
 
 
-@pytest.fixture(scope="module")
-def sglang_answers():
-    """One child process parses every case's argv with sglang's own parser."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23; "
-                    "scripts/env.sh does it with SLIME_LIKE_SGLANG=1)")
-    argvs = [render_argv(_composed(c).args, "sglang")[3:] for c in CASES]
-    # The last argv is one sglang must refuse, so the check itself is shown able to fail.
-    return check_argvs([*argvs, BAD_ARGV])
+for _case_ in CASES:
+    register_argv(f"case:{_case_[0]}", render_argv(_composed(_case_).args, "sglang")[3:])
+# One argv sglang must refuse, so the check itself is shown able to fail.
+register_argv("bad_flag", BAD_ARGV)
+
+
+@pytest.fixture
+def sglang_answers(sglang_parsed):
+    return sglang_parsed
 
 
 def _same(ours, theirs) -> bool:
@@ -94,7 +93,7 @@ def _same(ours, theirs) -> bool:
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])
 def test_rendered_argv_constructs_sglang_server_args_with_the_values_we_meant(sglang_answers, index):
     composed = _composed(CASES[index])
-    answer = sglang_answers["results"][index]
+    answer = sglang_answers["results"][f"case:{CASES[index][0]}"]
     assert answer["ok"], f"sglang refused {CASES[index][0]}: {answer['error']}"
     parsed = answer["args"]
     wrong = {k: (v, parsed.get(k)) for k, v in composed.args.items() if not _same(v, parsed.get(k))}
@@ -120,5 +119,5 @@ def test_fields_we_call_renamed_are_gone_or_deprecated_in_sglang(sglang_answers)
 
 
 def test_sglang_refuses_an_argv_with_a_bad_flag(sglang_answers):
-    bad = sglang_answers["results"][-1]
+    bad = sglang_answers["results"]["bad_flag"]
     assert not bad["ok"] and "--cuda-graph-max-bs" in bad["error"]

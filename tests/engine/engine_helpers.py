@@ -36,11 +36,3 @@ def server_processes(port: int) -> list[psutil.Process]:
             pass
     return found
 
-
-def reference_engine_missing() -> str | None:
-    """Why `python -m slime_like.engine.reference` cannot run here, or None when it can."""
-    import importlib.util
-
-    if importlib.util.find_spec("slime_like.engine.reference.__main__") is None:
-        return "the reference engine (python -m slime_like.engine.reference) is not in this tree yet"
-    return None

@@ -5,16 +5,14 @@ from __future__ import annotations
 import re
 import time
 
+import psutil
 import pytest
 import ray
 import requests
 
 from slime_like.engine.actor import EngineActor
 from slime_like.router.router import Router
-from tests.engine.engine_helpers import reference_engine_missing, server_processes, wait_gone
-
-pytestmark = pytest.mark.skipif(reference_engine_missing() is not None,
-                                reason=str(reference_engine_missing()))
+from tests.engine.engine_helpers import server_processes, wait_gone
 
 
 def _served(url: str) -> float:
@@ -26,7 +24,9 @@ def _served(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # "local": never attach to a cluster another process on this machine started.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
+             log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -99,14 +99,32 @@ def test_removed_worker_gets_no_traffic_until_registered_again(two_engines, rout
 
 
 def test_ray_kill_of_an_engine_actor_leaves_no_server_process(ray_local, reference_config):
-    actor = EngineActor.remote(reference_config(host=None, engine_rank=7))
+    # TP=2: the server has rank processes of its own, which must go too.
+    actor = EngineActor.remote(reference_config(host=None, engine_rank=7, num_gpus_per_engine=2))
     ray.get(actor.init.remote(), timeout=300)
     pid = ray.get(actor.server_pid.remote())
     port = ray.get(actor.describe.remote())["port"]
     assert [p.pid for p in server_processes(port)] == [pid]
+    tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    assert len(tree) >= 2, "expected the TP=2 server to have rank processes"
     ray.kill(actor)
-    assert wait_gone([pid]) == []
+    assert wait_gone(tree) == []
     assert server_processes(port) == []
+
+
+def test_a_crash_is_seen_at_once_by_a_caller_waiting_on_the_actor(ray_local, reference_config):
+    actor = EngineActor.remote(reference_config(host=None, engine_rank=8))
+    try:
+        ray.get(actor.init.remote(), timeout=300)
+        waiting = actor.wait_exit.remote(None)  # parked on the threaded actor, no polling
+        assert ray.wait([waiting], timeout=1)[0] == []
+        t0 = time.monotonic()
+        ray.get(actor.simulate_crash.remote(), timeout=30)
+        assert ray.get(waiting, timeout=10) == -9
+        assert time.monotonic() - t0 < 10
+        assert ray.get(actor.is_alive.remote()) is False
+    finally:
+        ray.kill(actor)
 
 
 def test_server_exiting_during_start_up_fails_init_within_seconds_with_its_log_tail(

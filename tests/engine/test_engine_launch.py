@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 
@@ -10,12 +12,9 @@ from slime_like.engine.engine import Engine, EngineConfig
 from slime_like.engine.external import ExternalEngine, expected_fields
 from slime_like.engine.launch import server_url
 from slime_like.engine.ports import PortReservation, reserve_ports
-from slime_like.errors import ConfigError, LaunchError
+from slime_like.errors import ConfigError, EngineError, LaunchError
 from slime_like.router.router import Router
-from tests.engine.engine_helpers import reference_engine_missing, wait_gone
-
-needs_engine = pytest.mark.skipif(reference_engine_missing() is not None,
-                                  reason=str(reference_engine_missing()))
+from tests.engine.engine_helpers import wait_gone
 
 
 @pytest.fixture
@@ -30,6 +29,17 @@ def engines():
     yield track
     for e in started:
         e.shutdown(grace=5)
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_model_dir, tmp_path_factory):
+    """One reference engine for the tests that leave it as they found it."""
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), program="reference",
+                                 host="127.0.0.1", log_dir=str(tmp_path_factory.mktemp("shared")),
+                                 startup_timeout=120.0))
+    engine.init()
+    yield engine
+    engine.shutdown(grace=5)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +90,6 @@ def test_node_0_reserves_the_dist_init_block_on_its_own_node():
 
 # ---- reference engines ---------------------------------------------------------------------
 
-@needs_engine
 def test_taken_ports_do_not_break_launch(engines, reference_config):
     # Squat on every other port of a small range; the engine needs two free ones.
     with reserve_ports(1, consecutive=8) as block:
@@ -131,7 +140,6 @@ def _racing_reserve(losses: int):
     return reserve, calls
 
 
-@needs_engine
 def test_a_port_lost_before_the_server_binds_it_is_retried_with_new_ports(engines, reference_config):
     reserve, calls = _racing_reserve(losses=1)
     try:
@@ -147,25 +155,23 @@ def test_a_port_lost_before_the_server_binds_it_is_retried_with_new_ports(engine
         _LosesTheRace.squatters.clear()
 
 
-@needs_engine
 def test_losing_the_port_race_every_time_is_a_bounded_launch_error(engines, reference_config):
+    # With the retry shown above, one attempt allowed and lost is enough to show the bound.
+    attempts = 1
     reserve, calls = _racing_reserve(losses=99)
     try:
-        engine = engines(Engine(reference_config(port_attempts=2), reserve=reserve))
-        with pytest.raises(LaunchError, match="every one of 2 attempts lost a port"):
+        engine = engines(Engine(reference_config(port_attempts=attempts), reserve=reserve))
+        with pytest.raises(LaunchError, match=f"every one of {attempts} attempts lost a port"):
             engine.init()
-        assert calls["n"] == 2 and not engine.is_alive()
+        assert calls["n"] == attempts and not engine.is_alive()
     finally:
         for s in _LosesTheRace.squatters:
             s.close()
         _LosesTheRace.squatters.clear()
 
 
-@needs_engine
-def test_external_engine_attaches_when_its_server_info_matches(engines, reference_config, router,
-                                                              tiny_model_dir):
-    owned = engines(Engine(reference_config()))
-    owned.init()
+def test_external_engine_attaches_when_its_server_info_matches(shared_engine, router):
+    owned = shared_engine
     ext = ExternalEngine(f"127.0.0.1:{owned.port}",
                          expected=expected_fields(owned.server_args), worker_type="regular")
     assert ext.init(router_url=router.url) == owned.get_url()
@@ -179,11 +185,8 @@ def test_external_engine_attaches_when_its_server_info_matches(engines, referenc
         ext.simulate_crash()
 
 
-@needs_engine
-def test_external_engine_that_does_not_match_is_refused_naming_each_field(engines, reference_config,
-                                                                         router):
-    owned = engines(Engine(reference_config()))
-    owned.init()
+def test_external_engine_that_does_not_match_is_refused_naming_each_field(shared_engine, router):
+    owned = shared_engine
     ext = ExternalEngine(owned.get_url(), expected={"tp_size": 2, "model_path": "other/model",
                                                     "dp_size": 1}, worker_type="prefill")
     with pytest.raises(ConfigError) as e:
@@ -196,7 +199,6 @@ def test_external_engine_that_does_not_match_is_refused_naming_each_field(engine
     assert owned.is_alive()
 
 
-@needs_engine
 def test_prefill_and_decode_engines_register_with_a_pd_router(engines, reference_config, tmp_path):
     with Router(host="127.0.0.1", pd_disaggregation=True, log_dir=tmp_path / "pd") as pd:
         prefill = engines(Engine(reference_config(worker_type="prefill", engine_rank=0)))
@@ -215,3 +217,70 @@ def test_prefill_and_decode_engines_register_with_a_pd_router(engines, reference
         decode.shutdown()
         assert pd.client.list_workers() == []
         assert wait_gone(pids) == []
+
+
+def _generate_in_background(engine: Engine, max_new_tokens: int = 900):
+    """Start one long generation; wait until the engine is running it."""
+    result: dict = {}
+
+    def run():
+        result["out"] = engine.client.generate({
+            "text": "a", "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                             "temperature": 0}}, timeout=120)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = engine.client.loads()["loads"][0]
+        if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
+            return t, result
+        time.sleep(0.02)
+    raise AssertionError("the engine never picked up the request")
+
+
+def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(shared_engine):
+    engine = shared_engine
+    t, result = _generate_in_background(engine)
+    # Frozen behind the engine's back (not through Engine.pause_generation): stuck requests.
+    engine.client.pause_generation("in_place")
+    try:
+        assert engine.flush_cache(attempts=20, interval=0.2) is True
+    finally:
+        engine.client.continue_generation()
+    t.join(60)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_flush_cache_never_aborts_requests_paused_in_place_and_gives_up_in_time(shared_engine):
+    engine = shared_engine
+    t, result = _generate_in_background(engine, max_new_tokens=300)
+    engine.pause_generation("in_place")
+    try:
+        with pytest.raises(EngineError, match=r"/flush_cache.*still busy after 3 attempts"):
+            engine.flush_cache(attempts=3, interval=0.1)
+    finally:
+        engine.continue_generation()
+    t.join(60)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_ipv6_engine_registers_and_serves_through_an_ipv6_router(engines, reference_config, tmp_path):
+    engine = engines(Engine(reference_config(host="::1")))
+    assert engine.init() == f"http://[::1]:{engine.port}"
+    with Router(host="::1", log_dir=tmp_path / "r6") as r6:
+        assert r6.url.startswith("http://[::1]:")
+        engine.register(r6.url)
+        assert r6.client.find_worker(engine.get_url()).is_healthy
+        out = r6.client.generate({"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert "text" in out
+        engine.unregister()

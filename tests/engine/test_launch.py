@@ -193,3 +193,15 @@ def test_render_then_parse_gives_back_the_args():
 def test_render_refuses_a_field_sglang_does_not_have():
     with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
         render_argv({"model_path": "/m", "cuda_graph_max_bs": 8}, "sglang")
+
+
+def test_every_replacement_named_for_a_renamed_field_exists_in_0_5_23():
+    table = server_arg_table()
+    for old, hint in RENAMED_FIELDS.items():
+        if hint.startswith("("):
+            continue  # removed without a replacement
+        for part in hint.split(" (")[0].split(" / "):
+            name, _, value = part.strip().partition("=")
+            assert name in table, (old, name)
+            if value and not value.startswith("<") and table[name].choices:
+                assert value in table[name].choices, (old, part)

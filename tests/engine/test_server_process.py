@@ -118,6 +118,7 @@ def test_environment_drops_alloc_conf_and_exempts_local_hosts_from_proxy(toy):
     assert "no_proxy=corp.example,127.0.0.1,localhost,::1,10.9.8.7,fd00::1" in line
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_server_dies_with_its_parent_even_when_started_from_a_finished_thread(tmp_path):
     """A Ray actor may call start() on a pool thread; killing the actor must kill the server."""
     script = textwrap.dedent(f"""

@@ -58,3 +58,8 @@ def test_argv_runs_the_launcher_with_our_ports():
         i = argv.index(pair[0])
         assert argv[i:i + 2] == pair
     assert "--disable-health-check" in argv and "--pd-disaggregation" not in argv
+
+
+def test_ipv6_bind_addresses_are_bracketed_as_the_router_requires():
+    args = compose_router_args(host="::1", port=15000, prometheus_port=15001).args
+    assert (args["host"], args["prometheus_host"]) == ("[::1]", "[::1]")

@@ -26,6 +26,7 @@ _DEFAULT_MAX_RUNNING = 64
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies across all layers."""
     return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
             * torch.empty((), dtype=dtype).element_size())
 
@@ -40,6 +41,9 @@ class ReferenceEngine:
         self.device = torch.device(args.rank_device(0))
         if args.device == "cuda":
             torch.cuda.set_device(self.device)
+            # cuDNN attention builds a graph per new sequence length (every decode step),
+            # which cost ~1 ms of CPU per layer on an H200; the other kernels don't.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         torch.manual_seed(args.random_seed)
         self.config = ModelConfig.from_pretrained(args.model_path)
         self.dtype = args.torch_dtype(self.config.dtype)
@@ -67,7 +71,8 @@ class ReferenceEngine:
         self.frontend = Frontend(self.scheduler, context_len=self.context_len,
                                  skip_tokenizer_init=args.skip_tokenizer_init,
                                  incremental_streaming=args.incremental_streaming_output,
-                                 vocab_size=self.config.vocab_size)
+                                 vocab_size=self.config.vocab_size,
+                                 prefill_only=args.disaggregation_mode == "prefill")
         self.receiver = WeightReceiver(self.model, tp_rank=0, tp_size=args.tp_size, device=self.device,
                                        model_path=args.model_path, load_format=args.load_format,
                                        seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)
@@ -94,6 +99,7 @@ class ReferenceEngine:
     # ---- info ------------------------------------------------------------------------------
 
     def model_info(self) -> dict:
+        """GET /model_info: live model path, served name and weight version."""
         return {
             "model_path": self.model_path, "served_model_name": self.served_model_name,
             "tokenizer_path": self.args.all_args.get("tokenizer_path") or self.model_path,
@@ -106,6 +112,7 @@ class ReferenceEngine:
         }
 
     def server_info(self) -> dict:
+        """GET /server_info: every resolved sglang arg plus scheduler state."""
         info = {k: _jsonable(v) for k, v in self.args.all_args.items()}
         info.update({
             "model_path": self.model_path, "served_model_name": self.served_model_name,
@@ -125,12 +132,14 @@ class ReferenceEngine:
         return info
 
     def internal_state(self) -> dict:
+        """The per-DP scheduler state dict of /server_info's internal_states."""
         load = self.scheduler.load()
         return {"dp_rank": 0, "tp_size": self.args.tp_size, "weight_version": self.scheduler.weight_version,
                 "paused": self.frontend.paused, "forward_steps": self.scheduler.forward_steps,
                 "last_gen_throughput": load["gen_throughput"], **load}
 
     def load_entry(self) -> dict:
+        """One entry of /v1/loads' `loads` (this engine is dp_rank 0)."""
         load = self.scheduler.load()
         return {"timestamp": _iso_now(), "dp_rank": 0, **load,
                 "utilization": load["token_usage"],
@@ -140,6 +149,7 @@ class ReferenceEngine:
                            "retracted": load["num_retracted_reqs"], "prealloc_ready": 0}}
 
     def model_dir(self) -> Path:
+        """The checkpoint directory currently served."""
         return Path(self.model_path)
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,10 +42,12 @@ class RWLock:
         self._writers_waiting = 0
 
     def is_locked(self) -> bool:
+        """True while any request or update holds the lock."""
         return self._readers > 0 or self._writer
 
     @contextlib.asynccontextmanager
     async def reader(self) -> AsyncIterator[None]:
+        """Held by a /generate from admission until its answer is complete."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
             self._readers += 1
@@ -57,6 +60,7 @@ class RWLock:
 
     @contextlib.asynccontextmanager
     async def writer(self) -> AsyncIterator[None]:
+        """Held by a weight update; waits for readers, blocks new ones."""
         async with self._cond:
             self._writers_waiting += 1
             try:
@@ -89,13 +93,14 @@ class Frontend:
     """Request admission, pause/continue, aborts and the update lock, on the event loop."""
 
     def __init__(self, scheduler: Scheduler, *, context_len: int, skip_tokenizer_init: bool,
-                 incremental_streaming: bool, vocab_size: int):
+                 incremental_streaming: bool, vocab_size: int, prefill_only: bool = False):
         self.scheduler = scheduler
         self.context_len = context_len
         self.vocab_size = vocab_size
         self.tokenizer = ByteTokenizer()
         self.out_tokenizer = None if skip_tokenizer_init else self.tokenizer
         self.incremental_streaming = incremental_streaming
+        self.prefill_only = prefill_only
         self.paused = False
         self.ready = False  # warm-up done (sglang's server_status == Up)
         self.live: dict[str, _Live] = {}
@@ -111,13 +116,16 @@ class Frontend:
 
     @property
     def weight_version(self) -> str:
+        """The live weight version (changed by updates and /update_weight_version)."""
         return self.scheduler.weight_version
 
     # ---- generation ------------------------------------------------------------------------
 
     def parse(self, body: dict, internal: bool = False) -> GenerateJob:
+        """A /generate body -> GenerateJob (SchemaError / ValueError on bad input)."""
         return parse_generate(body, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                              context_len=self.context_len, internal=internal)
+                              context_len=self.context_len, internal=internal,
+                              prefill_only=self.prefill_only and not internal)
 
     def _make_live(self, job: GenerateJob) -> list[_Live]:
         updates: asyncio.Queue = asyncio.Queue()
@@ -125,7 +133,8 @@ class Frontend:
         for i, item in enumerate(job.items):
             req = Req(rid=item.rid, prompt_ids=item.prompt_ids, spec=item.spec, max_len=item.max_len,
                       return_logprob=item.return_logprob, top_logprobs_num=item.top_logprobs_num,
-                      stream=job.stream, log_metrics=job.log_metrics)
+                      input_logprob_start=item.input_logprob_start, stream=job.stream,
+                      log_metrics=job.log_metrics)
             live = _Live(req=req, index=i, updates=updates)
             req.sink = self._sink_for(live)
             lives.append(live)
@@ -137,8 +146,9 @@ class Frontend:
 
         def sink(req: Req, n_out: int, finished: bool) -> None:
             # Runs on the scheduler thread: capture the version now, hand over to the loop.
-            loop.call_soon_threadsafe(live.updates.put_nowait,
-                                      (live, n_out, finished, scheduler.weight_version))
+            with contextlib.suppress(RuntimeError):  # the loop is gone: shutting down
+                loop.call_soon_threadsafe(live.updates.put_nowait,
+                                          (live, n_out, finished, scheduler.weight_version))
         return sink
 
     async def run(self, job: GenerateJob) -> AsyncIterator[tuple[int, dict]]:
@@ -170,6 +180,10 @@ class Frontend:
                     raise EngineUnavailable(
                         "the weights were released by /release_memory_occupation and no weight "
                         "update has arrived since; refusing to serve stale or empty weights")
+                if self.scheduler.pool.released:
+                    raise EngineUnavailable(
+                        "the KV cache was released by /release_memory_occupation; call "
+                        "/resume_memory_occupation before generating")
                 # No await between picking and marking: an abort cannot slip in between.
                 pending = [lv for lv in lives if not lv.done]
                 for lv in pending:
@@ -210,17 +224,30 @@ class Frontend:
     # ---- health ----------------------------------------------------------------------------
 
     async def health_generate(self) -> bool:
-        """One greedy token through the normal path (so it waits at the pause gate, as sglang)."""
+        """sglang's probe: one greedy token through the normal path (so it waits at the pause
+        gate); any forward step the scheduler finishes meanwhile counts as healthy too, so a
+        busy engine with every slot taken still answers at once."""
         timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
         job = self.parse({"input_ids": [0], "rid": f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
                           "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
                          internal=True)
         job.log_metrics = False
+        started = time.monotonic()
+        task = asyncio.create_task(self.generate(job))
         try:
-            await asyncio.wait_for(self.generate(job), timeout)
-            return True
-        except (TimeoutError, asyncio.TimeoutError, EngineUnavailable):
-            return False
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.05)
+                if done:
+                    return task.exception() is None
+                if not self.paused and self.scheduler.last_step_at > started:
+                    return True
+                if time.monotonic() - started > timeout:
+                    return False
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     async def warmup(self) -> None:
         """sglang's warm-up request; the server reports ready only after it succeeded."""
@@ -232,6 +259,7 @@ class Frontend:
     # ---- pause / continue / abort ------------------------------------------------------------
 
     async def pause(self, mode: str) -> None:
+        """/pause_generation: close the gate; abort drains, retract/in_place stop the scheduler."""
         async with self._pause_cond:
             self.paused = True
             if mode == "abort":
@@ -246,6 +274,7 @@ class Frontend:
                 await asyncio.wrap_future(self.scheduler.pause(mode))
 
     async def continue_generation(self) -> None:
+        """/continue_generation: resume the scheduler, then open the gate."""
         async with self._pause_cond:
             self.paused = False
             await asyncio.wrap_future(self.scheduler.resume())
@@ -287,7 +316,9 @@ class Frontend:
                 yield
 
     def is_locked(self) -> bool:
+        """True while any request or update holds the lock."""
         return self._lock is not None and self._lock.is_locked()
 
     def snapshot(self) -> dict[str, Any]:
+        """Frontend state for diagnostics."""
         return {"paused": self.paused, "live_requests": len(self.live)}

@@ -79,6 +79,7 @@ class GenerateItem:
     return_logprob: bool
     top_logprobs_num: int
     max_len: int
+    input_logprob_start: int | None = None
 
 
 @dataclass
@@ -104,7 +105,7 @@ def _per_item(value: Any, n_prompts: int, name: str, default: Any) -> list:
 
 
 def parse_generate(body: dict, *, tokenizer: ByteTokenizer, vocab_size: int, context_len: int,
-                   internal: bool = False) -> GenerateJob:
+                   internal: bool = False, prefill_only: bool = False) -> GenerateJob:
     """A /generate body -> items; raises SchemaError (contract) or ValueError (bad values)."""
     if not internal:
         check_generate_schema(body)
@@ -174,11 +175,13 @@ def parse_generate(body: dict, *, tokenizer: ByteTokenizer, vocab_size: int, con
                 f"messages and {spec.max_new_tokens} tokens for the completion. Please reduce the "
                 "number of tokens in the input messages or the completion to fit within the limit.")
         start = start_lens[i]
-        if return_logprob[i] and start is not None and 0 <= start < len(prompt):
-            raise ValueError(f"logprob_start_len={start} (prompt logprobs) is not supported by the "
-                             "reference engine; use -1 (output tokens only).")
         if start is not None and start > len(prompt):
             raise ValueError(f"logprob_start_len ({start}) is larger than the input length ({len(prompt)}).")
+        # -1 (sglang's default) starts the window at the prompt's end: no prompt logprobs.
+        input_start = start if return_logprob[i] and start is not None and 0 <= start < len(prompt) else None
+        if prefill_only:
+            # PD prefill server: prefill and acknowledge; the decode server generates.
+            spec.max_new_tokens = min(1, spec.max_new_tokens if spec.max_new_tokens is not None else 1)
         if top_nums[i] and top_nums[i] < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {top_nums[i]}.")
         max_len = len(prompt) + (spec.max_new_tokens if spec.max_new_tokens is not None
@@ -187,7 +190,7 @@ def parse_generate(body: dict, *, tokenizer: ByteTokenizer, vocab_size: int, con
             items.append(GenerateItem(
                 rid=rids[i * n + j], prompt_ids=prompt, spec=spec,
                 return_logprob=bool(return_logprob[i]), top_logprobs_num=int(top_nums[i] or 0),
-                max_len=max_len))
+                max_len=max_len, input_logprob_start=input_start))
     return GenerateJob(
         items=items, is_single=is_single and n == 1, stream=bool(body.get("stream")),
         return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
@@ -223,7 +226,7 @@ def build_output(req: Req, n_out: int, finished: bool, version: str, *, job: Gen
             return tokenizer.decode([tok], skip_special_tokens=False) if job.return_text_in_logprobs and tokenizer else None
 
         lps = req.output_logprobs[start:n_out]
-        meta["input_token_logprobs"] = []
+        meta["input_token_logprobs"] = [[lp, tok, text_of(tok)] for lp, tok in req.input_logprobs]
         meta["output_token_logprobs"] = [[lp, tok, text_of(tok)] for lp, tok in zip(lps, out_ids[start:], strict=False)]
         meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if req.top_logprobs_num:

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from slime_like.engine import protocol as p
 from slime_like.engine.reference.engine import ReferenceEngine
 from slime_like.engine.reference.frontend import EngineUnavailable
+from slime_like.engine.reference.openai_api import register_openai_routes
 from slime_like.engine.reference.profiler import Profiler
 from slime_like.engine.reference.sampling import SchemaError
 from slime_like.engine.reference.weight_control import WeightControl
@@ -382,4 +383,5 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return error_400(e)
         return None
 
+    register_openai_routes(app, engine)
     return app

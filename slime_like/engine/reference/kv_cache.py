@@ -32,6 +32,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the pool holds when allocated."""
         n = 1
         for d in self.shape:
             n *= d
@@ -39,9 +40,11 @@ class KVPool:
 
     @property
     def released(self) -> bool:
+        """True after release_memory_occupation(kv_cache)."""
         return self.kv is None
 
     def allocate(self) -> None:
+        """(Re)create the storage, zero-filled."""
         # Zeros, not empty: padded query rows attend to position 0 and must stay finite.
         self.kv = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
@@ -51,12 +54,15 @@ class KVPool:
 
     @property
     def num_free(self) -> int:
+        """Slots no request holds."""
         return len(self._free)
 
     def alloc(self) -> int | None:
+        """A free slot, or None when every slot is taken."""
         return self._free.pop() if self._free else None
 
     def free(self, slot: int) -> None:
+        """Return a slot; its contents are overwritten by the next owner."""
         self._free.append(slot)
 
 
@@ -89,6 +95,7 @@ class BatchKV:
             self.pos = torch.tensor(pos, device=dev)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's K/V into the slots; return K/V over [0, S) per row."""
         kv = self.pool.kv
         keys, values = kv[layer_idx, 0], kv[layer_idx, 1]
         if self.decode:
@@ -141,6 +148,7 @@ class PrefixCache:
         self.queries = 0
 
     def reset(self) -> None:
+        """Forget every cached prefix (/flush_cache)."""
         self.root = _Node((), None, None)
         self.num_tokens = 0
 
@@ -194,7 +202,8 @@ class PrefixCache:
             pos += n
             node = child
         if self.num_tokens > self.capacity:
-            self._evict(self.num_tokens - self.capacity)
+            # Evict down to 90% so a full cache does not rescan the tree on every insert.
+            self._evict(self.num_tokens - int(self.capacity * 0.9))
 
     def _split(self, child: _Node, n: int) -> None:
         """Cut `child`'s edge after n tokens so a diverging suffix can hang off the cut."""

@@ -43,9 +43,11 @@ class EngineMetrics:
         self._label = {"model_name": model_name}
 
     def render(self) -> bytes:
+        """Prometheus text exposition of every series."""
         return generate_latest(self.registry)
 
     def set_queue(self, running: int, waiting: int, paused: int, token_usage: float) -> None:
+        """Queue gauges, updated once per scheduler loop."""
         if self.enabled:
             self._running.labels(**self._label).set(running)
             self._queued.labels(**self._label).set(waiting)
@@ -53,16 +55,19 @@ class EngineMetrics:
             self._token_usage.labels(**self._label).set(token_usage)
 
     def step(self, num_tokens: int, seconds: float) -> None:
+        """One decode step of `num_tokens` tokens took `seconds`."""
         if self.enabled and seconds > 0:
             self._throughput.labels(**self._label).set(num_tokens / seconds)
             self._itl.labels(**self._label).observe(seconds)
 
     def first_token(self, seconds: float) -> None:
+        """Time to first token of one request."""
         if self.enabled:
             self._ttft.labels(**self._label).observe(seconds)
 
     def finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                  latency: float, aborted: bool) -> None:
+        """A request finished (or was aborted)."""
         if self.enabled:
             self._prompt.labels(**self._label).inc(prompt_tokens)
             self._gen.labels(**self._label).inc(completion_tokens)
@@ -73,9 +78,11 @@ class EngineMetrics:
                 self._aborted.labels(**self._label).inc()
 
     def retracted(self, n: int) -> None:
+        """Requests retracted by a pause."""
         if self.enabled and n:
             self._retracted.labels(**self._label).inc(n)
 
     def weight_load(self, seconds: float) -> None:
+        """Duration of one weight update request."""
         if self.enabled:
             self._weight_load.labels(**self._label).observe(seconds)

@@ -26,9 +26,11 @@ class Profiler:
         scheduler.step_hooks.append(self._on_step)
 
     async def start(self, req: p.ProfileRequest) -> None:
+        """/start_profile: start torch.profiler on the scheduler thread."""
         await asyncio.wrap_future(self.scheduler.call(lambda: self._start(req)))
 
     async def stop(self) -> Path:
+        """/stop_profile: stop and write the Chrome trace; returns its path."""
         return await asyncio.wrap_future(self.scheduler.call(self._stop))
 
     def _start(self, req: p.ProfileRequest) -> None:

@@ -104,6 +104,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
+        """sglang's greedy: top-k 1 at temperature 1."""
         return self.top_k == 1
 
 
@@ -200,8 +201,23 @@ def sample_batch(logits: torch.Tensor, specs: list[SamplingSpec],
             drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Rows sharing a
+        # generator draw their noise in one call; a seeded row draws from its own stream,
+        # so its tokens do not depend on the rest of the batch (and nothing syncs per row).
+        noise = torch.empty_like(probs)
+        by_generator: dict[int, list[int]] = {}
         for j, i in enumerate(sampled_rows):
-            chosen[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+            by_generator.setdefault(id(generators[i]), []).append(j)
+        for js in by_generator.values():
+            gen = generators[sampled_rows[js[0]]]
+            if len(js) == 1:
+                noise[js[0]].exponential_(generator=gen)
+            elif len(js) == len(sampled_rows):
+                noise.exponential_(generator=gen)
+            else:
+                noise[torch.tensor(js, device=logits.device)] = torch.empty(
+                    (len(js), vocab), device=logits.device).exponential_(generator=gen)
+        chosen[rows] = (probs / noise).argmax(dim=-1)
     tokens = chosen.tolist()
     if not want_logprobs:
         return tokens, None, logprobs_all

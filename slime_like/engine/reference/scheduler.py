@@ -58,6 +58,8 @@ class Req:
     ids: list[int] = field(default_factory=list)  # prompt + output so far
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprob_start: int | None = None  # prompt position the input-logprob window opens at
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     slot: int | None = None
     kv_len: int = 0  # positions of `ids` whose KV sits in the slot
     cached_tokens: int = 0
@@ -75,6 +77,7 @@ class Req:
 
     @property
     def num_output(self) -> int:
+        """Tokens generated so far (kept across retractions)."""
         return len(self.ids) - len(self.prompt_ids)
 
 
@@ -114,6 +117,7 @@ class Scheduler:
         self.paused_mode: str | None = None  # "retract" | "in_place" while the engine is paused
         self.weights_ready = True  # False between a weights release and the next update
         self.forward_steps = 0
+        self.last_step_at = 0.0  # time.monotonic() at the end of the last forward step
         self.last_step_tokens_per_s = 0.0
         self._shared_gen = make_generator(seed, self.device)
         self._cmds: list[Callable[[], None]] = []
@@ -126,9 +130,11 @@ class Scheduler:
     # ---- thread-safe entry points --------------------------------------------------------
 
     def start(self) -> None:
+        """Start the scheduler thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread after the current step."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -152,15 +158,19 @@ class Scheduler:
         return fut
 
     def submit(self, reqs: list[Req]) -> concurrent.futures.Future:
+        """Queue requests for admission (in order)."""
         return self.call(lambda: self._add(reqs))
 
     def abort(self, rid: str = "", abort_all: bool = False) -> concurrent.futures.Future:
+        """Abort requests whose rid starts with `rid`, or all of them."""
         return self.call(lambda: self._abort(rid, abort_all))
 
     def pause(self, mode: str) -> concurrent.futures.Future:
+        """Apply a pause mode (retract frees KV, in_place freezes)."""
         return self.call(lambda: self._pause(mode))
 
     def resume(self) -> concurrent.futures.Future:
+        """Leave the paused state."""
         return self.call(self._resume)
 
     def flush(self, timeout_s: float = 0.0) -> concurrent.futures.Future:
@@ -209,6 +219,7 @@ class Scheduler:
         self.weight_version = new_version
 
     def abort_everything(self) -> None:
+        """Abort every waiting and running request (scheduler thread)."""
         self._abort("", True)
 
     def _add(self, reqs: list[Req]) -> None:
@@ -258,6 +269,7 @@ class Scheduler:
             self._pending_flush = (time.monotonic() + timeout_s, fut)
 
     def flush_now(self) -> None:
+        """Drop every cached prefix (the caller checked the engine is idle)."""
         self.cache.reset()
 
     def _check_pending_flush(self) -> None:
@@ -279,6 +291,8 @@ class Scheduler:
                 and bool(self.waiting or self.running))
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         with torch.no_grad():
             while True:
                 with self._cv:
@@ -303,6 +317,8 @@ class Scheduler:
                         for r in [*self.running]:
                             self._finish(r, {"type": "abort", "message": f"Internal error: {e}",
                                              "status_code": 500, "err_type": "InternalError"})
+                    # A deferred flush fires as soon as the step that emptied the engine ends.
+                    self._check_pending_flush()
                 self.metrics.set_queue(len(self.running), len(self.waiting),
                                        len(self.waiting) if self.paused_mode else 0,
                                        (self.pool.num_slots - self.pool.num_free) / self.pool.num_slots)
@@ -325,6 +341,7 @@ class Scheduler:
             n_tokens = len(decoding)
         self.running = [r for r in self.running if r.finish is None]
         self.forward_steps += 1
+        self.last_step_at = time.monotonic()
         dt = time.perf_counter() - t0
         if n_tokens:
             self.last_step_tokens_per_s = n_tokens / dt
@@ -334,8 +351,12 @@ class Scheduler:
         slot = self.pool.alloc()
         assert slot is not None
         r.slot = slot
-        # Keep one token to compute: its logits choose the next token.
-        matched, pieces = self.cache.match(r.ids[:len(r.ids) - 1])
+        # Keep one token to compute: its logits choose the next token. Prompt logprobs
+        # need the logits of every position from the window's start, so no reuse past it.
+        limit = len(r.ids) - 1
+        if r.input_logprob_start is not None and not r.input_logprobs:
+            limit = min(limit, max(r.input_logprob_start - 1, 0))
+        matched, pieces = self.cache.match(r.ids[:limit])
         pos = 0
         kv = self.pool.kv
         for piece in pieces:
@@ -369,6 +390,8 @@ class Scheduler:
                                                       any(r.return_logprob for r in rows))
         now = time.perf_counter()
         for b, r in enumerate(rows):
+            if r.input_logprob_start is not None and not r.input_logprobs:
+                self._input_logprobs(r, logits[b, :lens[b]], starts[b])
             r.kv_len += lens[b]
             if r.spec.max_new_tokens == 0:  # prefill only (sglang's cache warm-up request)
                 self._finish(r, {"type": "length", "length": 0})
@@ -389,6 +412,18 @@ class Scheduler:
                 self._finish(r, reason)
             elif r.stream and r.sink is not None:
                 r.sink(r, r.num_output, False)
+
+    def _input_logprobs(self, r: Req, row_logits: torch.Tensor, kv_start: int) -> None:
+        """Logprobs of prompt tokens from the window start (the first prompt token has none)."""
+        lp = torch.log_softmax(row_logits.float(), dim=-1)
+        prompt = r.prompt_ids
+        out: list[tuple[float | None, int]] = []
+        for pos in range(r.input_logprob_start, len(prompt)):
+            if pos == 0:
+                out.append((None, prompt[0]))
+            else:
+                out.append((lp[pos - 1 - kv_start, prompt[pos]].item(), prompt[pos]))
+        r.input_logprobs = out
 
     def _finish_reason(self, r: Req, tok: int) -> dict | None:
         n_out = r.num_output

@@ -27,8 +27,9 @@ def main(argv: list[str]) -> int:
     engine = ReferenceEngine(args)
     try:
         app = create_app(engine)
+        # A bounded graceful shutdown: an open stream must not keep SIGTERM from stopping us.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_keep_alive=30, access_log=False)
+                                timeout_keep_alive=30, access_log=False, timeout_graceful_shutdown=5)
         uvicorn.Server(config).run()
     finally:
         engine.shutdown()

@@ -54,6 +54,7 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,6 +77,9 @@ def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
         model = load_pretrained(args.model_path, device=device, dtype=args.torch_dtype(config.dtype),
                                 load_format="dummy" if args.load_format == "dummy" else "auto",
                                 seed=args.random_seed)
+        # Say "loaded" before joining the group: if loading failed, rank 0 hears the error
+        # instead of waiting in the rendezvous for a rank that will never come.
+        conn.send(("loaded", None))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=args.tp_size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
         receiver = WeightReceiver(model, tp_rank=rank, tp_size=args.tp_size, device=device,
@@ -120,18 +124,44 @@ class TPGroup:
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self._lock = threading.Lock()
+        self._stopping = False
+
+    def _expect(self, rank: int, conn, wanted: str) -> None:
+        proc = self._procs[rank - 1]
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise LaunchError(f"TP rank {rank} exited with code {proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"TP rank {rank} did not report '{wanted}' in {_READY_TIMEOUT_S:.0f}s")
+        status, detail = conn.recv()
+        if status != wanted:
+            raise LaunchError(f"TP rank {rank} failed to start", detail or "")
 
     def wait_ready(self) -> None:
-        """Join the default gloo group as rank 0 and wait for every rank's ready message."""
+        """Wait until every rank loaded its model, join the default gloo group as rank 0,
+        then wait for every rank's ready message."""
+        for rank, conn in enumerate(self._conns, start=1):
+            self._expect(rank, conn, "loaded")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
         for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(_READY_TIMEOUT_S):
-                raise LaunchError(f"TP rank {rank} did not become ready in {_READY_TIMEOUT_S:.0f}s")
-            status, detail = conn.recv()
-            if status != "ready":
-                raise LaunchError(f"TP rank {rank} failed to start", detail or "")
+            self._expect(rank, conn, "ready")
+        if self._procs:
+            threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True).start()
+
+    def _watch_ranks(self) -> None:
+        """A TP rank that dies takes the server down, as a crashed sglang scheduler does."""
+        while not self._stopping:
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive() and not self._stopping:
+                    logger.error("TP rank %d exited with code %s; shutting the engine down",
+                                 rank, proc.exitcode)
+                    for other in self._procs:
+                        if other.is_alive():
+                            other.kill()
+                    os._exit(1)
+            time.sleep(0.2)
 
     def start(self, method: str, per_rank_kwargs: list[dict]) -> None:
         """Send `method` to ranks 1..N-1 (rank 0's kwargs are per_rank_kwargs[0], run by the caller)."""
@@ -152,9 +182,12 @@ class TPGroup:
         return out
 
     def alive(self) -> bool:
+        """True while every rank process runs."""
         return all(p.is_alive() for p in self._procs)
 
     def shutdown(self) -> None:
+        """Ask ranks to exit, kill those that don't, leave the default group."""
+        self._stopping = True
         for conn in self._conns:
             with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send(None)

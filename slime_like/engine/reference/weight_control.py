@@ -100,6 +100,7 @@ class WeightControl:
     # ---- groups ----------------------------------------------------------------------------
 
     async def init_group(self, req: p.InitWeightsUpdateGroupRequest) -> tuple[bool, str]:
+        """/init_weights_update_group on every TP rank (blocks until the rendezvous)."""
         results = await self._fanout("init_group", {
             "master_address": req.master_address, "master_port": req.master_port,
             "rank_offset": req.rank_offset, "world_size": req.world_size,
@@ -110,11 +111,13 @@ class WeightControl:
         return ok, message
 
     async def destroy_group(self, req: p.DestroyWeightsUpdateGroupRequest) -> tuple[bool, str]:
+        """/destroy_weights_update_group on every TP rank."""
         return self._merge(await self._fanout("destroy_group", {"group_name": req.group_name}))
 
     # ---- sessions --------------------------------------------------------------------------
 
     async def begin(self) -> tuple[bool, str]:
+        """/begin_weight_update: open the 0.5.21+ update session."""
         async with self.frontend.model_update():
             if self.session_open:
                 return False, "a weight-update session is already open; call end_weight_update() first"
@@ -123,6 +126,7 @@ class WeightControl:
             return True, "Weight update session started."
 
     async def end(self) -> tuple[bool, str]:
+        """/end_weight_update: close the session; loaded weights become servable."""
         async with self.frontend.model_update():
             if not self.session_open:
                 return False, "no weight-update session is open; call begin_weight_update() first"
@@ -134,6 +138,7 @@ class WeightControl:
     # ---- updates ---------------------------------------------------------------------------
 
     async def update_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest) -> tuple[bool, str]:
+        """/update_weights_from_distributed: gate, lock, receive on every rank, version, flush."""
         refused = self._gate("update_weights_from_distributed")
         if refused:
             return refused
@@ -157,6 +162,7 @@ class WeightControl:
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
 
     async def update_from_tensor(self, req: p.UpdateWeightsFromTensorRequest) -> tuple[bool, str]:
+        """/update_weights_from_tensor: one payload per TP rank through the safe unpickler."""
         refused = self._gate("update_weights_from_tensor")
         if refused:
             return refused
@@ -175,6 +181,7 @@ class WeightControl:
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
 
     async def update_from_disk(self, req: p.UpdateWeightsFromDiskRequest) -> tuple[bool, str]:
+        """/update_weights_from_disk: every rank loads the checkpoint or rolls back."""
         if req.abort_all_requests:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
@@ -188,6 +195,7 @@ class WeightControl:
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
 
     async def update_weight_version(self, req: p.UpdateWeightVersionRequest) -> tuple[bool, str]:
+        """/update_weight_version: record a new version (aborting everything by default)."""
         if req.abort_all_requests:
             await self.frontend.abort_request("", True)
         await asyncio.wrap_future(self.scheduler.call(
@@ -197,10 +205,12 @@ class WeightControl:
     # ---- inspection ------------------------------------------------------------------------
 
     async def get_weights_by_name(self, req: p.GetWeightsByNameRequest) -> list | None:
+        """/get_weights_by_name: the first rows of one parameter on rank 0."""
         return await asyncio.wrap_future(self.scheduler.call(
             lambda: self.receiver.get_weights_by_name(req.name, req.truncate_size)))
 
     async def check_weights(self, req: p.WeightsCheckerRequest) -> dict:
+        """/weights_checker: per-rank checksums, snapshot and compare."""
         if req.action == "checksum":
             results = await self._fanout("checksums", {"skip_tensor_list": req.skip_tensor_list})
             if not all(ok for ok, _ in results):
@@ -231,6 +241,7 @@ class WeightControl:
     # ---- memory ----------------------------------------------------------------------------
 
     async def release_memory(self, tags: list[str] | None) -> None:
+        """/release_memory_occupation: drop weights / KV (idle engine only)."""
         tags = list(tags or p.ALL_MEMORY_TAGS)
 
         def release() -> None:
@@ -255,6 +266,7 @@ class WeightControl:
         await asyncio.wrap_future(self.scheduler.call(release))
 
     async def resume_memory(self, tags: list[str] | None) -> None:
+        """/resume_memory_occupation: give released storage back."""
         tags = list(tags or p.ALL_MEMORY_TAGS)
 
         def resume() -> None:

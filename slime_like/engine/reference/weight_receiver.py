@@ -48,6 +48,7 @@ class Completion:
         self._keep = keep  # buffers that must outlive the asynchronous copy
 
     def wait(self) -> tuple[bool, str]:
+        """Block until the copy finished; (success, message)."""
         if self._event is not None:
             self._event.synchronize()
             self._event, self._keep = None, None
@@ -102,6 +103,7 @@ class WeightReceiver:
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> tuple[bool, str]:
+        """Join weight group `group_name` as rank rank_offset + tp_rank."""
         rank = rank_offset + self.tp_rank
         try:
             if backend == "nccl" and self.device.type != "cuda":
@@ -120,6 +122,7 @@ class WeightReceiver:
         return True, "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave a weight group; unknown names are sglang's 400."""
         pg = self.groups.pop(group_name, None)
         if pg is None:
             return False, "The group to be destroyed does not exist."
@@ -127,6 +130,7 @@ class WeightReceiver:
         return True, "Succeeded to destroy custom process group."
 
     def destroy_all_groups(self) -> None:
+        """Leave every weight group (shutdown)."""
         for name in list(self.groups):
             self.destroy_group(name)
 
@@ -160,6 +164,7 @@ class WeightReceiver:
                 torch._foreach_copy_(dsts, srcs)
 
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Check every name and shape, then copy all tensors in."""
         problems = self.check_loadable((n, t.shape) for n, t in named)
         if problems:
             raise ValueError("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
@@ -295,6 +300,7 @@ class WeightReceiver:
         }
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list | None:
+        """First `truncate_size` rows of a parameter as float32 lists, or None."""
         param = self.params.get(name)
         if param is None and self.tied and name == "lm_head.weight":
             param = self.params.get("model.embed_tokens.weight")
@@ -333,5 +339,6 @@ class WeightReceiver:
         return restored
 
     def describe(self) -> dict:
+        """Rank state for diagnostics."""
         return {"tp_rank": self.tp_rank, "groups": sorted(self.groups), "model_path": self.model_path,
                 "released": self.released is not None, "time": time.time()}

@@ -21,6 +21,10 @@ import requests
 
 from slime_like.engine.reference.tp import free_port
 
+# Engines listen on loopback; a machine-wide HTTP proxy must never see these requests.
+for _var in ("no_proxy", "NO_PROXY"):
+    os.environ[_var] = ",".join(x for x in ("127.0.0.1", "localhost", os.environ.get(_var, "")) if x)
+
 
 @dataclass
 class RunningEngine:
@@ -60,15 +64,20 @@ def start_engine(model_dir: Path, log_dir: Path, *extra: str, env: dict | None =
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)
     engine = RunningEngine(f"http://127.0.0.1:{port}", proc, log_path, argv)
-    if not wait_healthy:
-        return engine
+    if wait_healthy:
+        wait_until_healthy(engine, timeout)
+    return engine
+
+
+def wait_until_healthy(engine: RunningEngine, timeout: float = 90.0) -> None:
+    """Poll /health until 200; an engine that exits or never answers is stopped and reported."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}:\n{engine.log_tail()}")
+        if engine.proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {engine.proc.returncode}:\n{engine.log_tail()}")
         with contextlib.suppress(requests.RequestException):
             if requests.get(engine.url + "/health", timeout=5).status_code == 200:
-                return engine
+                return
         time.sleep(0.2)
     stop_engine(engine)
     raise RuntimeError(f"engine not healthy after {timeout}s:\n{engine.log_tail()}")

@@ -71,6 +71,22 @@ def test_sampled_logprobs_match_trainer_recompute_to_1e5(engine, local_model):
         assert max(abs(a - t[0]) for a, t in zip(expected, triples, strict=True)) < 1e-5
 
 
+def test_prompt_logprobs_from_logprob_start_len_match_recompute(engine, local_model):
+    prompt = TOK.encode("prompt logprobs please")
+    engine.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})  # cache it
+    out = engine.generate({"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                           "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}).json()
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt and entries[0][0] is None
+    with torch.no_grad():
+        lp = torch.log_softmax(local_model(torch.tensor([prompt]))[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        assert abs(entries[pos][0] - lp[pos - 1, prompt[pos]].item()) < 1e-5
+    tail = engine.generate({"input_ids": prompt, "return_logprob": True, "logprob_start_len": 5,
+                            "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+    assert [e[1] for e in tail["input_token_logprobs"]] == prompt[5:]
+
+
 def test_temperature_scaled_logprob_is_that_of_the_scaled_distribution(engine, local_model):
     prompt = TOK.encode("temperature")
     out = engine.generate({"input_ids": prompt, "return_logprob": True, "sampling_params": {
@@ -177,26 +193,24 @@ def test_missing_body_is_a_400_validation_envelope(engine):
 
 
 def test_duplicate_live_rid_is_refused(engine):
-    barrier = threading.Event()
     first: dict = {}
 
     def long_request():
-        barrier.set()
         first["r"] = engine.generate({"text": "dup", "rid": "dup-rid", "sampling_params": {
-            "max_new_tokens": 400, "ignore_eos": True}})
+            "max_new_tokens": 1000, "ignore_eos": True}})
 
     t = threading.Thread(target=long_request)
     t.start()
-    barrier.wait()
-    for _ in range(100):  # until the first request is live
+    try:
+        while engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
+            assert t.is_alive()
         r = engine.generate({"text": "dup", "rid": "dup-rid", "sampling_params": {"max_new_tokens": 1}})
-        if r.status_code == 400:
-            break
-    assert r.status_code == 400
-    assert r.json() == {"error": {"message": "Duplicate request ID detected: dup-rid"}}
-    engine.post("/abort_request", {"rid": "dup-rid"})
-    t.join(timeout=30)
-    assert first["r"].json()["meta_info"]["finish_reason"]["type"] in ("abort", "length")
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "Duplicate request ID detected: dup-rid"}}
+    finally:
+        engine.post("/abort_request", {"rid": "dup-rid"})
+        t.join(timeout=30)
+    assert first["r"].json()["meta_info"]["finish_reason"]["message"] == "Aborted"
 
 
 def test_router_injected_default_keys_are_tolerated(engine):

@@ -1,0 +1,114 @@
+"""Rollout generation through the router: many concurrent /generate calls, retried on failure.
+
+A sample is only kept when its tokens were produced at one weight version (its
+`weight_versions` spans name a single version), so the trainer can recompute its
+log-probabilities at that version. A request that fails (its engine died, the router had no
+worker for a moment) or that came back aborted is sent again, up to `max_attempts` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, as the engine produced it."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_version: str
+    finish_reason: str
+    attempts: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class GenerationError(RuntimeError):
+    """A request kept failing after every retry."""
+
+
+@dataclass
+class RouterGenerator:
+    """Sends prompts to a router's /generate and gathers samples."""
+
+    router_url: str
+    api_key: str | None = None
+    concurrency: int = 64
+    max_attempts: int = 6
+    retry_backoff_s: float = 0.5
+    request_timeout_s: float = 300.0
+
+    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any],
+                 on_sample: Callable[[int], None] | None = None) -> list[Sample]:
+        """n samples per prompt (n separate requests, each abortable by its own rid).
+
+        `on_sample(k)` is called after the k-th sample arrived (e.g. to inject a fault while
+        the rest are in flight).
+        """
+        self._on_sample = on_sample
+        self._done = 0
+        return asyncio.run(self._generate_all(prompts, n, sampling_params))
+
+    async def _generate_all(self, prompts, n, sampling_params) -> list[Sample]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limit = asyncio.Semaphore(self.concurrency)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+            tasks = [self._one(session, limit, i, ids, dict(sampling_params))
+                     for i, ids in enumerate(prompts) for _ in range(n)]
+            return list(await asyncio.gather(*tasks))
+
+    async def _one(self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, index: int,
+                   prompt_ids: list[int], sampling_params: dict[str, Any]) -> Sample:
+        body = {"input_ids": prompt_ids, "sampling_params": sampling_params,
+                "return_logprob": True}
+        last = ""
+        for attempt in range(1, self.max_attempts + 1):
+            async with limit:
+                try:
+                    async with session.post(f"{self.router_url}/generate", json=body) as resp:
+                        text = await resp.text()
+                        if resp.status != 200:
+                            last = f"HTTP {resp.status}: {text[:300]}"
+                        else:
+                            sample = self._parse(index, prompt_ids, await resp.json(content_type=None))
+                            if sample is not None:
+                                sample.attempts = attempt
+                                self._done += 1
+                                if self._on_sample is not None:
+                                    self._on_sample(self._done)
+                                return sample
+                            last = "aborted or produced at more than one weight version"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    last = f"{type(e).__name__}: {e}"
+            logger.info("generate retry %d/%d for prompt %d: %s", attempt, self.max_attempts,
+                        index, last)
+            await asyncio.sleep(self.retry_backoff_s * attempt)
+        raise GenerationError(f"prompt {index}: /generate via {self.router_url} failed "
+                              f"{self.max_attempts} times; last: {last}")
+
+    @staticmethod
+    def _parse(index: int, prompt_ids: list[int], out: Any) -> Sample | None:
+        if isinstance(out, list):
+            out = out[0]
+        meta = out["meta_info"]
+        finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "unknown"
+        if finish == "abort":
+            return None
+        spans = meta.get("weight_versions") or []
+        if len({s["version"] for s in spans}) > 1:
+            return None
+        logprobs = [float(lp) for lp, _tok, _text in meta.get("output_token_logprobs", [])]
+        return Sample(index, list(prompt_ids), list(out["output_ids"]), logprobs,
+                      str(meta.get("weight_version")), finish,
+                      meta={"id": meta.get("id"), "cached_tokens": meta.get("cached_tokens")})

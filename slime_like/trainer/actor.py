@@ -1,0 +1,157 @@
+"""TrainerRank (plain) and TrainerActor (Ray): one data-parallel rank of the policy trainer.
+
+Rank 0 also owns the weight sync into the engines. Its methods run on a threaded actor, so
+a recovering engine can be synced while the driver waits on rollouts; `_weights_lock`
+keeps a sync from reading weights that a train step is changing, and `_dirty` keeps a
+recovering engine from getting weights that are newer than the version the others serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from slime_like.trainer.policy import PolicyTrainer
+from slime_like.weights.engines import EngineTarget
+from slime_like.weights.sync import WeightSync, WeightSyncConfig
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainerRank:
+    """One trainer rank: model + optimiser; rank 0 additionally syncs weights to engines."""
+
+    def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
+                 sync_config: dict[str, Any] | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.model_path = model_path
+        self.lr = lr
+        self.seed = seed
+        self.sync_config = dict(sync_config or {})
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.group: dist.ProcessGroup | None = None
+        self.policy: PolicyTrainer | None = None
+        self.weight_sync: WeightSync | None = None
+        self.version = 0
+        self._dirty = False
+        self._weights_lock = threading.Condition()
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+    def master_port(self) -> int:
+        return free_port()
+
+    def init(self, master_addr: str, master_port: int) -> None:
+        """Join the trainer's own process group (DP all-reduce) and load the policy."""
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if self.device == "cuda" else "gloo",
+                                    init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(minutes=10))
+            self.group = dist.group.WORLD
+        self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
+                                    seed=self.seed, group=self.group)
+
+    def attach_engines(self, engines: list[tuple[str, int]]) -> None:
+        """Rank 0: the engines every full sync pushes to (URL, TP size)."""
+        if self.rank != 0:
+            return
+        cfg = WeightSyncConfig(**self.sync_config)
+        self.weight_sync = WeightSync([EngineTarget(url, tp) for url, tp in engines], cfg)
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def train_step(self, samples: list[tuple[list[int], list[int]]],
+                   advantages: list[float]) -> dict[str, float]:
+        """This rank's shard of one optimiser step; weights are 'dirty' until the next sync."""
+        assert self.policy is not None
+        with self._weights_lock:
+            self._dirty = True
+            return self.policy.train_step(samples, advantages)
+
+    def completion_logprobs(self, samples: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        assert self.policy is not None
+        with self._weights_lock:
+            return self.policy.completion_logprobs(samples)
+
+    # ---- weight sync (rank 0) ------------------------------------------------------------------
+
+    def sync_weights(self) -> dict:
+        """Push the current weights into every attached engine as version `version + 1`."""
+        if self.rank != 0:
+            return {}
+        assert self.policy is not None and self.weight_sync is not None
+        with self._weights_lock:
+            report = self.weight_sync.update(self.policy.model, str(self.version + 1))
+            self.version += 1
+            self._dirty = False
+            self._weights_lock.notify_all()
+        out = report.as_dict()
+        out["dropped"] = self.weight_sync.take_dropped()
+        return out
+
+    def sync_new_engine(self, url: str, tp_size: int, timeout: float = 600.0) -> dict:
+        """Give a recovered engine the weights the others serve, then let full syncs include it.
+
+        Waits while a train step has made the weights newer than the served version (the
+        next full sync comes right after it and covers this engine anyway).
+        """
+        if self.rank != 0:
+            return {}
+        assert self.policy is not None and self.weight_sync is not None
+        with self._weights_lock:
+            if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=timeout):
+                raise TimeoutError(f"weights stayed ahead of the served version for {timeout}s")
+            cfg = WeightSyncConfig(**self.sync_config)
+            one = WeightSync([EngineTarget(url, tp_size)], cfg)
+            try:
+                report = one.update(self.policy.model, str(self.version))
+            finally:
+                one.close()
+            self.weight_sync.remove_engine(url)
+            self.weight_sync.add_engine(EngineTarget(url, tp_size))
+            return report.as_dict()
+
+    def remove_engine(self, url: str) -> None:
+        if self.rank == 0 and self.weight_sync is not None:
+            self.weight_sync.remove_engine(url)
+
+    def current_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        if self.weight_sync is not None:
+            try:
+                self.weight_sync.close()
+            except Exception as e:  # engines may already be gone at teardown
+                logger.warning("closing the weight sync failed: %s", e)
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+            self.group = None
+
+
+TrainerActor = ray.remote(max_concurrency=4)(TrainerRank)
+
+
+def trainer_env() -> dict[str, str]:
+    """Environment for trainer actors: NVLink multicast off, P2P/SHM left on (see DESIGN)."""
+    return {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+            "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0")}

@@ -1,0 +1,56 @@
+"""TrainerGroup: the trainer's Ray actors, created on their placement-group slots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from slime_like.cluster.placement import JobPlacement
+from slime_like.trainer.actor import TrainerActor, trainer_env
+
+
+class TrainerGroup:
+    """N data-parallel trainer ranks; rank 0 drives weight syncs."""
+
+    def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
+                 sync_config: dict[str, Any]):
+        world = len(placement.plan.trainer)
+        env = {"env_vars": trainer_env()}
+        self.actors = [
+            TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
+                rank, world, model_path, lr=lr, seed=seed, sync_config=sync_config)
+            for rank in range(world)
+        ]
+        master_addr = ray.get(self.actors[0].node_ip.remote())
+        master_port = ray.get(self.actors[0].master_port.remote())
+        ray.get([a.init.remote(master_addr, master_port) for a in self.actors])
+
+    @property
+    def rank0(self):
+        return self.actors[0]
+
+    def attach_engines(self, engines: Sequence[tuple[str, int]]) -> None:
+        ray.get(self.rank0.attach_engines.remote(list(engines)))
+
+    def train_step(self, samples: list, advantages: list[float]) -> dict[str, float]:
+        """Split the batch over ranks (contiguous shards), step all, report rank 0's metrics."""
+        n = len(self.actors)
+        shards = [(samples[i::n], advantages[i::n]) for i in range(n)]
+        results = ray.get([a.train_step.remote(s, adv) for a, (s, adv) in zip(self.actors, shards,
+                                                                               strict=True)])
+        return results[0]
+
+    def completion_logprobs(self, samples: list) -> list[list[float]]:
+        return ray.get(self.rank0.completion_logprobs.remote(samples))
+
+    def sync_weights(self) -> dict:
+        return ray.get(self.rank0.sync_weights.remote())
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        finally:
+            for a in self.actors:
+                ray.kill(a)
