@@ -17,7 +17,7 @@ from pathlib import Path
 
 from slime_like.engine import protocol as p
 from slime_like.models.loading import save_state_dict_atomic
-from slime_like.weights.transfer import EngineCall, timed
+from slime_like.weights.transfer import EngineCall
 from slime_like.weights.transport import TransferContext, Transport
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -66,11 +66,14 @@ class DiskTransport(Transport):
         ctx.stats.bytes += sum(t.numel() * t.element_size() for t in state.values())
         ctx.stats.buckets += 1
         del state
-        req = p.UpdateWeightsFromDiskRequest(model_path=str(out), flush_cache=False,
-                                             weight_version=ctx.weight_version)
-        calls = [ctx.watch.add(EngineCall(e, "update_weights_from_disk", ctx.calls.submit(
-            e, timed(e.client.update_weights_from_disk, ctx.stats, e.url), req, ctx.http_timeout_s)))
-            for e in ctx.engines]
+        calls = []
+        for e in ctx.engines:
+            req = p.UpdateWeightsFromDiskRequest(model_path=str(out),
+                                                 flush_cache=ctx.flush_flag(e, True),
+                                                 weight_version=ctx.weight_version)
+            call = ctx.update_call(e.client.update_weights_from_disk, e, True)
+            calls.append(ctx.watch.add(EngineCall(e, "update_weights_from_disk", ctx.calls.submit(
+                e, call, req, ctx.http_timeout_s))))
         ctx.watch.wait_calls(calls)
         if out in self.written:
             self.written.remove(out)

@@ -45,7 +45,6 @@ from slime_like.weights.transfer import (
     bucket_tensors,
     direct_view,
     metas_body,
-    timed,
 )
 from slime_like.weights.transport import TransferContext, Transport
 
@@ -53,6 +52,10 @@ log = logging.getLogger(__name__)
 
 FLATTENED = "flattened_bucket"
 PER_TENSOR = "per_tensor"
+# A finished NCCL broadcast of at least this many bytes proves every receiver joined it
+# (NCCL buffers at most channels x NCCL_BUFFSIZE, ~128 MiB, without the receiver running),
+# so the next bucket's update may be sent before the engine answers this one.
+PIPELINE_MIN_BYTES = 256 << 20
 
 
 def master_address_for(engines: Sequence[EngineTarget]) -> str:
@@ -231,15 +234,20 @@ class DistributedTransport(Transport):
         with torch.cuda.stream(stream):  # NCCL waits for what is queued on this stream
             return dist.broadcast(buf, src=0, group=self.pg, async_op=True)
 
-    def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None) -> list:
+    def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None,
+              gate=None) -> list:
         last = k == len(ctx.buckets) - 1
-        req = p.UpdateWeightsFromDistributedRequest(
-            **metas_body(metas), group_name=self.group_name, flush_cache=False,
-            weight_version=ctx.weight_version if last else None, load_format=load_format)
         step = f"update_weights_from_distributed (bucket {k + 1}/{len(ctx.buckets)})"
-        return [ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
-            e, timed(e.client.update_weights_from_distributed, ctx.stats, e.url), req,
-            ctx.http_timeout_s))) for e in ctx.engines]
+        calls = []
+        for e in ctx.engines:
+            req = p.UpdateWeightsFromDistributedRequest(
+                **metas_body(metas), group_name=self.group_name,
+                flush_cache=ctx.flush_flag(e, last),
+                weight_version=ctx.weight_version if last else None, load_format=load_format)
+            call = ctx.update_call(e.client.update_weights_from_distributed, e, last)
+            calls.append(ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
+                e, call, req, ctx.http_timeout_s, gate=gate))))
+        return calls
 
     def _send_flattened(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
@@ -268,7 +276,12 @@ class DistributedTransport(Transport):
                         stats.wait_s += time.perf_counter() - t0
                 buf = packer.pack(slot, tensors, bucket.nbytes)
             pack_end = _record(packer.stream) if cuda else None
-            self._post(ctx, k, bucket.metas, FLATTENED)
+            # Strict order by default; on GPU after a large bucket, as soon as its broadcast
+            # is done (the engine is then loading it, and can take the next one meanwhile).
+            gate = None
+            if cuda and works and ctx.buckets[k - 1].nbytes >= PIPELINE_MIN_BYTES:
+                gate = works[-1][0].is_completed
+            self._post(ctx, k, bucket.metas, FLATTENED, gate)
             work = self._broadcast(buf, packer.stream)
             wire.launched(work, pack_end)
             if packed:
@@ -279,7 +292,9 @@ class DistributedTransport(Transport):
         self._finish(ctx, works)
         packer.finish()
         stats.pack_s += packer.pack_seconds()
-        stats.wire_s += wire.seconds(start_ev)
+        wire_s = wire.seconds(start_ev)
+        if wire_s is not None:
+            stats.wire_s = (stats.wire_s or 0.0) + wire_s
 
     def _send_per_tensor(self, ctx: TransferContext) -> None:
         """sglang's per-tensor mode: one request per bucket, one broadcast per tensor."""
@@ -331,10 +346,10 @@ class _WireClock:
             work.wait()
             self.marks.append((pack_end, _record(self.stream)))
 
-    def seconds(self, start: torch.cuda.Event | None) -> float:
+    def seconds(self, start: torch.cuda.Event | None) -> float | None:
         """Sum over buckets of done_k - max(ready_k, done_{k-1}): time the wire was busy."""
         if self.stream is None or start is None:
-            return 0.0
+            return None
         self.stream.synchronize()
         total, prev_done = 0.0, 0.0
         for ready, done in self.marks:

@@ -11,7 +11,10 @@ engine reports the sglang version whose protocol it speaks):
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,23 +96,96 @@ def engine_ranks(engines: Sequence[EngineTarget]) -> tuple[list[int], int]:
     return offsets, offset
 
 
-class EngineCalls:
-    """One single-thread executor per engine: calls to an engine run in submission order.
+class CallCancelled(Exception):
+    """A queued engine call that was never sent because the transfer had already failed."""
 
-    Order matters: the bodies of consecutive bucket updates describe consecutive
-    broadcasts, so update k+1 must never overtake update k on its way to an engine.
+
+class EngineCalls:
+    """Per engine, HTTP calls sent in submission order, each once its gate opens.
+
+    Order matters: consecutive bucket updates describe consecutive broadcasts, so update
+    k+1 must never reach an engine before update k. The default gate is "the previous call
+    to this engine has been answered" (strict). A transport may pass a weaker gate that still
+    implies update k was taken up by the engine (e.g. the trainer's broadcast of a large
+    bucket k completed, which the engine cannot let happen before it joined), so that update
+    k+1 travels while the engine still loads bucket k. Up to `depth` calls per engine are in
+    flight; one dispatcher thread per engine waits on gates.
     """
 
-    def __init__(self, engines: Sequence[EngineTarget]):
-        self._pools = {e.url: ThreadPoolExecutor(1, thread_name_prefix=f"engine-{i}")
-                       for i, e in enumerate(engines)}
+    def __init__(self, engines: Sequence[EngineTarget], depth: int = 2):
+        self._lanes = {e.url: _Lane(e.url, depth) for e in engines}
 
-    def submit(self, engine: EngineTarget, fn: Callable[..., T], *args: Any) -> Future[T]:
-        return self._pools[engine.url].submit(fn, *args)
+    def submit(self, engine: EngineTarget, fn: Callable[..., T], *args: Any,
+               gate: Callable[[], bool] | None = None) -> Future[T]:
+        return self._lanes[engine.url].submit(fn, args, gate)
+
+    def cancel_pending(self) -> None:
+        """Fail every call still waiting for its gate (after a transfer failed)."""
+        for lane in self._lanes.values():
+            lane.cancel_pending()
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.close()
+
+
+class _Lane:
+    """One engine's ordered calls: a dispatcher thread and a small pool running them."""
+
+    def __init__(self, url: str, depth: int):
+        self._queue: queue.Queue = queue.Queue()
+        self._pool = ThreadPoolExecutor(depth, thread_name_prefix=f"engine-call-{url}")
+        self._last: Future | None = None
+        self._generation = 0  # bumped by cancel_pending: older queued calls are never sent
+        self._thread = threading.Thread(target=self._dispatch, name=f"engine-gate-{url}",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, args: tuple, gate: Callable[[], bool] | None) -> Future:
+        out: Future = Future()
+        if gate is None:
+            prev = self._last
+            gate = (lambda: True) if prev is None else prev.done
+        self._last = out
+        self._queue.put((self._generation, gate, fn, args, out))
+        return out
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            generation, gate, fn, args, out = item
+            while generation == self._generation:
+                try:
+                    if gate():
+                        break
+                except Exception:  # noqa: BLE001 - a broken gate (e.g. an aborted work): go
+                    break
+                time.sleep(5e-5)
+            if generation != self._generation:
+                out.set_exception(CallCancelled("not sent: the transfer had already failed"))
+                continue
+            out.set_running_or_notify_cancel()
+            inner = self._pool.submit(fn, *args)
+            inner.add_done_callback(lambda f, out=out: _copy_result(f, out))
+
+    def cancel_pending(self) -> None:
+        self._generation += 1
+        self._last = None
+
+    def close(self) -> None:
+        self.cancel_pending()
+        self._queue.put(None)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _copy_result(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
 
 
 def on_all(engines: Sequence[EngineTarget], step: str, fn: Callable[[EngineTarget], T],

@@ -36,9 +36,12 @@ class NamedTensors:
             dup = sorted({n for n in names if names.count(n) > 1})
             raise WeightMetadataError(f"tensor names are not unique: {dup[:5]}")
         self._items = [(n, t.detach()) for n, t in items]
+        # The detached views cannot change shape or dtype: one metadata list serves every
+        # sync (and lets WeightSync skip re-checking it).
+        self._metas = [TensorMeta.of(n, t) for n, t in self._items]
 
     def metadata(self) -> list[TensorMeta]:
-        return [TensorMeta.of(n, t) for n, t in self._items]
+        return self._metas
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._items)

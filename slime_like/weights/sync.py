@@ -36,7 +36,12 @@ import torch
 
 from slime_like.errors import ConfigError, EngineError, WeightMetadataError, WeightSyncError
 from slime_like.weights.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
-from slime_like.weights.engines import EngineCalls, EngineTarget, on_all
+from slime_like.weights.engines import (
+    FLUSH_AFTER_RETRACT_SINCE,
+    EngineCalls,
+    EngineTarget,
+    on_all,
+)
 from slime_like.weights.handshake import engine_model_metadata
 from slime_like.weights.source import as_source, check_same_metadata
 from slime_like.weights.transfer import TransferStats, Watch
@@ -172,6 +177,7 @@ class WeightSync:
         self.weight_version: str | None = None
         self.last_report: SyncReport | None = None
         self._registered: list[TensorMeta] | None = None
+        self._checked: list[TensorMeta] | None = None  # last metadata found equal to _registered
         self._verified: tuple | None = None
         self._engine_meta: dict[tuple[str, str], list[TensorMeta] | None] = {}
         self._probed: set[str] = set()
@@ -222,7 +228,7 @@ class WeightSync:
         return self._calls
 
     def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
-        if report is not None:
+        if report is not None and message not in report.warnings:
             report.warnings.append(message)
         if key not in self._warned:
             self._warned.add(key)
@@ -252,11 +258,12 @@ class WeightSync:
         if fresh:
             on_all(fresh, "attach (GET /server_info)", lambda e: e.probe())
             self._probed.update(e.url for e in fresh)
-        key = (tuple(metas), tuple(e.url for e in self.engines))
-        if self.config.check_engine_metadata and (self._verified != key
-                                                  or self.config.transport == "disk"):
+        urls = tuple(e.url for e in self.engines)
+        same = self._verified is not None and self._verified[1] == urls and (
+            self._verified[0] is metas or self._verified[0] == metas)
+        if self.config.check_engine_metadata and (not same or self.config.transport == "disk"):
             on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
-            self._verified = key
+            self._verified = (metas, urls)
         self._transport().attach(self.engines, self._engine_calls())
 
     def _check_engine(self, engine: EngineTarget, metas: list[TensorMeta]) -> None:
@@ -275,9 +282,8 @@ class WeightSync:
                                 engine=engine.url)
 
     def _buckets(self, metas: list[TensorMeta]) -> list[Bucket]:
-        key = tuple(metas)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
+        if self._plan is None or (self._plan[0] is not metas and self._plan[0] != metas):
+            self._plan = (metas, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
         return self._plan[1]
 
     # ---- engines coming and going ---------------------------------------------------------------
@@ -323,9 +329,16 @@ class WeightSync:
                 raise WeightMetadataError("nothing to sync: the weights have no tensors")
             if self._registered is None:
                 self._registered = metas
-            check_same_metadata(self._registered, metas)
+            if metas is not self._checked:  # a source that reuses its list is checked once
+                check_same_metadata(self._registered, metas)
+                self._checked = metas
         with steps("attach"):
-            self._connect(metas)
+            try:
+                self._connect(metas)
+            except WeightMetadataError:
+                raise
+            except Exception as e:  # e.g. an engine died between syncs: drop it, say so
+                raise self._failed(e, "attach", []) from e
         buckets = self._buckets(metas)
         engines = list(self.engines)
         calls = self._engine_calls()
@@ -339,16 +352,19 @@ class WeightSync:
                 begun = self._begin(engines)
             with steps("transfer"):
                 stats = TransferStats()
-                self._transport().transfer(TransferContext(
+                folded = frozenset(e.url for e in engines if self._folds_flush(e)
+                                   and self._flush_plan(e, report) is None)
+                ctx = TransferContext(
                     engines=engines, buckets=buckets, source=source, weight_version=version,
                     watch=Watch(cfg.http_timeout_s), calls=calls, stats=stats,
-                    http_timeout_s=cfg.http_timeout_s))
+                    http_timeout_s=cfg.http_timeout_s, flush_last=folded)
+                self._transport().transfer(ctx)
                 report.transfer = stats.as_dict()
             with steps("end"):
                 on_all(begun, "end_weight_update", lambda e: e.client.end_weight_update())
                 begun = []
             with steps("flush"):
-                self._flush(engines, report)
+                self._flush(engines, folded, ctx.flush_refused, report)
             with steps("verify"):
                 on_all(engines, "verify_weight_version", lambda e: self._verify(e, version))
         except BaseException as e:
@@ -415,31 +431,45 @@ class WeightSync:
             raise
         return begun
 
-    def _flush(self, engines: list[EngineTarget], report: SyncReport) -> None:
+    def _flush_plan(self, engine: EngineTarget, report: SyncReport) -> str | None:
+        """None when the engine's cache is to be flushed, else why not (the pause-mode rule)."""
         mode = self.config.pause_mode
+        if not self.config.flush_cache:
+            return "skipped: flush_cache is off"
+        if mode == "in_place":
+            return "skipped: in_place keeps the KV cache by design"
+        if mode == "retract" and not engine.flushes_after_retract:
+            self._warn_once(f"flush:{engine.url}", (
+                f"engine {engine.url} (sglang {engine.server_info.get('version')}) keeps "
+                "retracted requests' KV, so its prefix cache is not flushed after a "
+                "retract-mode sync; stale prefixes may be reused until it is flushed"), report)
+            return "skipped: engine keeps retracted KV"
+        return None
 
+    @staticmethod
+    def _folds_flush(engine: EngineTarget) -> bool:
+        # 0.5.23 answers a refused post-update flush with 400 (weights kept); older engines
+        # crash on it, so they get a separate /flush_cache, which is refused harmlessly.
+        return engine.version is not None and engine.version >= FLUSH_AFTER_RETRACT_SINCE
+
+    def _flush(self, engines: list[EngineTarget], folded: frozenset[str],
+               refused: dict[str, str], report: SyncReport) -> None:
         def flush(engine: EngineTarget) -> None:
-            if not self.config.flush_cache:
-                report.flush[engine.url] = "skipped: flush_cache is off"
+            skip = self._flush_plan(engine, report)
+            if skip is not None:
+                report.flush[engine.url] = skip
                 return
-            if mode == "in_place":
-                report.flush[engine.url] = "skipped: in_place keeps the KV cache by design"
-                return
-            if mode == "retract" and not engine.flushes_after_retract:
-                msg = (f"engine {engine.url} (sglang {engine.server_info.get('version')}) keeps "
-                       "retracted requests' KV, so its prefix cache is not flushed after a "
-                       "retract-mode sync; stale prefixes may be reused until it is flushed")
-                self._warn_once(f"flush:{engine.url}", msg, report)
-                report.flush[engine.url] = "skipped: engine keeps retracted KV"
-                return
-            try:
-                ok = engine.client.flush_cache()
-            except EngineError as e:
-                ok, report.flush[engine.url] = False, f"refused: {e}"
+            if engine.url in folded:
+                ok, why = engine.url not in refused, refused.get(engine.url, "")
+            else:
+                try:
+                    ok, why = engine.client.flush_cache(), "the engine was not idle"
+                except EngineError as e:
+                    ok, why = False, str(e)
             if ok:
                 report.flush[engine.url] = "flushed"
             else:
-                report.flush.setdefault(engine.url, "refused: the engine was not idle")
+                report.flush[engine.url] = f"refused: {why}"
                 report.warnings.append(f"engine {engine.url} refused the cache flush after the "
                                        "new weights landed; its prefix cache may be stale")
 
@@ -482,6 +512,8 @@ class WeightSync:
         """Clean up after a failed step; the error names the step and an engine."""
         if self.transport is not None:
             self.transport.failed()
+        if self._calls is not None:
+            self._calls.cancel_pending()
         self._end_quietly(begun)
         dead = self._drop_dead()
         if isinstance(exc, WeightSyncError):

@@ -17,7 +17,7 @@ import torch
 
 from slime_like.errors import EngineError, WeightMetadataError, WeightSyncError
 from slime_like.weights.buckets import Bucket, TensorMeta
-from slime_like.weights.engines import EngineTarget, describe
+from slime_like.weights.engines import CallCancelled, EngineTarget, describe
 
 
 @dataclass
@@ -27,7 +27,7 @@ class TransferStats:
     bytes: int = 0
     buckets: int = 0
     pack_s: float = 0.0      # trainer-side packing (GPU: measured by CUDA events)
-    wire_s: float = 0.0      # broadcast time as seen by the trainer
+    wire_s: float | None = None  # broadcast busy time seen by the trainer (GPU events only)
     http_s: float = 0.0      # summed engine request latency (receive + load + HTTP)
     wait_s: float = 0.0      # host time blocked on buffers or engines
     per_engine_http_s: dict[str, float] = field(default_factory=dict)
@@ -40,7 +40,7 @@ class TransferStats:
 
     def as_dict(self) -> dict:
         return {"bytes": self.bytes, "buckets": self.buckets, "pack_s": round(self.pack_s, 6),
-                "wire_s": round(self.wire_s, 6), "http_s": round(self.http_s, 6),
+                "wire_s": None if self.wire_s is None else round(self.wire_s, 6), "http_s": round(self.http_s, 6),
                 "wait_s": round(self.wait_s, 6),
                 "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
 
@@ -131,6 +131,26 @@ class BucketPacker:
             _copy_into(dst, flat)
             ev1.record()
             self._events.append((ev0, ev1))
+        return dst
+
+    def pack_fresh(self, tensors: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor:
+        """Pack into a new buffer from the caching allocator (GPU), ready when this returns.
+
+        For buffers another process reads through CUDA IPC: an engine's answer does not
+        prove its copy out of the buffer finished (sglang answers once the copy is queued),
+        so a buffer is never rewritten; dropped, it waits in torch's IPC limbo until every
+        consumer released it.
+        """
+        if self.stream is None:
+            raise ValueError("pack_fresh is for CUDA buffers")
+        with torch.cuda.stream(self.stream):
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            _copy_into(dst, [flat_bytes(t) for t in tensors])
+            ev1.record()
+            self._events.append((ev0, ev1))
+        ev1.synchronize()  # the engine reads it from another process, outside our streams
         return dst
 
     def pack_seconds(self) -> float:
@@ -255,6 +275,8 @@ _COLLATERAL = ("pair.cc", "Connection closed by peer", "Connection reset by peer
 
 
 def _blame_rank(exc: BaseException) -> int:
+    if isinstance(exc, CallCancelled):
+        return 3  # never sent: a consequence of the failure, not a cause
     if isinstance(exc, EngineError) and exc.status is None:
         return 0  # no answer at all: the engine is gone
     if not any(marker in str(exc) for marker in _COLLATERAL):

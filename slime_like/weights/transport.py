@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+from slime_like.errors import EngineError
 from slime_like.weights.buckets import Bucket
 from slime_like.weights.engines import EngineCalls, EngineTarget
 from slime_like.weights.source import WeightSource
-from slime_like.weights.transfer import TransferStats, Watch
+from slime_like.weights.transfer import TransferStats, Watch, timed
+
+# sglang 0.5.23's answer when the weights landed but the flush after them was refused.
+FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
 
 
 @dataclass
@@ -24,6 +28,29 @@ class TransferContext:
     calls: EngineCalls
     stats: TransferStats
     http_timeout_s: float
+    #: engines whose last update carries flush_cache=true (saves the separate /flush_cache)
+    flush_last: frozenset[str] = frozenset()
+    #: engine url -> why the flush folded into its last update was refused (weights landed)
+    flush_refused: dict[str, str] = field(default_factory=dict)
+
+    def update_call(self, fn: Callable, engine: EngineTarget, last: bool) -> Callable:
+        """The engine call for one update; a refused folded flush is recorded, not raised."""
+        timed_fn = timed(fn, self.stats, engine.url)
+        if not (last and engine.url in self.flush_last):
+            return timed_fn
+
+        def call(req, timeout):
+            try:
+                return timed_fn(req, timeout)
+            except EngineError as e:
+                if e.status == 400 and FLUSH_REFUSED_MARK in e.body:
+                    self.flush_refused[engine.url] = e.body
+                    return None
+                raise
+        return call
+
+    def flush_flag(self, engine: EngineTarget, last: bool) -> bool:
+        return last and engine.url in self.flush_last
 
 
 class Transport(ABC):

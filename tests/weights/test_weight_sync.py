@@ -23,6 +23,7 @@ from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.weights import ModelWeights, WeightSync, get_model_metadata
 
 PROMPT = [1, 72, 101, 108, 108, 111]
+LONG = 1000  # tokens: long enough (seconds) to be in flight while a sync runs
 _seeds = itertools.count(100)
 
 
@@ -52,7 +53,7 @@ def test_every_rank_matches_the_trainer_after_a_sync(engines, tiny_model_dir, tm
         sync.close()
 
 
-def _start_long_requests(pool, engine, n: int, max_new_tokens: int = 900):
+def _start_long_requests(pool, engine, n: int, max_new_tokens: int = LONG):
     body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "ignore_eos": True,
                                                      "max_new_tokens": max_new_tokens}}
     return [pool.submit(lambda: engine.post("/generate", body, timeout=120).json())
@@ -64,7 +65,7 @@ def _wait_running(engine, n: int, timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         loads = engine.get("/v1/loads").json()["loads"][0]
         if loads["num_running_reqs"] >= n:
-            time.sleep(0.1)  # a few tokens under the old weights
+            time.sleep(0.05)  # a few tokens under the old weights
             return
         time.sleep(0.02)
     raise AssertionError(f"{engine.url}: {n} requests never ran")
@@ -75,12 +76,12 @@ def test_pause_modes_with_requests_in_flight(engines, tiny_model_dir, pause_mode
     old_versions = {e.url: e.weight_version() for e in engines}
     sync = WeightSync([(e.url, e.tp_size) for e in engines], pause_mode=pause_mode,
                       update_weight_buffer_size=64 << 10, http_timeout_s=60)
+    model = trainer_model(tiny_model_dir, seed=next(_seeds))
     try:
         with ThreadPoolExecutor(8) as pool:
             pending = {e.url: _start_long_requests(pool, e, 2) for e in engines}
             for e in engines:
                 _wait_running(e, 2)
-            model = trainer_model(tiny_model_dir, seed=next(_seeds))
             report = sync.update(model)
             results = {url: [f.result(timeout=120) for f in fs] for url, fs in pending.items()}
     finally:
@@ -91,14 +92,14 @@ def test_pause_modes_with_requests_in_flight(engines, tiny_model_dir, pause_mode
             meta = out["meta_info"]
             if pause_mode == "abort":
                 assert meta["finish_reason"]["type"] == "abort"
-                assert meta["completion_tokens"] < 900
+                assert meta["completion_tokens"] < LONG
             else:
                 # kept alive across the update: tokens before it under the old version, after
                 # it under the new one
                 assert meta["finish_reason"]["type"] == "length"
                 spans = meta["weight_versions"]
                 assert spans[0]["version"] == old_versions[e.url] and spans[0]["end"] > 0
-                assert spans[-1]["version"] == new and spans[-1]["end"] == 900
+                assert spans[-1]["version"] == new and spans[-1]["end"] == LONG
         assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
     if pause_mode == "abort":
         assert report.in_flight_at_pause == {e.url: 2 for e in engines}
