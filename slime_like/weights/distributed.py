@@ -52,10 +52,6 @@ log = logging.getLogger(__name__)
 
 FLATTENED = "flattened_bucket"
 PER_TENSOR = "per_tensor"
-# A finished NCCL broadcast of at least this many bytes proves every receiver joined it
-# (NCCL buffers at most channels x NCCL_BUFFSIZE, ~128 MiB, without the receiver running),
-# so the next bucket's update may be sent before the engine answers this one.
-PIPELINE_MIN_BYTES = 256 << 20
 
 
 def master_address_for(engines: Sequence[EngineTarget]) -> str:
@@ -276,12 +272,10 @@ class DistributedTransport(Transport):
                         stats.wait_s += time.perf_counter() - t0
                 buf = packer.pack(slot, tensors, bucket.nbytes)
             pack_end = _record(packer.stream) if cuda else None
-            # Strict order by default; on GPU after a large bucket, as soon as its broadcast
-            # is done (the engine is then loading it, and can take the next one meanwhile).
-            gate = None
-            if cuda and works and ctx.buckets[k - 1].nbytes >= PIPELINE_MIN_BYTES:
-                gate = works[-1][0].is_completed
-            self._post(ctx, k, bucket.metas, FLATTENED, gate)
+            # Update k+1 goes out once the engine answered update k. On GPUs an engine
+            # (sglang, and the reference engine) answers as soon as it has enqueued the
+            # receive and the load, so update k+1 travels while bucket k is on the wire.
+            self._post(ctx, k, bucket.metas, FLATTENED)
             work = self._broadcast(buf, packer.stream)
             wire.launched(work, pack_end)
             if packed:

@@ -38,6 +38,10 @@ class WeightControl:
         self.metrics = metrics
         self.gate_strict = gate == "strict"
         self.session_open = False
+        # CUDA copies of distributed buckets answered before they finished (as sglang does:
+        # its scheduler answers once the receive and the load are enqueued); the session's
+        # end, a version change and every forward step wait for them.
+        self._pending_copies: list[Completion] = []
         self._session_loaded = False
         self.released_tags: set[str] = set()
         self._snapshot: dict | None = None
@@ -97,6 +101,14 @@ class WeightControl:
                 return False, FLUSH_AFTER_UPDATE_FAILED
         return ok, message
 
+    async def _settle_copies(self) -> list[tuple[bool, Any]]:
+        """Wait (off the event loop) for every pending CUDA copy; failures as merge entries."""
+        pending, self._pending_copies = self._pending_copies, []
+        if not pending:
+            return []
+        results = await asyncio.to_thread(lambda: [c.wait() for c in pending])
+        return [(ok, msg) for ok, msg in results if not ok]
+
     # ---- groups ----------------------------------------------------------------------------
 
     async def init_group(self, req: p.InitWeightsUpdateGroupRequest) -> tuple[bool, str]:
@@ -130,7 +142,10 @@ class WeightControl:
         async with self.frontend.model_update():
             if not self.session_open:
                 return False, "no weight-update session is open; call begin_weight_update() first"
+            failed = await self._settle_copies()
             self.session_open = False
+            if failed:
+                return False, "; ".join(str(m) for _, m in failed)
             if self._session_loaded:
                 self.scheduler.weights_ready = True
             return True, "Weight update session ended."
@@ -149,15 +164,19 @@ class WeightControl:
             kwargs = {"names": req.names, "dtypes": req.dtypes, "shapes": req.shapes,
                       "group_name": req.group_name, "load_format": req.load_format}
             results = await self._fanout("receive_distributed", kwargs)
-            waited = []
+            answered = []
             for ok, value in results:
                 if ok and isinstance(value, Completion):
-                    # On CUDA the copy may still run: wait off the scheduler thread, so the
-                    # next bucket's receive is already being launched meanwhile.
-                    waited.append((True, await asyncio.to_thread(value.wait)))
+                    # On CUDA the copy may still run; the next bucket's receive is launched
+                    # behind it. Answer now inside a session; settle before anything that
+                    # makes the weights visible (a version change, the end, no session).
+                    self._pending_copies.append(value)
+                    answered.append((True, (value.ok, value.message)))
                 else:
-                    waited.append((ok, value))
-            ok, message = self._merge(waited)
+                    answered.append((ok, value))
+            if req.weight_version is not None or not self.session_open:
+                answered = [(ok, v) for ok, v in answered] + await self._settle_copies()
+            ok, message = self._merge(answered)
             self.metrics.weight_load(time.perf_counter() - t0)
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
 
