@@ -13,6 +13,7 @@ this one is still being unpacked.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import time
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
 DEFAULT_GROUP_TIMEOUT_S = 600.0
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class Completion:
@@ -93,6 +95,10 @@ class WeightReceiver:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.released: _Released | None = None
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Receive buffers whose copy may still run. Updates are answered before their copy
+        # ends, so a fast sender could make the engine allocate one buffer per bucket; at
+        # most MAX_BUCKETS_IN_FLIGHT stay outstanding (the oldest is waited for first).
+        self._in_flight: collections.deque = collections.deque()
         self._refresh_params()
 
     def _refresh_params(self) -> None:
@@ -185,6 +191,7 @@ class WeightReceiver:
                                  f"({len(shapes)}) must have the same length")
             metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
                      for n, d, s in zip(names, dtypes, shapes, strict=True)]
+            self._bound_in_flight()
             if load_format == "flattened_bucket":
                 entries = layout(metas)
                 buffer = torch.empty(entries[-1].end_idx, dtype=torch.uint8, device=self.device)
@@ -217,7 +224,12 @@ class WeightReceiver:
             t.record_stream(self._load_stream)
         event = torch.cuda.Event()
         event.record(self._load_stream)
+        self._in_flight.append(event)
         return Completion(True, "Succeeded to update parameter online.", event, keep)
+
+    def _bound_in_flight(self) -> None:
+        while len(self._in_flight) >= MAX_BUCKETS_IN_FLIGHT:
+            self._in_flight.popleft().synchronize()
 
     def wait_loads(self) -> None:
         """Make the compute stream wait for every enqueued weight copy (before a forward)."""
