@@ -367,7 +367,9 @@ def run_sync(args, metas, params, urls_tp, transport: str, device, bucket_bytes:
     sync = WeightSync(urls_tp, transport=transport, device=str(device),
                       update_weight_buffer_size=bucket_bytes, pause_mode=args.pause_mode,
                       master_address="127.0.0.1", http_timeout_s=900, group_timeout_s=900)
-    times, reports, ok = [], [], True
+    times: list[float] = []
+    reports: list[dict] = []
+    ok: bool | None = None  # None: not checked (--verify none)
     try:
         for i in range(args.warmup + args.repeats):
             perturb(params)
@@ -377,7 +379,7 @@ def run_sync(args, metas, params, urls_tp, transport: str, device, bucket_bytes:
                 reports.append(report.as_dict())
             last = i == args.warmup + args.repeats - 1
             if args.verify == "each" or (args.verify == "ends" and (i == 0 or last)):
-                ok = verify(engine_urls, metas, params) and ok
+                ok = verify(engine_urls, metas, params) and ok is not False
     finally:
         sync.close()
     return times, reports, ok
@@ -465,7 +467,7 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
                           "met": (ratio <= target) if (ratio and target) else None,
                           "where_time_went": where_time_went(median_report(times, reports))}
                 emit(record, out)
-                if record["met"] is False or not ok:
+                if record["met"] is False or ok is False:
                     log(f"[{layout}] ours (bucket {mb} MiB) at {ratio}x raw, target {target}x; "
                         f"where the time went: {json.dumps(record['where_time_went'])}")
         finally:
@@ -492,7 +494,7 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
                       "met": (ratio <= target) if target else None,
                       "where_time_went": where_time_went(median_report(times, reports))}
             emit(record, out)
-            if record["met"] is False or not ok:
+            if record["met"] is False or ok is False:
                 log(f"[{layout}] tensor transport at {ratio}x d2d, target {target}x; where "
                     f"the time went: {json.dumps(record['where_time_went'])}")
         finally:

@@ -23,10 +23,12 @@ def build_model(config: ModelConfig, device: str | torch.device = "cpu",
     """An uninitialised model allocated straight on `device` (no CPU detour for big layouts)."""
     with torch.device("meta"):
         model = CausalLM(config)
-    model = model.to_empty(device=device)
+    # Cast while still on meta (free): casting after allocation would hold a float32 copy
+    # (2x the bf16 bytes) and leave it fragmented in the CUDA caching allocator.
+    model = model.to(dtype or config.dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(dtype or config.dtype).eval()
+    return model.eval()
 
 
 @torch.no_grad()
