@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import cache
-from importlib import resources
 from typing import Any
 
 from slime_like.config.argtypes import integer, number
+from slime_like.flag_tables import ROUTER_ARGS, SERVER_ARGS, ArgSpec, read_rows
 
 # ServerArgs fields slime sets per engine itself (its `skipped_args`); YAML `overrides` may
 # still set the ones that are not placement-owned (see topology.PLACEMENT_OWNED_FIELDS).
@@ -67,48 +66,19 @@ SGLANG_PREFIX = "sglang_"
 ROUTER_PREFIX = "router_"
 
 
-@dataclass(frozen=True)
-class FlagSpec:
-    """One row of a generated flag table (see scripts/gen_arg_tables.py)."""
-
-    dest: str
-    flags: tuple[str, ...]
-    kind: str
-    type: str | None
-    nargs: int | str | None
-    default: Any
-    choices: tuple[Any, ...] | None
-
-    @property
-    def takes_value(self) -> bool:
-        return self.kind not in ("storetrue", "deprecatedstoretrue", "booleanoptional")
-
-
-def _load_table(name: str) -> tuple[str, list[FlagSpec]]:
-    raw = json.loads(resources.files("slime_like.engine").joinpath("data", name).read_text())
-    version = raw.get("sglang_version") or raw.get("sglang_router_version") or "?"
-    specs = [FlagSpec(dest=r["dest"], flags=tuple(r["flags"]), kind=r["kind"], type=r["type"],
-                      nargs=r["nargs"], default=r["default"],
-                      choices=tuple(r["choices"]) if r["choices"] else None)
-             for r in raw["args"]]
-    return version, specs
-
-
 @cache
-def server_arg_table() -> tuple[str, tuple[FlagSpec, ...]]:
+def server_arg_table() -> tuple[str, tuple[ArgSpec, ...]]:
     """(sglang version, every ServerArgs flag row) from the shipped table."""
-    version, specs = _load_table("sglang_server_args.json")
-    return version, tuple(specs)
+    return read_rows(SERVER_ARGS)
 
 
 @cache
-def router_arg_table() -> tuple[str, tuple[FlagSpec, ...]]:
+def router_arg_table() -> tuple[str, tuple[ArgSpec, ...]]:
     """(sglang-router version, every launch_router flag row)."""
-    version, specs = _load_table("sglang_router_args.json")
-    return version, tuple(specs)
+    return read_rows(ROUTER_ARGS)
 
 
-def _value_type(spec: FlagSpec) -> Callable[[str], Any]:
+def _value_type(spec: ArgSpec) -> Callable[[str], Any]:
     # sglang's own converters (json loads, "4k"-style ints, cuda-graph specs, ...) are not
     # importable here; their values stay the strings given and sglang parses them.
     return {"int": integer, "float": number}.get(spec.type or "", str)
@@ -121,7 +91,7 @@ class _StoreTrueFromChoice(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-def _help(spec: FlagSpec, owner: str, version: str, note: str = "") -> str:
+def _help(spec: ArgSpec, owner: str, version: str, note: str = "") -> str:
     default = "None" if spec.default is None else json.dumps(spec.default)
     text = f"{owner} {version} `{spec.dest}` (default: {default.replace('%', '%%')})"
     if spec.kind.startswith("deprecated"):
@@ -129,7 +99,7 @@ def _help(spec: FlagSpec, owner: str, version: str, note: str = "") -> str:
     return text + (f"; {note}" if note else "")
 
 
-def _add(group: argparse._ArgumentGroup, spec: FlagSpec, prefix: str, dest: str, help_: str,
+def _add(group: argparse._ArgumentGroup, spec: ArgSpec, prefix: str, dest: str, help_: str,
          default: Any = argparse.SUPPRESS) -> None:
     # Aliases are kept (e.g. --sglang-tp-size and --sglang-tensor-parallel-size), like slime.
     names = [f"--{prefix}{f[2:]}" for f in spec.flags if f.startswith("--")
@@ -209,13 +179,13 @@ def pop_prefixed(namespace: argparse.Namespace, prefix: str,
     return out
 
 
-def sglang_dests() -> dict[str, FlagSpec]:
+def sglang_dests() -> dict[str, ArgSpec]:
     """Namespace dest -> row for the `--sglang-*` flags actually added to the parser."""
     return {SGLANG_PREFIX + s.dest: s for s in server_arg_table()[1]
             if s.dest not in RESERVED_SERVER_FIELDS}
 
 
-def router_dests() -> dict[str, FlagSpec]:
+def router_dests() -> dict[str, ArgSpec]:
     """Namespace dest -> row for the `--router-*` flags actually added to the parser."""
     return {ROUTER_PREFIX + s.dest: s for s in router_arg_table()[1]
             if s.dest not in EXCLUDED_ROUTER_FIELDS}

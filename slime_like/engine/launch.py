@@ -13,10 +13,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from typing import Any, Literal
 
 from slime_like.errors import ConfigError
+from slime_like.flag_tables import SERVER_ARGS, ArgSpec, ArgTable, load_arg_table
 
 WorkerType = Literal["regular", "prefill", "decode", "encoder"]
 WORKER_TYPES: tuple[str, ...] = ("regular", "prefill", "decode", "encoder")
@@ -42,64 +42,10 @@ _NOT_FIELDS = frozenset({"config"})
 _JSON_TYPES = frozenset({"loads", "json_list_type"})
 
 
-@dataclass(frozen=True)
-class ArgSpec:
-    """One ServerArgs field as sglang's argparse declares it."""
-
-    dest: str
-    flags: tuple[str, ...]
-    kind: str
-    type: str | None
-    nargs: int | str | None
-    default: Any
-    choices: tuple[Any, ...] | None
-
-    @property
-    def flag(self) -> str:
-        return self.flags[0]
-
-    @property
-    def is_switch(self) -> bool:
-        return self.kind in ("storetrue", "deprecatedstoretrue")
-
-    @property
-    def deprecated(self) -> bool:
-        return self.kind.startswith("deprecated")
-
-
-@dataclass(frozen=True)
-class ArgTable:
-    """The flags one sglang version accepts, by field name."""
-
-    version: str
-    specs: Mapping[str, ArgSpec]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.specs
-
-    def __getitem__(self, name: str) -> ArgSpec:
-        return self.specs[name]
-
-
-def load_arg_table(resource: str, version_key: str, skip: frozenset[str] = frozenset()) -> ArgTable:
-    """A flag table from `slime_like/engine/data/` (see scripts/gen_arg_tables.py)."""
-    raw = json.loads(resources.files("slime_like.engine.data").joinpath(resource).read_text())
-    specs: dict[str, ArgSpec] = {}
-    for row in raw["args"]:
-        if row["dest"] in skip or not row["flags"]:
-            continue
-        spec = ArgSpec(row["dest"], tuple(row["flags"]), row["kind"], row["type"], row["nargs"],
-                       row["default"], tuple(row["choices"]) if row["choices"] else None)
-        # A field may appear twice (a current flag and a deprecated spelling); keep the current.
-        if spec.dest not in specs or specs[spec.dest].deprecated:
-            specs[spec.dest] = spec
-    return ArgTable(raw[version_key], specs)
-
-
 @cache
 def server_arg_table() -> ArgTable:
     """sglang's ServerArgs flags, loaded once from the packaged table."""
-    return load_arg_table("sglang_server_args.json", "sglang_version", _NOT_FIELDS)
+    return load_arg_table(SERVER_ARGS, _NOT_FIELDS)
 
 
 @dataclass

@@ -23,14 +23,9 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-from slime_like.engine.launch import (
-    ArgTable,
-    ComposedArgs,
-    format_host,
-    load_arg_table,
-    render_flags,
-)
+from slime_like.engine.launch import ComposedArgs, format_host, render_flags
 from slime_like.errors import ConfigError
+from slime_like.flag_tables import ROUTER_ARGS, ArgTable, load_arg_table
 
 ROUTER_DEFAULTS: dict[str, Any] = {
     "log_level": "warn",
@@ -48,7 +43,7 @@ _FORCED = ("host", "port", "prometheus_host", "prometheus_port", "pd_disaggregat
 @cache
 def router_arg_table() -> ArgTable:
     """sglang-router's launcher flags, loaded once from the packaged table."""
-    return load_arg_table("sglang_router_args.json", "sglang_router_version")
+    return load_arg_table(ROUTER_ARGS)
 
 
 def compose_router_args(

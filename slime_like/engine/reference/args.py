@@ -14,13 +14,12 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from functools import cache
-from importlib import resources
 from typing import Any
 
 import torch
 
 from slime_like.errors import ConfigError
+from slime_like.flag_tables import SERVER_ARGS, ArgSpec, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +74,9 @@ _TYPES = {"str": str, "int": int, "float": float, "human_readable_int": human_re
           "loads": _json_value, "json_list_type": _json_value, "nullable_str": _nullable_str}
 
 
-@cache
-def sglang_arg_table() -> tuple[dict, ...]:
+def sglang_arg_table() -> tuple[ArgSpec, ...]:
     """Rows of the sglang 0.5.23 flag table (dest, flags, kind, type, nargs, default, choices)."""
-    text = resources.files("slime_like.engine").joinpath("data/sglang_server_args.json").read_text()
-    return tuple(json.loads(text)["args"])
+    return read_rows(SERVER_ARGS)[1]
 
 
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
@@ -91,22 +88,22 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
     for row in sglang_arg_table():
-        kwargs: dict[str, Any] = {"dest": row["dest"]}
+        kwargs: dict[str, Any] = {"dest": row.dest}
         if not suppress_defaults:
-            kwargs["default"] = row["default"]
-        kind = row["kind"]
-        flags = row["flags"]
+            kwargs["default"] = row.default
+        kind = row.kind
+        flags = row.flags
         if kind in ("storetrue", "deprecatedstoretrue"):
             kwargs["action"] = "store_true"
         elif kind == "booleanoptional":
             kwargs["action"] = argparse.BooleanOptionalAction
             flags = [f for f in flags if not f.startswith("--no-")] or flags[:1]
         else:
-            kwargs["type"] = _TYPES.get(row["type"] or "str", str)
-            if row["nargs"] is not None:
-                kwargs["nargs"] = row["nargs"]
-            if row["choices"] and row["type"] in ("str", "int", None):
-                kwargs["choices"] = row["choices"]
+            kwargs["type"] = _TYPES.get(row.type or "str", str)
+            if row.nargs is not None:
+                kwargs["nargs"] = row.nargs
+            if row.choices and row.type in ("str", "int", None):
+                kwargs["choices"] = row.choices
         # sglang's parser enforces --model-path itself; here a missing one gets our error text.
         p.add_argument(*flags, **kwargs)
     p.add_argument(
@@ -185,7 +182,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
     ignored = sorted(d for d in given if d not in USED_DESTS
                      and d != "reference_weight_update_gate")
     if ignored:
-        flag_of = {row["dest"]: row["flags"][0] for row in sglang_arg_table()}
+        flag_of = {row.dest: row.flag for row in sglang_arg_table()}
         logger.warning("reference engine: accepted but ignored sglang flags: %s",
                        " ".join(flag_of.get(d, d) for d in ignored))
 

@@ -1,0 +1,86 @@
+"""The flag tables of sglang's ServerArgs and sglang-router's launcher, read once.
+
+slime_like renders, parses and checks sglang/router command lines without importing
+either package (absent on CPU machines and in trainer images), so the flags sglang 0.5.23
+and sglang-router 0.3.2 accept are shipped as data in `slime_like/engine/data/`
+(regenerate with `scripts/gen_arg_tables.py`). Every layer that needs them (flags, launch,
+the reference engine, the router) reads them through this module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+SERVER_ARGS = "sglang_server_args.json"
+ROUTER_ARGS = "sglang_router_args.json"
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One flag as the tool's argparse declares it (one row of a table)."""
+
+    dest: str
+    flags: tuple[str, ...]
+    kind: str
+    type: str | None
+    nargs: int | str | None
+    default: Any
+    choices: tuple[Any, ...] | None
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0]
+
+    @property
+    def takes_value(self) -> bool:
+        return self.kind not in ("storetrue", "deprecatedstoretrue", "booleanoptional")
+
+    @property
+    def is_switch(self) -> bool:
+        return self.kind in ("storetrue", "deprecatedstoretrue")
+
+    @property
+    def deprecated(self) -> bool:
+        return self.kind.startswith("deprecated")
+
+
+@cache
+def read_rows(resource: str) -> tuple[str, tuple[ArgSpec, ...]]:
+    """(tool version, every row in declaration order, aliases and deprecated spellings too)."""
+    raw = json.loads(resources.files("slime_like.engine").joinpath("data", resource).read_text())
+    version = raw.get("sglang_version") or raw.get("sglang_router_version") or "?"
+    rows = tuple(ArgSpec(r["dest"], tuple(r["flags"]), r["kind"], r["type"], r["nargs"],
+                         r["default"], tuple(r["choices"]) if r["choices"] else None)
+                 for r in raw["args"])
+    return version, rows
+
+
+@dataclass(frozen=True)
+class ArgTable:
+    """The flags one tool version accepts, by field name (one spec per field)."""
+
+    version: str
+    specs: Mapping[str, ArgSpec]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.specs
+
+    def __getitem__(self, name: str) -> ArgSpec:
+        return self.specs[name]
+
+
+def load_arg_table(resource: str, skip: frozenset[str] = frozenset()) -> ArgTable:
+    """One spec per field: a field declared twice keeps its current (non-deprecated) flag."""
+    version, rows = read_rows(resource)
+    specs: dict[str, ArgSpec] = {}
+    for spec in rows:
+        if spec.dest in skip or not spec.flags:
+            continue
+        if spec.dest not in specs or specs[spec.dest].deprecated:
+            specs[spec.dest] = spec
+    return ArgTable(version, specs)
