@@ -53,9 +53,12 @@ class EngineClient:
             # Orchestrator <-> engine traffic never goes through a machine-wide HTTP proxy
             # (a proxy on the head node is a classic cause of router/engine failures).
             s.trust_env = False
-            retry = Retry(total=self._read_retries, connect=self._read_retries, read=0,
-                          backoff_factor=0.2, allowed_methods=frozenset({"GET"}),
-                          status_forcelist=(502, 504), raise_on_status=False)
+            # Connection attempts are retried briefly for any verb (nothing was sent yet), so
+            # a dead engine is still known within a fraction of a second; answered reads are
+            # retried only for GETs on a gateway error.
+            retry = Retry(total=self._read_retries, connect=2, read=0, backoff_factor=0.05,
+                          allowed_methods=frozenset({"GET"}), status_forcelist=(502, 504),
+                          raise_on_status=False)
             s.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=16))
             s.mount("https://", HTTPAdapter(max_retries=retry, pool_maxsize=16))
             self._local.session = s

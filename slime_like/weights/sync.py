@@ -369,8 +369,10 @@ class WeightSync:
                 on_all(engines, "verify_weight_version", lambda e: self._verify(e, version))
         except BaseException as e:
             failure = e
-            raise self._failed(e, steps.current, begun) from e
+            error = self._failed(e, steps.current, begun)
         finally:
+            # The living engines resume first: finding out which engines died (pings with
+            # a timeout) must not keep the healthy ones paused.
             with steps("continue"):
                 problems = self._continue(paused)
             if problems and failure is None:
@@ -378,6 +380,8 @@ class WeightSync:
                     f"{url}: {msg}" for url, msg in problems), problems[0][0])
             if problems:
                 log.error("after a failed sync, continue_generation also failed: %s", problems)
+        if failure is not None:
+            raise self._with_dead_dropped(error) from failure
         self._counter += 1
         self.weight_version = version
         report.total_s = time.perf_counter() - start
@@ -509,18 +513,22 @@ class WeightSync:
                 on_all(engines, "end_weight_update", end)
 
     def _failed(self, exc: BaseException, step: str, begun: list[EngineTarget]) -> WeightSyncError:
-        """Clean up after a failed step; the error names the step and an engine."""
+        """Clean up after a failed step; the error names the step (and the engine, if known)."""
         if self.transport is not None:
             self.transport.failed()
         if self._calls is not None:
             self._calls.cancel_pending()
         self._end_quietly(begun)
-        dead = self._drop_dead()
         if isinstance(exc, WeightSyncError):
-            err = exc
-        else:
-            err = WeightSyncError(step, f"{type(exc).__name__}: {exc}", dead[0] if dead else None)
+            return exc
+        return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
+
+    def _with_dead_dropped(self, err: WeightSyncError) -> WeightSyncError:
+        """Drop engines that stopped answering and say so in the error."""
+        dead = self._drop_dead()
         if dead:
+            if err.engine is None:
+                err.engine = dead[0]
             err.args = (f"{err.args[0]}; dropped engines that stopped answering: "
                         f"{', '.join(dead)} (the next sync rebuilds the group without them)",)
         return err
