@@ -31,3 +31,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from slime_like.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    """A real sglang-router (round robin) on loopback, one per test module."""
+    from slime_like.router.router import Router
+
+    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"},
+               log_dir=tmp_path_factory.mktemp("router"))
+    r.start()
+    yield r
+    r.stop()

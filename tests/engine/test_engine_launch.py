@@ -42,15 +42,6 @@ def shared_engine(tiny_model_dir, tmp_path_factory):
     engine.shutdown(grace=5)
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"},
-               log_dir=tmp_path_factory.mktemp("router"))
-    r.start()
-    yield r
-    r.stop()
-
-
 # ---- no server needed ----------------------------------------------------------------------
 
 def test_ipv6_node_ips_are_bracketed_in_urls():

@@ -14,13 +14,12 @@ import pytest
 import requests
 import torch
 
-from slime_like.engine.process import ServerProcess
-from slime_like.engine.reference.tp import free_port
 from slime_like.errors import UnsafePayloadError
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.transformer import hf_named_parameters
 from slime_like.weights import serialization
 from slime_like.weights.buckets import FlattenedTensorMetadata, flatten, unflatten
+from tests.weights.weight_sync_helpers import start_engine
 
 pytestmark = pytest.mark.sglang
 
@@ -123,28 +122,6 @@ def test_sglang_blocks_what_we_block(import_sglang):
         serialization.deserialize(data)
 
 
-def _start_reference_engine(model_dir, log_dir) -> tuple[str, ServerProcess]:
-    port = free_port()
-    proc = ServerProcess([sys.executable, "-m", "slime_like.engine.reference", "--model-path",
-                          str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
-                         log_path=log_dir / f"engine-{port}.log", name=f"engine:{port}")
-    proc.start()
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return requests.get(url + "/health", timeout=5).status_code == 200
-        except requests.RequestException:
-            return False
-
-    try:
-        proc.wait_healthy(healthy, timeout=120)
-    except BaseException:
-        proc.terminate(grace=5)
-        raise
-    return url, proc
-
-
 def test_reference_engine_loads_a_flattened_bucket_made_by_sglangs_serializer(
         import_sglang, tiny_model_dir, tmp_path):
     common = import_sglang("sglang.srt.utils.common")
@@ -154,7 +131,8 @@ def test_reference_engine_loads_a_flattened_bucket_made_by_sglangs_serializer(
     # the way slime/verl send a colocated update: sglang's bucket, sglang's serializer
     named = [(n, p.detach()) for n, p in hf_named_parameters(model)]
     bucket = tensor_bucket.FlattenedTensorBucket(named_tensors=named)
-    url, proc = _start_reference_engine(tiny_model_dir, tmp_path)
+    engine = start_engine(tiny_model_dir, tmp_path)
+    url, proc = engine.url, engine.process
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors to another program
     try:

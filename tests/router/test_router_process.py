@@ -13,15 +13,6 @@ from slime_like.errors import LaunchError, RouterError
 from slime_like.router.router import Router
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"},
-               log_dir=tmp_path_factory.mktemp("router"))
-    r.start()
-    yield r
-    r.stop()
-
-
 def test_started_router_is_live_but_not_ready_without_workers(router):
     assert router.client.is_live()
     ready = router.client.readiness()

@@ -125,6 +125,14 @@ def extend_mask(starts: list[int], lens: list[int], device: torch.device | str) 
     return mask[:, None], positions
 
 
+def _shared_prefix(key: tuple[int, ...], ids: list[int], pos: int) -> int:
+    """How many leading tokens of `key` equal `ids[pos:]`."""
+    n, limit = 0, min(len(key), len(ids) - pos)
+    while n < limit and key[n] == ids[pos + n]:
+        n += 1
+    return n
+
+
 class _Node:
     __slots__ = ("key", "kv", "children", "parent", "last_used")
 
@@ -161,10 +169,7 @@ class PrefixCache:
             if child is None:
                 break
             key = child.key
-            n = 0
-            limit = min(len(key), len(ids) - pos)
-            while n < limit and key[n] == ids[pos + n]:
-                n += 1
+            n = _shared_prefix(key, ids, pos)
             child.last_used = tick
             pieces.append(child.kv if n == len(key) else child.kv[:, :, :, :n])
             pos += n
@@ -192,10 +197,7 @@ class PrefixCache:
                 self.num_tokens += len(key)
                 break
             key = child.key
-            n = 0
-            limit = min(len(key), len(ids) - pos)
-            while n < limit and key[n] == ids[pos + n]:
-                n += 1
+            n = _shared_prefix(key, ids, pos)
             child.last_used = tick
             if n < len(key):
                 self._split(child, n)
