@@ -26,8 +26,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from slime_like.engine.reference.tp import free_port  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
+from slime_like.reference_engine.tp import free_port  # noqa: E402
 
 
 def start_engine(model_dir: Path, cpu: int, max_running: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -37,7 +37,7 @@ def start_engine(model_dir: Path, cpu: int, max_running: int, log: Path) -> tupl
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "slime_like.engine.reference", "--model-path", str(model_dir),
+            [sys.executable, "-m", "slime_like.reference_engine", "--model-path", str(model_dir),
              "--host", "127.0.0.1", "--port", str(port), "--max-running-requests", str(max_running),
              "--log-level", "warning"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,

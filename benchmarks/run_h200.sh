@@ -18,7 +18,7 @@ for step in ${steps[*]}; do
                 --engines 1 --verify "${MOE_VERIFY:-ends}" --repeats 2 \
                 --json-out "$out/weight_sync.jsonl" 2>&1 | tee "$out/moe30b.log" ;;
     gputests) timeout -k 10 "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -x -s \
-                tests/engine/reference/test_gpu.py 2>&1 | tee "$out/gputests.log" ;;
+                tests/reference_engine/test_gpu.py 2>&1 | tee "$out/gputests.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

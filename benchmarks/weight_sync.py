@@ -54,8 +54,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from slime_like.models.config import ModelConfig  # noqa: E402
 from slime_like.models.transformer import CausalLM, hf_named_parameters  # noqa: E402
-from slime_like.weights.buckets import TensorMeta, dtype_from_name, dtype_name  # noqa: E402
-from slime_like.weights.process_group import (  # noqa: E402
+from slime_like.protocol.buckets import TensorMeta, dtype_from_name, dtype_name  # noqa: E402
+from slime_like.protocol.weight_group import (  # noqa: E402
     destroy_process_group,
     init_custom_process_group,
     tcp_init_method,
@@ -322,14 +322,14 @@ class Engines:
     """Reference engines as plain processes (no Ray), killed with their whole tree."""
 
     def __init__(self, model_dir: Path, specs: list[EngineSpec], cuda: bool, log_dir: Path):
-        from slime_like.engine.process import ServerProcess, server_env
+        from slime_like.cluster.process import ServerProcess, server_env
 
         self.procs, self.urls = [], []
         env = server_env(extra={"PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)})
         for spec in specs:
             port = free_port()
-            argv = [sys.executable, "-m", "slime_like.engine.reference", "--model-path",
+            argv = [sys.executable, "-m", "slime_like.reference_engine", "--model-path",
                     str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                     "--tp-size", str(spec.tp_size), "--load-format", "dummy",
                     "--context-length", "256", "--max-running-requests", "2",

@@ -40,7 +40,7 @@ if [ -z "${RAY_ADDRESS:-}" ]; then
   trap stop_cluster EXIT
   read -r gcs_port dash_port bundles gpus < <(python - "${args[@]}" <<'PY'
 import socket, sys
-from slime_like.cluster.layout import layout_from_args
+from slime_like.config.layout import layout_from_args
 from slime_like.config.parse import parse_args
 def free():
     with socket.socket() as s:

@@ -27,7 +27,7 @@ def _make_tiny_model(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from slime_like.config.cli import main as train_main
+    from slime_like.train import main as train_main
 
     return train_main(argv)
 

@@ -84,3 +84,14 @@ def load_arg_table(resource: str, skip: frozenset[str] = frozenset()) -> ArgTabl
         if spec.dest not in specs or specs[spec.dest].deprecated:
             specs[spec.dest] = spec
     return ArgTable(version, specs)
+
+
+# Parser-only options that are not ServerArgs fields: a YAML `--config` would bypass our
+# composition, so it is never passed through.
+_NOT_SERVER_FIELDS = frozenset({"config"})
+
+
+@cache
+def server_arg_table() -> ArgTable:
+    """sglang's ServerArgs flags, loaded once from the packaged table."""
+    return load_arg_table(SERVER_ARGS, _NOT_SERVER_FIELDS)

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import ray
 
-from slime_like.cluster.layout import layout_from_args
 from slime_like.cluster.placement import place_job
-from slime_like.errors import SlimeLikeError
+from slime_like.config.layout import layout_from_args
+from slime_like.config.parse import parse_args
+from slime_like.dry_run import describe
+from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.models.tiny import make_tiny_model
 from slime_like.report import RunReport
 from slime_like.rollout.generate import Sample
@@ -189,10 +191,20 @@ def train(args: argparse.Namespace) -> int:
         logger.info("report: %s", path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from slime_like.config.cli import main as cli_main
+PROG = "slime-like train"
 
-    return cli_main(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """`slime-like train`: parse and validate the flags, then run the job (or `--dry-run`)."""
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(describe(args))
+        return 0
+    return int(train(args) or 0)
 
 
 if __name__ == "__main__":

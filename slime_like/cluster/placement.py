@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime_like.cluster.layout import (
+from slime_like.config.layout import (
     Bundle,
     EnginePlacement,
     JobPlan,

@@ -24,8 +24,8 @@ from slime_like.config.sglang_config import (
     load_sglang_config,
     parse_sglang_config,
 )
-from slime_like.engine.launch import server_arg_table
 from slime_like.errors import ConfigError
+from slime_like.flag_tables import server_arg_table
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from slime_like.cluster.layout import layout_from_args, nominal_bundles, plan_job
+from slime_like.config.layout import layout_from_args, nominal_bundles, plan_job
 from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
 from slime_like.config.topology import resolve_topology
 from slime_like.errors import ConfigError

@@ -1,6 +1,6 @@
-"""EngineActor: the Ray actor around `Engine`, one per engine per node.
+"""EngineActor: the Ray actor around `EngineServer`, one per engine per node.
 
-All logic lives in `Engine` (constructible without Ray); this module only decides how the
+All logic lives in `EngineServer` (constructible without Ray); this module only decides how the
 actor runs. It is threaded (`max_concurrency`), so a health probe or `get_url` is never
 queued behind a long weight update or a start-up wait, and a group's engines can be driven
 concurrently without the one-call-at-a-time deadlocks slime hits with PP > 1; a caller
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import ray
 
-from slime_like.engine.engine import Engine, EngineConfig
+from slime_like.engine.server import EngineConfig, EngineServer
 
 MAX_CONCURRENCY = 16
 
 
-class _EngineActor(Engine):
-    """Engine, plus what only makes sense across a Ray boundary."""
+class _EngineActor(EngineServer):
+    """EngineServer, plus what only makes sense across a Ray boundary."""
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)

@@ -16,8 +16,8 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from slime_like.engine import protocol as p
 from slime_like.errors import EngineError
+from slime_like.protocol import io_struct as p
 
 DEFAULT_TIMEOUT_S = 60.0
 

@@ -2,7 +2,7 @@
 
 `attach` reads `/server_info`, checks the fields that must match what the job expects
 (naming every one that does not), learns the worker type and bootstrap port from the
-server itself, and registers it with the router. `shutdown` only leaves the router.
+server itself. The fleet routes it like its own engines; `shutdown` leaves it running.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from slime_like.engine.compat import EngineFeatures
-from slime_like.engine.engine import Engine, EngineConfig
-from slime_like.engine.launch import server_arg_table, worker_type_of
+from slime_like.engine.launch import worker_type_of
+from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError, LaunchError
+from slime_like.flag_tables import server_arg_table
+from slime_like.protocol.compat import EngineFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def mismatches(expected: Mapping[str, Any], info: Mapping[str, Any]) -> list[str
     return out
 
 
-class ExternalEngine(Engine):
-    """An engine at a known address; the same verbs as `Engine`, but no process of ours."""
+class ExternalEngine(EngineServer):
+    """An engine at a known address; the same verbs as `EngineServer`, but no process of ours."""
 
     def __init__(self, address: str, *, expected: Mapping[str, Any] | None = None,
                  api_key: str | None = None, admin_api_key: str | None = None,
@@ -76,9 +77,8 @@ class ExternalEngine(Engine):
         """`version` from `/server_info`, how we tell which sglang we are talking to."""
         return self.info.get("version")
 
-    def init(self, dist_init_addr: str | None = None, router_url: str | None = None,
-             router_api_key: str | None = None, register_timeout: float = 60.0) -> str | None:
-        """Attach: read `/server_info`, check it, register. Raises ConfigError naming every
+    def init(self, dist_init_addr: str | None = None) -> str | None:
+        """Attach: read `/server_info` and check it. Raises ConfigError naming every
         mismatching field; the engine is left untouched either way."""
         url = self.get_url()
         try:
@@ -97,8 +97,6 @@ class ExternalEngine(Engine):
         self.config.worker_type = actual_type
         self.features = EngineFeatures.from_server_info(self.info)
         self.bootstrap_port = self.info.get("disaggregation_bootstrap_port") if actual_type == "prefill" else None
-        if router_url is not None:
-            self.register(router_url, api_key=router_api_key, timeout=register_timeout)
         return url
 
     def is_alive(self) -> bool:
@@ -111,12 +109,7 @@ class ExternalEngine(Engine):
         return None
 
     def shutdown(self, grace: float = 10.0) -> None:
-        """Leave the router; the server is someone else's and keeps running."""
-        if self.router is not None:
-            try:
-                self.unregister()
-            except Exception as e:
-                logger.warning("%s: could not leave the router: %s", self.config.label, e)
+        """Nothing to stop: the server is someone else's and keeps running."""
 
     def simulate_crash(self) -> None:
         raise LaunchError(f"{self.config.label}: an external engine is never killed by us")

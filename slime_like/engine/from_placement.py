@@ -2,7 +2,7 @@
 
 The only bridge between placement (`cluster/`) and engine launch: the run-time path
 (`RolloutManager` -> `EngineActor`) and the offline checks (`--dry-run`, the config and
-contract tests) compose server args through the same `Engine.compose_args`.
+contract tests) compose server args through the same `EngineServer.compose_args`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from slime_like.cluster.layout import EnginePlacement
-from slime_like.engine.engine import Engine, EngineConfig
-from slime_like.engine.launch import ComposedArgs, format_host, render_argv
+from slime_like.cluster.hosts import format_host
+from slime_like.config.layout import EnginePlacement
+from slime_like.engine.launch import ComposedArgs, render_argv
+from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
 
 
@@ -55,7 +56,7 @@ def engine_server_args(engine: EnginePlacement, args: argparse.Namespace, *, por
     if engine.nnodes > 1 and dist_init_port is None:
         raise ConfigError("dist_init_port", f"engine {engine.engine_id} spans {engine.nnodes} "
                                             "nodes and needs the port its node_rank 0 reserved")
-    e = Engine(engine_config(engine, args, model_path=model_path))
+    e = EngineServer(engine_config(engine, args, model_path=model_path))
     if engine.dist_init_host and dist_init_port is not None:
         e.dist_init_addr = f"{format_host(engine.dist_init_host)}:{dist_init_port}"
     return e.compose_args(host=engine.node_ip, port=port, nccl_port=nccl_port,

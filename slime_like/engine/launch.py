@@ -12,11 +12,10 @@ import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Literal
 
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import SERVER_ARGS, ArgSpec, ArgTable, load_arg_table
+from slime_like.flag_tables import ArgSpec, ArgTable, server_arg_table
 
 WorkerType = Literal["regular", "prefill", "decode", "encoder"]
 WORKER_TYPES: tuple[str, ...] = ("regular", "prefill", "decode", "encoder")
@@ -34,18 +33,8 @@ RENAMED_FIELDS: dict[str, str] = {
     "prefill_round_robin_balance": "(removed, no replacement)",
 }
 
-# Parser-only options that are not ServerArgs fields: a YAML `--config` would bypass our
-# composition, so it is never passed through.
-_NOT_FIELDS = frozenset({"config"})
-
 # Types whose parser function reads JSON text.
 _JSON_TYPES = frozenset({"loads", "json_list_type"})
-
-
-@cache
-def server_arg_table() -> ArgTable:
-    """sglang's ServerArgs flags, loaded once from the packaged table."""
-    return load_arg_table(SERVER_ARGS, _NOT_FIELDS)
 
 
 @dataclass
@@ -269,12 +258,12 @@ def render_argv(
     program: Literal["sglang", "reference"],
     python: str = sys.executable,
 ) -> list[str]:
-    """`python -m sglang.launch_server ...` or `python -m slime_like.engine.reference ...`.
+    """`python -m sglang.launch_server ...` or `python -m slime_like.reference_engine ...`.
 
     Both get the same flags; a switch set to False and a None value are left out, so
     sglang's default applies.
     """
-    modules = {"sglang": "sglang.launch_server", "reference": "slime_like.engine.reference"}
+    modules = {"sglang": "sglang.launch_server", "reference": "slime_like.reference_engine"}
     if program not in modules:
         raise ConfigError("program", f"{program!r} is not one of {list(modules)}")
     table = server_arg_table()
@@ -362,16 +351,6 @@ def worker_type_of(server_args: Mapping[str, Any]) -> str:
         return "encoder"
     mode = server_args.get("disaggregation_mode") or "null"
     return mode if mode in ("prefill", "decode") else "regular"
-
-
-def format_host(host: str) -> str:
-    """A host as it appears in a URL or `host:port`: IPv6 literals are bracketed."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def server_url(host: str, port: int) -> str:
-    """`http://host:port` with IPv6 bracketed, as the router and clients expect."""
-    return f"http://{format_host(host)}:{port}"
 
 
 # What the orchestrator relies on an engine's args for: its size and weight-group ranks,

@@ -25,8 +25,8 @@ from typing import Any
 
 import ray
 
-from slime_like.cluster.layout import EnginePlacement
 from slime_like.cluster.placement import JobPlacement
+from slime_like.config.layout import EnginePlacement
 from slime_like.engine.actor import EngineActor
 from slime_like.engine.from_placement import engine_config
 from slime_like.rollout.generate import RouterGenerator, Sample

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-from slime_like.engine.launch import ComposedArgs, format_host, render_flags
+from slime_like.cluster.hosts import format_host
+from slime_like.engine.launch import ComposedArgs, render_flags
 from slime_like.errors import ConfigError
 from slime_like.flag_tables import ROUTER_ARGS, ArgTable, load_arg_table
 

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slime_like.engine.compat import MIN_ROUTER, SUPPORTED_ROUTER, parse_version
-from slime_like.engine.launch import server_url
-from slime_like.engine.ports import node_ip, reserve_ports
-from slime_like.engine.process import ServerProcess, server_env
+from slime_like.cluster.hosts import node_ip, server_url
+from slime_like.cluster.ports import reserve_ports
+from slime_like.cluster.process import ServerProcess, server_env
 from slime_like.errors import LaunchError
+from slime_like.protocol.compat import MIN_ROUTER, SUPPORTED_ROUTER, parse_version
 from slime_like.router.args import compose_router_args, render_router_argv
 from slime_like.router.client import RouterClient
 

@@ -19,8 +19,8 @@ import ray
 import torch
 import torch.distributed as dist
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.trainer.policy import PolicyTrainer
-from slime_like.weights.engines import EngineTarget
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class TrainerRank:
         if self.rank != 0:
             return
         cfg = WeightSyncConfig(**self.sync_config)
-        self.weight_sync = WeightSync([EngineTarget(url, tp) for url, tp in engines], cfg)
+        self.weight_sync = WeightSync([EngineHandle(url, tp) for url, tp in engines], cfg)
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -121,13 +121,13 @@ class TrainerRank:
             if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=timeout):
                 raise TimeoutError(f"weights stayed ahead of the served version for {timeout}s")
             cfg = WeightSyncConfig(**self.sync_config)
-            one = WeightSync([EngineTarget(url, tp_size)], cfg)
+            one = WeightSync([EngineHandle(url, tp_size)], cfg)
             try:
                 report = one.update(self.policy.model, str(self.version))
             finally:
                 one.close()
             self.weight_sync.remove_engine(url)
-            self.weight_sync.add_engine(EngineTarget(url, tp_size))
+            self.weight_sync.add_engine(EngineHandle(url, tp_size))
             return report.as_dict()
 
     def remove_engine(self, url: str) -> None:

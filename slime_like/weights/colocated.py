@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from slime_like.engine import protocol as p
-from slime_like.weights.buckets import layout
-from slime_like.weights.serialization import serialize
+from slime_like.protocol import io_struct as p
+from slime_like.protocol.buckets import layout
+from slime_like.protocol.tensor_payload import serialize
 from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors
 from slime_like.weights.transport import TransferContext, Transport
 

@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from slime_like.engine import protocol as p
 from slime_like.models.loading import save_state_dict_atomic
+from slime_like.protocol import io_struct as p
 from slime_like.weights.transfer import EngineCall
 from slime_like.weights.transport import TransferContext, Transport
 

@@ -29,15 +29,16 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from slime_like.engine import protocol as p
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError, WeightSyncError
-from slime_like.weights.engines import EngineCalls, EngineTarget, engine_ranks, on_all
-from slime_like.weights.process_group import (
+from slime_like.protocol import io_struct as p
+from slime_like.protocol.weight_group import (
     abort_process_group,
     destroy_process_group,
     host_store,
     init_custom_process_group,
 )
+from slime_like.weights.fanout import EngineCalls, engine_ranks, on_all
 from slime_like.weights.transfer import (
     BucketPacker,
     EngineCall,
@@ -54,7 +55,7 @@ FLATTENED = "flattened_bucket"
 PER_TENSOR = "per_tensor"
 
 
-def master_address_for(engines: Sequence[EngineTarget]) -> str:
+def master_address_for(engines: Sequence[EngineHandle]) -> str:
     """An address of this host the engines can reach (loopback when they are all local)."""
     hosts = [urlparse(e.url).hostname or "127.0.0.1" for e in engines]
     if all(_is_loopback(h) for h in hosts):
@@ -109,14 +110,14 @@ class DistributedTransport(Transport):
 
     # ---- the group ---------------------------------------------------------------------------
 
-    def attach(self, engines: Sequence[EngineTarget], calls: EngineCalls) -> None:
+    def attach(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
         members = tuple((e.url, e.tp_size) for e in engines)
         if self.pg is not None and members == self.members:
             return
         self._teardown()
         self._create(engines, calls)
 
-    def _create(self, engines: Sequence[EngineTarget], calls: EngineCalls) -> None:
+    def _create(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
         self.attempt += 1
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
@@ -165,11 +166,11 @@ class DistributedTransport(Transport):
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members = None, None, ()
         asked, self.asked = self.asked, {}
-        targets = [EngineTarget(url) for url in asked]
+        targets = [EngineHandle(url) for url in asked]
         if not targets:
             return
 
-        def destroy(engine: EngineTarget) -> None:
+        def destroy(engine: EngineHandle) -> None:
             engine.client.timeout = 10.0
             for name in asked[engine.url]:
                 # 400 = the group is already gone; no answer = the engine is gone.
@@ -193,7 +194,7 @@ class DistributedTransport(Transport):
             del pg
             gc.collect()  # the last reference gone, gloo closes its connections
 
-    def close(self, engines: Sequence[EngineTarget]) -> None:
+    def close(self, engines: Sequence[EngineHandle]) -> None:
         self._teardown()
         self.packer.release()
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError
 from slime_like.models.config import ModelConfig
 from slime_like.models.transformer import CausalLM, hf_named_parameters
-from slime_like.weights.buckets import TensorMeta, dtype_from_name
-from slime_like.weights.engines import EngineTarget
+from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 
 
-def engine_model_metadata(engine: EngineTarget) -> tuple[list[TensorMeta] | None, str, str]:
+def engine_model_metadata(engine: EngineHandle) -> tuple[list[TensorMeta] | None, str, str]:
     """(expected metadata or None, model_path, why it is None) for one engine."""
     path = str(engine.client.model_info().get("model_path") or "")
     try:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, WeightSyncError
-from slime_like.weights.engines import EngineTarget
 from slime_like.weights.source import NamedTensors, get_model_metadata
 from slime_like.weights.sync import PAUSE_MODES, SyncReport, WeightSync, WeightSyncConfig
 
@@ -66,7 +66,7 @@ class SGLangWeightSyncScheme:
             transport="distributed", pause_mode=self.pause_mode, device=str(self.device),
             master_address=self.master_address, master_port=self.master_port,
             flush_cache=self.flush_cache_on_update is not False)
-        return SGLangWeightSender(self, WeightSync([EngineTarget(self.server_url, self.num_gpus)],
+        return SGLangWeightSender(self, WeightSync([EngineHandle(self.server_url, self.num_gpus)],
                                                    config))
 
 

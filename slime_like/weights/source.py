@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from slime_like.errors import WeightMetadataError
-from slime_like.weights.buckets import TensorMeta, dtype_name
+from slime_like.protocol.buckets import TensorMeta, dtype_name
 
 
 @runtime_checkable

@@ -34,14 +34,11 @@ from typing import Any
 
 import torch
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, EngineError, WeightMetadataError, WeightSyncError
-from slime_like.weights.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
-from slime_like.weights.engines import (
-    FLUSH_AFTER_RETRACT_SINCE,
-    EngineCalls,
-    EngineTarget,
-    on_all,
-)
+from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
+from slime_like.protocol.compat import FLUSH_AFTER_RETRACT_SINCE
+from slime_like.weights.fanout import EngineCalls, on_all
 from slime_like.weights.handshake import engine_model_metadata
 from slime_like.weights.source import as_source, check_same_metadata
 from slime_like.weights.transfer import TransferStats, Watch
@@ -136,15 +133,15 @@ class _Steps:
                 time.perf_counter() - start)
 
 
-def _target(engine: EngineTarget | str | tuple[str, int] | Mapping) -> EngineTarget:
-    if isinstance(engine, EngineTarget):
+def _target(engine: EngineHandle | str | tuple[str, int] | Mapping) -> EngineHandle:
+    if isinstance(engine, EngineHandle):
         return engine
     if isinstance(engine, str):
-        return EngineTarget(engine)
+        return EngineHandle(engine)
     if isinstance(engine, Mapping):
-        return EngineTarget(engine["url"], int(engine.get("tp_size", 1)))
+        return EngineHandle(engine["url"], int(engine.get("tp_size", 1)))
     url, tp = engine
-    return EngineTarget(url, int(tp))
+    return EngineHandle(url, int(tp))
 
 
 def _metadata_list(metadata: Any) -> list[TensorMeta]:
@@ -161,18 +158,18 @@ def _metadata_list(metadata: Any) -> list[TensorMeta]:
 class WeightSync:
     """Pushes weights from this process (trainer rank 0) into a set of engines."""
 
-    def __init__(self, engines: Sequence[EngineTarget | str | tuple[str, int]],
+    def __init__(self, engines: Sequence[EngineHandle | str | tuple[str, int]],
                  config: WeightSyncConfig | None = None, **overrides: Any):
         self.config = config or WeightSyncConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either a WeightSyncConfig or keyword settings, not both")
-        self.engines: list[EngineTarget] = [_target(e) for e in engines]
+        self.engines: list[EngineHandle] = [_target(e) for e in engines]
         urls = [e.url for e in self.engines]
         if len(set(urls)) != len(urls):
             raise ConfigError("engines", f"an engine is listed twice: {urls}")
         for e in self.engines:
             e.client.timeout = self.config.http_timeout_s
-        self.dropped: list[EngineTarget] = []
+        self.dropped: list[EngineHandle] = []
         self.transport: Transport | None = None
         self.weight_version: str | None = None
         self.last_report: SyncReport | None = None
@@ -266,7 +263,7 @@ class WeightSync:
             self._verified = (metas, urls)
         self._transport().attach(self.engines, self._engine_calls())
 
-    def _check_engine(self, engine: EngineTarget, metas: list[TensorMeta]) -> None:
+    def _check_engine(self, engine: EngineHandle, metas: list[TensorMeta]) -> None:
         path = str(engine.client.model_info().get("model_path") or "")
         cache_key = (engine.url, path)
         if cache_key not in self._engine_meta:
@@ -288,7 +285,7 @@ class WeightSync:
 
     # ---- engines coming and going ---------------------------------------------------------------
 
-    def add_engine(self, engine: EngineTarget | str | tuple[str, int]) -> None:
+    def add_engine(self, engine: EngineHandle | str | tuple[str, int]) -> None:
         """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
         with self._lock:
             target = _target(engine)
@@ -342,8 +339,8 @@ class WeightSync:
         buckets = self._buckets(metas)
         engines = list(self.engines)
         calls = self._engine_calls()
-        paused: list[EngineTarget] = []
-        begun: list[EngineTarget] = []
+        paused: list[EngineHandle] = []
+        begun: list[EngineHandle] = []
         failure: BaseException | None = None
         try:
             with steps("pause"):
@@ -388,11 +385,11 @@ class WeightSync:
         self.last_report = report
         return report
 
-    def _pause(self, engines: list[EngineTarget], paused: list[EngineTarget],
+    def _pause(self, engines: list[EngineHandle], paused: list[EngineHandle],
                report: SyncReport) -> None:
         mode = self.config.pause_mode
 
-        def pause(engine: EngineTarget) -> None:
+        def pause(engine: EngineHandle) -> None:
             if mode == "abort":  # how many requests the pause is about to abort
                 with contextlib.suppress(EngineError, KeyError, TypeError):
                     loads = engine.client.loads().get("loads") or []
@@ -404,13 +401,13 @@ class WeightSync:
 
         on_all(engines, "pause_generation", pause)
 
-    def _begin(self, engines: list[EngineTarget]) -> list[EngineTarget]:
+    def _begin(self, engines: list[EngineHandle]) -> list[EngineHandle]:
         if not self._transport().gated:
             return []
-        begun: list[EngineTarget] = []
+        begun: list[EngineHandle] = []
         lock = threading.Lock()
 
-        def begin(engine: EngineTarget) -> None:
+        def begin(engine: EngineHandle) -> None:
             if not engine.has_begin_end:
                 return
             try:
@@ -435,7 +432,7 @@ class WeightSync:
             raise
         return begun
 
-    def _flush_plan(self, engine: EngineTarget, report: SyncReport) -> str | None:
+    def _flush_plan(self, engine: EngineHandle, report: SyncReport) -> str | None:
         """None when the engine's cache is to be flushed, else why not (the pause-mode rule)."""
         mode = self.config.pause_mode
         if not self.config.flush_cache:
@@ -451,14 +448,14 @@ class WeightSync:
         return None
 
     @staticmethod
-    def _folds_flush(engine: EngineTarget) -> bool:
+    def _folds_flush(engine: EngineHandle) -> bool:
         # 0.5.23 answers a refused post-update flush with 400 (weights kept); older engines
         # crash on it, so they get a separate /flush_cache, which is refused harmlessly.
         return engine.version is not None and engine.version >= FLUSH_AFTER_RETRACT_SINCE
 
-    def _flush(self, engines: list[EngineTarget], folded: frozenset[str],
+    def _flush(self, engines: list[EngineHandle], folded: frozenset[str],
                refused: dict[str, str], report: SyncReport) -> None:
-        def flush(engine: EngineTarget) -> None:
+        def flush(engine: EngineHandle) -> None:
             skip = self._flush_plan(engine, report)
             if skip is not None:
                 report.flush[engine.url] = skip
@@ -480,19 +477,19 @@ class WeightSync:
         on_all(engines, "flush_cache", flush)
 
     @staticmethod
-    def _verify(engine: EngineTarget, version: str) -> None:
+    def _verify(engine: EngineHandle, version: str) -> None:
         got = engine.client.weight_version()
         if got != version:
             raise WeightSyncError("verify_weight_version",
                                   f"engine reports weight_version {got!r}, expected {version!r}",
                                   engine.url)
 
-    def _continue(self, paused: list[EngineTarget]) -> list[tuple[str, str]]:
+    def _continue(self, paused: list[EngineHandle]) -> list[tuple[str, str]]:
         """continue_generation on every paused engine; [(url, problem)] for those it failed on."""
         problems: list[tuple[str, str]] = []
         lock = threading.Lock()
 
-        def resume(engine: EngineTarget) -> None:
+        def resume(engine: EngineHandle) -> None:
             try:
                 engine.client.continue_generation()
             except Exception as e:  # noqa: BLE001 - collected and reported by the caller
@@ -503,8 +500,8 @@ class WeightSync:
             on_all(paused, "continue_generation", resume)
         return problems
 
-    def _end_quietly(self, engines: list[EngineTarget]) -> None:
-        def end(engine: EngineTarget) -> None:
+    def _end_quietly(self, engines: list[EngineHandle]) -> None:
+        def end(engine: EngineHandle) -> None:
             with contextlib.suppress(Exception):
                 engine.client.request("POST", "/end_weight_update", body={}, admin=True,
                                       timeout=min(30.0, self.config.http_timeout_s))
@@ -512,7 +509,7 @@ class WeightSync:
             with contextlib.suppress(WeightSyncError):
                 on_all(engines, "end_weight_update", end)
 
-    def _failed(self, exc: BaseException, step: str, begun: list[EngineTarget]) -> WeightSyncError:
+    def _failed(self, exc: BaseException, step: str, begun: list[EngineHandle]) -> WeightSyncError:
         """Clean up after a failed step; the error names the step (and the engine, if known)."""
         if self.transport is not None:
             self.transport.failed()
@@ -534,7 +531,7 @@ class WeightSync:
         return err
 
     def _drop_dead(self) -> list[str]:
-        def alive(engine: EngineTarget) -> bool:
+        def alive(engine: EngineHandle) -> bool:
             return engine.client.ping(timeout=self.config.liveness_timeout_s)
 
         if not self.engines:

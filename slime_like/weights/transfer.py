@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError, WeightMetadataError, WeightSyncError
-from slime_like.weights.buckets import Bucket, TensorMeta
-from slime_like.weights.engines import CallCancelled, EngineTarget, describe
+from slime_like.protocol.buckets import Bucket, TensorMeta
+from slime_like.weights.fanout import CallCancelled, describe
 
 
 @dataclass
@@ -182,7 +183,7 @@ def _copy_into(dst: torch.Tensor, flat: list[torch.Tensor]) -> None:
 class EngineCall:
     """An HTTP call in flight to one engine, for one step of the transfer."""
 
-    engine: EngineTarget
+    engine: EngineHandle
     step: str
     future: Future
     started: float = field(default_factory=time.monotonic)
@@ -305,7 +306,7 @@ def timed(fn: Callable, stats: TransferStats, url: str) -> Callable:
 
 def metas_body(metas: Sequence[TensorMeta]) -> dict:
     """names / dtypes / shapes as sglang's update requests spell them."""
-    from slime_like.weights.buckets import dtype_name
+    from slime_like.protocol.buckets import dtype_name
 
     return {"names": [m.name for m in metas], "dtypes": [dtype_name(m.dtype) for m in metas],
             "shapes": [list(m.shape) for m in metas]}

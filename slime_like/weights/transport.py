@@ -6,9 +6,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError
-from slime_like.weights.buckets import Bucket
-from slime_like.weights.engines import EngineCalls, EngineTarget
+from slime_like.protocol.buckets import Bucket
+from slime_like.weights.fanout import EngineCalls
 from slime_like.weights.source import WeightSource
 from slime_like.weights.transfer import TransferStats, Watch, timed
 
@@ -20,7 +21,7 @@ FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
 class TransferContext:
     """One sync's transfer: runs between begin_weight_update and end_weight_update."""
 
-    engines: Sequence[EngineTarget]
+    engines: Sequence[EngineHandle]
     buckets: Sequence[Bucket]
     source: WeightSource
     weight_version: str
@@ -33,7 +34,7 @@ class TransferContext:
     #: engine url -> why the flush folded into its last update was refused (weights landed)
     flush_refused: dict[str, str] = field(default_factory=dict)
 
-    def update_call(self, fn: Callable, engine: EngineTarget, last: bool) -> Callable:
+    def update_call(self, fn: Callable, engine: EngineHandle, last: bool) -> Callable:
         """The engine call for one update; a refused folded flush is recorded, not raised."""
         timed_fn = timed(fn, self.stats, engine.url)
         if not (last and engine.url in self.flush_last):
@@ -49,7 +50,7 @@ class TransferContext:
                 raise
         return call
 
-    def flush_flag(self, engine: EngineTarget, last: bool) -> bool:
+    def flush_flag(self, engine: EngineHandle, last: bool) -> bool:
         return last and engine.url in self.flush_last
 
 
@@ -60,7 +61,7 @@ class Transport(ABC):
     #: whether engines need begin/end_weight_update around it (sglang gates only some)
     gated: bool = True
 
-    def attach(self, engines: Sequence[EngineTarget], calls: EngineCalls) -> None:  # noqa: B027
+    def attach(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:  # noqa: B027
         """Prepare before the engines are paused (e.g. build a weight group)."""
 
     @abstractmethod
@@ -70,5 +71,5 @@ class Transport(ABC):
     def failed(self) -> None:  # noqa: B027
         """A transfer failed: stop pending I/O so engines stuck receiving fail fast."""
 
-    def close(self, engines: Sequence[EngineTarget]) -> None:  # noqa: B027
+    def close(self, engines: Sequence[EngineHandle]) -> None:  # noqa: B027
         """Release groups and buffers."""

@@ -14,9 +14,9 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
-from slime_like.cluster.layout import placement_group_layout
 from slime_like.cluster.placement import JobPlacement, place, place_job
 from slime_like.config import parse_args
+from slime_like.config.layout import placement_group_layout
 from slime_like.errors import PlacementError
 
 NODES = ("127.0.0.2", "127.0.0.3")

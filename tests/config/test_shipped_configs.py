@@ -22,7 +22,7 @@ def _argvs(args, model_path: str | None = None) -> list[dict]:
         argv = engine_argv(e, args, port=30000 + 10 * i, nccl_port=30001 + 10 * i,
                            dist_init_port=30002 + 10 * i if e.nnodes > 1 else None,
                            bootstrap_port=30003 + 10 * i, model_path=model_path)
-        prog = "slime_like.engine.reference" if args.engine == "reference" else \
+        prog = "slime_like.reference_engine" if args.engine == "reference" else \
             "sglang.launch_server"
         assert argv[1:3] == ["-m", prog]
         out.append(parse_argv(argv[3:]))

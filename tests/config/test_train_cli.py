@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slime_like.config.cli import main
+from slime_like.train import main
 
 
 def test_bad_flag_exits_2_with_the_flag_named(capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime_like.engine.engine import EngineConfig
+from slime_like.engine.server import EngineConfig
 
 
 @pytest.fixture

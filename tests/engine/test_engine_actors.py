@@ -42,7 +42,7 @@ def router(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_engines(ray_local, router, tiny_model_dir, tmp_path_factory):
-    from slime_like.engine.engine import EngineConfig
+    from slime_like.engine.server import EngineConfig
 
     logs = tmp_path_factory.mktemp("engines")
     actors = [EngineActor.remote(EngineConfig(

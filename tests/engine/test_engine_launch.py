@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from slime_like.engine.engine import Engine, EngineConfig
+from slime_like.cluster.hosts import server_url
+from slime_like.cluster.ports import PortReservation, reserve_ports
 from slime_like.engine.external import ExternalEngine, expected_fields
-from slime_like.engine.launch import server_url
-from slime_like.engine.ports import PortReservation, reserve_ports
+from slime_like.engine.server import Engine, EngineConfig
 from slime_like.errors import ConfigError, EngineError, LaunchError
 from slime_like.router.router import Router
 from tests.engine.engine_helpers import wait_gone

@@ -164,7 +164,7 @@ def test_argv_starts_with_the_program_and_carries_the_same_flags():
     sg = render_argv(args, "sglang", python="py")
     ref = render_argv(args, "reference", python="py")
     assert sg[:3] == ["py", "-m", "sglang.launch_server"]
-    assert ref[:3] == ["py", "-m", "slime_like.engine.reference"]
+    assert ref[:3] == ["py", "-m", "slime_like.reference_engine"]
     assert sg[3:] == ref[3:]
     assert render_argv(args, "sglang")[0] == sys.executable
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slime_like.weights.buckets import (
+from slime_like.protocol.buckets import (
     TensorMeta,
     dtype_name,
     flatten,
@@ -22,7 +22,7 @@ from slime_like.weights.buckets import (
     layout,
     plan_buckets,
 )
-from slime_like.weights.process_group import (
+from slime_like.protocol.weight_group import (
     destroy_process_group,
     init_custom_process_group,
     tcp_init_method,

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from slime_like.cluster.process import ServerProcess
 from slime_like.engine.client import EngineClient
-from slime_like.engine.process import ServerProcess
-from slime_like.engine.reference.tp import free_port
+from slime_like.reference_engine.tp import free_port
 from slime_like.rollout.health import HealthMonitor, HealthPolicy
 
 
@@ -22,7 +22,7 @@ def engines(tiny_model_dir, tmp_path):
     procs, clients = {}, {}
     for name in ("a", "b"):
         port = free_port()
-        proc = ServerProcess([sys.executable, "-m", "slime_like.engine.reference", "--model-path",
+        proc = ServerProcess([sys.executable, "-m", "slime_like.reference_engine", "--model-path",
                               str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port)],
                              log_path=tmp_path / f"{name}.log", name=name)
         proc.start()

@@ -1,6 +1,6 @@
 """Reference-engine processes for the weight-sync tests.
 
-Engines are real `python -m slime_like.engine.reference` processes on free ports; the test
+Engines are real `python -m slime_like.reference_engine` processes on free ports; the test
 process is the trainer (rank 0 of every weight group). Engines are session-scoped because
 starting one costs seconds; a test that changes an engine's weights leaves it serving.
 """

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from slime_like.weights import EngineTarget, SyncReport, WeightSync
+from slime_like.engine.handle import EngineHandle
+from slime_like.weights import SyncReport, WeightSync
 
 
-def engine(version: tuple[int, ...] | None) -> EngineTarget:
-    e = EngineTarget("http://127.0.0.1:9")  # never contacted: the rule needs no I/O
+def engine(version: tuple[int, ...] | None) -> EngineHandle:
+    e = EngineHandle("http://127.0.0.1:9")  # never contacted: the rule needs no I/O
     e.version = version
     e.server_info = {"version": ".".join(map(str, version)) if version else None}
     return e

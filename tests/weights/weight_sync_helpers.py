@@ -10,10 +10,10 @@ from pathlib import Path
 import requests
 import torch
 
-from slime_like.engine.process import ServerProcess
-from slime_like.engine.reference.tp import free_port
+from slime_like.cluster.process import ServerProcess
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.transformer import CausalLM, hf_named_parameters
+from slime_like.reference_engine.tp import free_port
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Engine:
 
 def start_engine(model_dir: Path, log_dir: Path, tp_size: int = 1, *extra: str) -> Engine:
     port = free_port()
-    argv = [sys.executable, "-m", "slime_like.engine.reference", "--model-path", str(model_dir),
+    argv = [sys.executable, "-m", "slime_like.reference_engine", "--model-path", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size), *extra]
     proc = ServerProcess(argv, log_path=log_dir / f"engine-{port}.log", name=f"engine:{port}")
     proc.start()

@@ -1,0 +1,27 @@
+"""`slime-like train --dry-run`: the resolved server groups and their nominal placement."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The resolved server groups and their nominal placement, for `--dry-run`."""
+    plan = args.nominal_plan
+    lines = [f"placement group: {plan.layout.num_bundles} bundles of {{GPU: 1, CPU: 1}}; "
+             f"trainer ranks: {len(plan.trainer)}; rollout from slot {plan.layout.rollout_offset}"
+             f" (nodes of {args.num_gpus_per_node} GPUs assumed)"]
+    for model in args.topology.models:
+        router = "PD router" if model.pd_disaggregation else "router"
+        lines.append(f"model {model.name!r}: {router}, model_path={model.model_path}, "
+                     f"update_weights={model.update_weights}")
+        for g in model.groups:
+            lines.append(f"  {g.where}: {g.worker_type} x{g.num_engines} engines of "
+                         f"{g.num_gpus_per_engine} GPUs ({g.num_gpus} GPUs)"
+                         + (f", overrides {dict(g.overrides)}" if g.overrides else ""))
+        for e in plan.engines_of(model.name):
+            lines.append(f"    {e.engine_id} node_rank {e.node_rank}/{e.nnodes}: slot {e.slot}, "
+                         f"{e.node_ip} GPUs {e.base_gpu_id}..{e.base_gpu_id + e.gpus_on_node - 1}")
+    for where, start, n in plan.reserved_slots:
+        lines.append(f"reserved by {where}: slots {start}..{start + n - 1}")
+    return "\n".join(lines)

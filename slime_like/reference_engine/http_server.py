@@ -1,0 +1,387 @@
+"""The FastAPI app: sglang 0.5.23's routes, status codes, bodies, auth and error envelopes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from enum import Enum
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from slime_like.protocol import io_struct as p
+from slime_like.reference_engine.engine import ReferenceEngine
+from slime_like.reference_engine.frontend import EngineUnavailable
+from slime_like.reference_engine.openai_api import register_openai_routes
+from slime_like.reference_engine.profiler import Profiler
+from slime_like.reference_engine.sampling import SchemaError
+from slime_like.reference_engine.weight_control import WeightControl
+
+logger = logging.getLogger(__name__)
+
+
+class AuthLevel(str, Enum):
+    NORMAL = "normal"
+    ADMIN_OPTIONAL = "admin_optional"
+    ADMIN_FORCE = "admin_force"
+
+
+# sglang marks every weight, cache, pause, abort, profile and memory endpoint ADMIN_OPTIONAL.
+ADMIN_OPTIONAL_PATHS = frozenset({
+    "/flush_cache", "/start_profile", "/stop_profile", "/freeze_gc", "/update_weights_from_disk",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
+    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
+    "/update_weight_version", "/get_weights_by_name", "/release_memory_occupation",
+    "/resume_memory_occupation", "/weights_checker", "/abort_request", "/pause_generation",
+    "/continue_generation", "/slow_down", "/configure_logging", "/set_internal_state",
+})
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+def _bearer_ok(header: str | None, key: str) -> bool:
+    if not header:
+        return False
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token, key)
+
+
+def decide_auth(method: str, path: str, header: str | None, api_key: str | None,
+                admin_api_key: str | None, level: AuthLevel) -> int | None:
+    """None when allowed, else the status (401/403) — sglang's auth rules (contract §2.3)."""
+    if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+        return None
+    if level == AuthLevel.ADMIN_FORCE:
+        if not admin_api_key:
+            return 403
+        return None if _bearer_ok(header, admin_api_key) else 401
+    if level == AuthLevel.ADMIN_OPTIONAL:
+        if admin_api_key:
+            return None if _bearer_ok(header, admin_api_key) else 401
+        if api_key:
+            return None if _bearer_ok(header, api_key) else 401
+        return None
+    if api_key:
+        return None if _bearer_ok(header, api_key) else 401
+    return None
+
+
+class AuthMiddleware:
+    """ASGI middleware (not BaseHTTPMiddleware) so client disconnects still reach handlers."""
+
+    def __init__(self, app, api_key: str | None, admin_api_key: str | None):
+        self.app = app
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not (self.api_key or self.admin_api_key):
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        level = AuthLevel.ADMIN_OPTIONAL if path in ADMIN_OPTIONAL_PATHS else AuthLevel.NORMAL
+        status = decide_auth(scope["method"], path, headers.get("authorization"), self.api_key,
+                             self.admin_api_key, level)
+        if status is None:
+            await self.app(scope, receive, send)
+            return
+        body = {"error": "Unauthorized" if status == 401 else "Forbidden"}
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_app(engine: ReferenceEngine) -> FastAPI:
+    """The HTTP surface of one reference engine."""
+    frontend = engine.frontend
+    scheduler = engine.scheduler
+    weights: WeightControl = engine.weight_control
+    profiler = Profiler(scheduler)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        frontend.bind_loop()
+        task = None
+        if engine.args.skip_server_warmup:
+            frontend.ready = True
+        else:
+            async def warm() -> None:
+                try:
+                    await frontend.warmup()
+                    frontend.ready = True
+                    logger.info("The server is fired up and ready to roll!")
+                except Exception:  # noqa: BLE001 - sglang kills the server when warm-up fails
+                    logger.exception("warm-up generation failed; shutting down")
+                    os.kill(os.getpid(), 15)
+            task = asyncio.create_task(warm())
+        yield
+        if task is not None:
+            task.cancel()
+        engine.shutdown()
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(AuthMiddleware, api_key=engine.args.api_key,
+                       admin_api_key=engine.args.admin_api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = str(exc.errors())
+        text = str(exc)
+        message = f"{text} {errors}" if errors and errors != text else text
+        return JSONResponse(p.validation_error_body(message), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return JSONResponse(p.http_exception_body(str(exc.detail), exc.status_code),
+                            status_code=exc.status_code)
+
+    def error_400(e: Exception) -> JSONResponse:
+        return JSONResponse(p.error_response_body(str(e)), status_code=getattr(e, "status_code", 400))
+
+    def success(ok: bool, message: str, **extra: Any) -> JSONResponse:
+        return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        if not raw:
+            raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required",
+                                           "input": None}])
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
+                                           "msg": "JSON decode error", "input": {},
+                                           "ctx": {"error": e.msg}}]) from e
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        body = await read_json(request)
+        try:
+            job = frontend.parse(body)
+        except SchemaError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        except ValueError as e:
+            return error_400(e)
+        if job.stream:
+            async def stream() -> AsyncIterator[bytes]:
+                try:
+                    async for index, out in frontend.run(job):
+                        if not job.is_single:
+                            out["index"] = index
+                        yield _sse(out)
+                except (ValueError, EngineUnavailable) as e:
+                    code = 503 if isinstance(e, EngineUnavailable) else 400
+                    yield _sse({"error": {"message": str(e), "type": "invalid_request_error",
+                                          "code": code, "retryable": code == 503}})
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        task = asyncio.create_task(frontend.generate(job))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    break
+                if await request.is_disconnected():  # sglang aborts requests of gone clients
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                    return Response(status_code=499)
+            return JSONResponse(task.result())
+        except ValueError as e:
+            return error_400(e)
+        except EngineUnavailable as e:
+            raise HTTPException(status_code=503, detail=str(e)) from e
+        finally:
+            if not task.done():
+                task.cancel()
+
+    # ---- health and info -------------------------------------------------------------------
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        if not frontend.ready:
+            return Response(status_code=503)
+        return Response(status_code=200 if await frontend.health_generate() else 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if frontend.ready and not frontend.paused else 503)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200 if frontend.ready else 503)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return engine.model_info()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return engine.server_info()
+
+    @app.get("/v1/models")
+    async def models():
+        name = engine.served_model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang",
+            "root": name, "parent": None, "max_model_len": engine.context_len}]}
+
+    @app.get("/v1/loads")
+    async def loads(include: str = "core", format: str = "json", dp_rank: int | None = None):
+        allowed = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+        parts = {x.strip() for x in include.split(",") if x.strip()}
+        bad = sorted(parts - allowed)
+        if bad:
+            raise HTTPException(400, f"invalid include {bad}; expected a subset of {sorted(allowed)}")
+        if dp_rank not in (None, 0):
+            raise HTTPException(400, f"dp_rank {dp_rank} out of range [0, 1)")
+        entry = engine.load_entry()
+        if format == "prometheus":
+            lines = [f'sglang:{k}{{dp_rank="0"}} {v}' for k, v in entry.items()
+                     if isinstance(v, int | float) and not isinstance(v, bool)]
+            return Response("\n".join(lines) + "\n", media_type="text/plain")
+        return {"timestamp": entry["timestamp"], "version": "0.5.23", "accelerator": engine.args.device,
+                "num_accelerators": engine.args.tp_size, "loads": [entry]}
+
+    @app.get("/get_load")
+    async def get_load():
+        # Removed in sglang 0.5.21, kept because sglang-router 0.3.2 polls it (power_of_two).
+        load = scheduler.load()
+        return [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                 "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_active_tokens"],
+                 "num_pending_tokens": load["num_waiting_uncached_tokens"], "ts_tic": time.time()}]
+
+    if engine.metrics.enabled:
+        @app.get("/metrics")
+        async def metrics():
+            return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- cache, pause, abort, profile ------------------------------------------------------
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)):
+        ok, message = await asyncio.wrap_future(scheduler.flush(timeout))
+        return Response(message, status_code=200 if ok else 400, media_type="text/plain")
+
+    @app.post("/abort_request")
+    async def abort_request(obj: Annotated[p.AbortRequest, Body()]):
+        await frontend.abort_request(obj.rid, obj.abort_all)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(obj: Annotated[p.PauseGenerationRequest, Body()]):
+        await frontend.pause(obj.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(obj: Annotated[p.ContinueGenerationRequest, Body()]):
+        await frontend.continue_generation()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(obj: Annotated[p.ProfileRequest | None, Body()] = None):
+        try:
+            await profiler.start(obj or p.ProfileRequest())
+        except RuntimeError as e:
+            raise HTTPException(500, str(e)) from e
+        return Response("Start profiling.\n", media_type="text/plain")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile():
+        try:
+            await profiler.stop()
+        except RuntimeError as e:
+            raise HTTPException(500, str(e)) from e
+        return Response("Stop profiling. This will take some time.\n", media_type="text/plain")
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(obj: Annotated[p.InitWeightsUpdateGroupRequest, Body()]):
+        return success(*await weights.init_group(obj))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(obj: Annotated[p.DestroyWeightsUpdateGroupRequest, Body()]):
+        return success(*await weights.destroy_group(obj))
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(obj: Annotated[p.BeginWeightUpdateRequest, Body()]):
+        return success(*await weights.begin())
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(obj: Annotated[p.EndWeightUpdateRequest, Body()]):
+        return success(*await weights.end())
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(obj: Annotated[p.UpdateWeightsFromDistributedRequest, Body()]):
+        return success(*await weights.update_from_distributed(obj))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(obj: Annotated[p.UpdateWeightsFromTensorRequest, Body()]):
+        try:
+            return success(*await weights.update_from_tensor(obj))
+        except Exception as e:  # noqa: BLE001 - sglang's scheduler crashes here; we answer 400
+            return success(False, f"Failed to update weights from tensor: {e}")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(obj: Annotated[p.UpdateWeightsFromDiskRequest, Body()]):
+        ok, message = await weights.update_from_disk(obj)
+        if ok:
+            engine.model_path = engine.served_model_name = obj.model_path
+            if obj.load_format:
+                engine.load_format = obj.load_format
+        return success(ok, message, num_paused_requests=0)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(obj: Annotated[p.UpdateWeightVersionRequest, Body()]):
+        ok, message = await weights.update_weight_version(obj)
+        return success(ok, message, **({"new_version": obj.new_version} if ok else {}))
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(obj: Annotated[p.GetWeightsByNameRequest, Body()]):
+        try:
+            value = await weights.get_weights_by_name(obj)
+        except Exception as e:  # noqa: BLE001
+            return error_400(e)
+        if value is None:
+            return error_400(ValueError("Get parameter by name failed"))
+        return value
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(obj: Annotated[p.WeightsCheckerRequest | None, Body()] = None):
+        body = await weights.check_weights(obj or p.WeightsCheckerRequest())
+        return JSONResponse(body, status_code=200 if body["success"] else 400)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(obj: Annotated[p.MemoryOccupationRequest, Body()]):
+        try:
+            await weights.release_memory(obj.tags)
+        except Exception as e:  # noqa: BLE001
+            return error_400(e)
+        return None
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(obj: Annotated[p.MemoryOccupationRequest, Body()]):
+        try:
+            await weights.resume_memory(obj.tags)
+        except Exception as e:  # noqa: BLE001
+            return error_400(e)
+        return None
+
+    register_openai_routes(app, engine)
+    return app

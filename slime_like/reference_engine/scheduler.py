@@ -1,0 +1,460 @@
+"""The scheduler thread: continuous batching, pause modes, aborts, flushes, exclusive ops.
+
+Like sglang's scheduler process, one thread owns the model and the KV storage. Requests
+join and leave between steps: each step prefills the requests admitted from the waiting
+queue (one padded forward) and then decodes every other running request (one batched
+forward). Control operations (pause, abort, flush, weight updates) are closures run on the
+same thread between steps, in arrival order, so they never race a forward pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.reference_engine.kv_cache import BatchKV, KVPool, PrefixCache, extend_mask
+from slime_like.reference_engine.metrics import EngineMetrics
+from slime_like.reference_engine.sampling import SamplingSpec, make_generator, sample_batch
+
+logger = logging.getLogger(__name__)
+
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n")
+FLUSH_FAILED = "Flush cache failed.\n"
+
+
+def finish_abort() -> dict:
+    """finish_reason of a running request aborted by a user, a pause or abort_all."""
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def finish_abort_waiting() -> dict:
+    """finish_reason of a request aborted before it got a KV slot."""
+    return {"type": "abort", "message": "Abort in waiting queue"}
+
+
+@dataclass(eq=False)
+class Req:
+    """One sequence being generated (a batch item or one of n samples)."""
+
+    rid: str
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    max_len: int  # prompt + the most tokens this request may hold
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    log_metrics: bool = True
+    sink: Callable[[Req, int, bool], None] | None = None  # (req, num_output, finished)
+    ids: list[int] = field(default_factory=list)  # prompt + output so far
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprob_start: int | None = None  # prompt position the input-logprob window opens at
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    slot: int | None = None
+    kv_len: int = 0  # positions of `ids` whose KV sits in the slot
+    cached_tokens: int = 0
+    finish: dict | None = None
+    matched_stop_str: str | None = None
+    version_events: list[tuple[str, int]] = field(default_factory=list)  # (old version, n_out)
+    num_retractions: int = 0
+    generator: torch.Generator | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            self.ids = list(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated so far (kept across retractions)."""
+        return len(self.ids) - len(self.prompt_ids)
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, num_output: int) -> list[dict]:
+    """Partition [0, num_output) by the weight version in force when each token was produced."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, num_output)]:
+        end = min(end, num_output)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+class Scheduler:
+    """Owns the model, the KV pool and the prefix cache; everything runs on its thread."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device | str, context_len: int,
+                 max_running: int, prefix_cache_tokens: int, weight_version: str, seed: int,
+                 metrics: EngineMetrics, tokenizer: ByteTokenizer | None = None):
+        self.model = model
+        self.config = model.config
+        self.device = torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        self.context_len = context_len
+        self.pool = KVPool(self.config, max_running, context_len, self.device, self.dtype)
+        self.cache = PrefixCache(prefix_cache_tokens)
+        self.metrics = metrics
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.eos_id = self.config.eos_token_id
+        self.weight_version = weight_version
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.paused_mode: str | None = None  # "retract" | "in_place" while the engine is paused
+        self.weights_ready = True  # False between a weights release and the next update
+        self.forward_steps = 0
+        self.last_step_at = 0.0  # time.monotonic() at the end of the last forward step
+        self.last_step_tokens_per_s = 0.0
+        self._shared_gen = make_generator(seed, self.device)
+        self._cmds: list[Callable[[], None]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._pending_flush: tuple[float, concurrent.futures.Future] | None = None
+        self._thread = threading.Thread(target=self._loop, name="reference-scheduler", daemon=True)
+        self.step_hooks: list[Callable[[], None]] = []  # run before every forward (profiler steps)
+
+    # ---- thread-safe entry points --------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread after the current step."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the scheduler thread between two steps; its result lands in the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+        with self._cv:
+            self._cmds.append(run)
+            self._cv.notify()
+        return fut
+
+    def submit(self, reqs: list[Req]) -> concurrent.futures.Future:
+        """Queue requests for admission (in order)."""
+        return self.call(lambda: self._add(reqs))
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> concurrent.futures.Future:
+        """Abort requests whose rid starts with `rid`, or all of them."""
+        return self.call(lambda: self._abort(rid, abort_all))
+
+    def pause(self, mode: str) -> concurrent.futures.Future:
+        """Apply a pause mode (retract frees KV, in_place freezes)."""
+        return self.call(lambda: self._pause(mode))
+
+    def resume(self) -> concurrent.futures.Future:
+        """Leave the paused state."""
+        return self.call(self._resume)
+
+    def flush(self, timeout_s: float = 0.0) -> concurrent.futures.Future:
+        """Future of (flushed, message); waits up to timeout_s for the engine to become idle."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.call(lambda: self._flush(timeout_s, fut))
+        return fut
+
+    def load(self) -> dict:
+        """Counters for /v1/loads and /get_load (read without locking; they are ints)."""
+        running = list(self.running)
+        waiting = list(self.waiting)
+        used = sum(r.kv_len for r in running)
+        total = self.pool.num_slots * self.pool.slot_len
+        return {
+            "num_running_reqs": len(running), "num_waiting_reqs": len(waiting),
+            "num_waiting_uncached_tokens": sum(len(r.ids) for r in waiting),
+            "num_used_tokens": used, "num_total_tokens": total,
+            "num_active_tokens": used + sum(len(r.ids) for r in waiting),
+            "max_total_num_tokens": total, "max_running_requests": self.pool.num_slots,
+            "token_usage": used / total if total else 0.0,
+            "gen_throughput": self.last_step_tokens_per_s,
+            "cache_hit_rate": self.cache.hits / self.cache.queries if self.cache.queries else 0.0,
+            "num_cached_tokens": self.cache.num_tokens,
+            "paused": self.paused_mode is not None,
+            "num_retracted_reqs": sum(1 for r in waiting if r.num_retractions),
+        }
+
+    # ---- scheduler-thread state changes (called via `call`) ------------------------------
+
+    def is_idle(self) -> bool:
+        """sglang's flush rule: nothing running; waiting requests count unless paused (no KV)."""
+        if self.running:
+            return False
+        if self.paused_mode is not None:
+            return all(r.slot is None for r in self.waiting)
+        return not self.waiting
+
+    def record_weight_version(self, new_version: str) -> None:
+        """New tokens now belong to `new_version`; live requests remember where it changed."""
+        if new_version == self.weight_version:
+            return
+        for r in [*self.running, *self.waiting]:
+            if r.num_output:
+                r.version_events.append((self.weight_version, r.num_output))
+        self.weight_version = new_version
+
+    def abort_everything(self) -> None:
+        """Abort every waiting and running request (scheduler thread)."""
+        self._abort("", True)
+
+    def _add(self, reqs: list[Req]) -> None:
+        for r in reqs:
+            if r.spec.sampling_seed is not None:
+                r.generator = make_generator(r.spec.sampling_seed, self.device)
+            else:
+                r.generator = self._shared_gen
+            self.waiting.append(r)
+
+    def _abort(self, rid: str, abort_all: bool) -> None:
+        def hit(r: Req) -> bool:
+            return abort_all or (bool(rid) and r.rid.startswith(rid))
+
+        for r in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(r)
+            self._finish(r, finish_abort_waiting())
+        for r in [r for r in self.running if hit(r)]:
+            self._finish(r, finish_abort())
+
+    def _pause(self, mode: str) -> None:
+        if mode == "retract":
+            retracted = self.running
+            for r in retracted:
+                self.pool.free(r.slot)
+                r.slot, r.kv_len = None, 0
+                r.num_retractions += 1
+            self.running = []
+            self.waiting.extendleft(reversed(retracted))
+            self.metrics.retracted(len(retracted))
+        self.paused_mode = mode if mode in ("retract", "in_place") else None
+
+    def _resume(self) -> None:
+        self.paused_mode = None
+
+    def _flush(self, timeout_s: float, fut: concurrent.futures.Future) -> None:
+        if self.is_idle():
+            self.flush_now()
+            fut.set_result((True, FLUSH_OK))
+        elif timeout_s <= 0:
+            logger.warning("cache not flushed: %d running, %d waiting requests",
+                           len(self.running), len(self.waiting))
+            fut.set_result((False, FLUSH_FAILED))
+        elif self._pending_flush is not None:
+            fut.set_result((False, "Another flush_cache is already in progress."))
+        else:
+            self._pending_flush = (time.monotonic() + timeout_s, fut)
+
+    def flush_now(self) -> None:
+        """Drop every cached prefix (the caller checked the engine is idle)."""
+        self.cache.reset()
+
+    def _check_pending_flush(self) -> None:
+        if self._pending_flush is None:
+            return
+        deadline, fut = self._pending_flush
+        if self.is_idle():
+            self._pending_flush = None
+            self.flush_now()
+            fut.set_result((True, FLUSH_OK))
+        elif time.monotonic() >= deadline:
+            self._pending_flush = None
+            fut.set_result((False, "Timed out waiting for idle state."))
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _can_step(self) -> bool:
+        return (self.paused_mode is None and self.weights_ready and not self.pool.released
+                and bool(self.waiting or self.running))
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        with torch.no_grad():
+            while True:
+                with self._cv:
+                    while not (self._cmds or self._stopping or self._can_step()):
+                        wait = None
+                        if self._pending_flush is not None:
+                            wait = max(0.0, self._pending_flush[0] - time.monotonic()) + 1e-3
+                        self._cv.wait(timeout=wait)
+                        if wait is not None:
+                            break
+                    if self._stopping:
+                        return
+                    cmds, self._cmds = self._cmds, []
+                for cmd in cmds:
+                    cmd()
+                self._check_pending_flush()
+                if self._can_step():
+                    try:
+                        self._step()
+                    except Exception as e:  # noqa: BLE001 - a broken step must not kill the server
+                        logger.exception("scheduler step failed; aborting the batch")
+                        for r in [*self.running]:
+                            self._finish(r, {"type": "abort", "message": f"Internal error: {e}",
+                                             "status_code": 500, "err_type": "InternalError"})
+                    # A deferred flush fires as soon as the step that emptied the engine ends.
+                    self._check_pending_flush()
+                self.metrics.set_queue(len(self.running), len(self.waiting),
+                                       len(self.waiting) if self.paused_mode else 0,
+                                       (self.pool.num_slots - self.pool.num_free) / self.pool.num_slots)
+
+    def _step(self) -> None:
+        for hook in self.step_hooks:
+            hook()
+        t0 = time.perf_counter()
+        admitted: list[Req] = []
+        while self.waiting and self.pool.num_free:
+            r = self.waiting.popleft()
+            self._admit(r)
+            admitted.append(r)
+        n_tokens = 0
+        if admitted:
+            self._forward(admitted)
+        decoding = [r for r in self.running if r.finish is None and r not in admitted]
+        if decoding:
+            self._forward(decoding)
+            n_tokens = len(decoding)
+        self.running = [r for r in self.running if r.finish is None]
+        self.forward_steps += 1
+        self.last_step_at = time.monotonic()
+        dt = time.perf_counter() - t0
+        if n_tokens:
+            self.last_step_tokens_per_s = n_tokens / dt
+            self.metrics.step(n_tokens, dt)
+
+    def _admit(self, r: Req) -> None:
+        slot = self.pool.alloc()
+        assert slot is not None
+        r.slot = slot
+        # Keep one token to compute: its logits choose the next token. Prompt logprobs
+        # need the logits of every position from the window's start, so no reuse past it.
+        limit = len(r.ids) - 1
+        if r.input_logprob_start is not None and not r.input_logprobs:
+            limit = min(limit, max(r.input_logprob_start - 1, 0))
+        matched, pieces = self.cache.match(r.ids[:limit])
+        pos = 0
+        kv = self.pool.kv
+        for piece in pieces:
+            n = piece.shape[3]
+            kv[:, :, slot, :, pos:pos + n] = piece
+            pos += n
+        r.kv_len = matched
+        if r.num_retractions == 0:
+            r.cached_tokens = matched
+        self.running.append(r)
+
+    def _forward(self, rows: list[Req]) -> None:
+        starts = [r.kv_len for r in rows]
+        pending = [r.ids[r.kv_len:] for r in rows]
+        lens = [len(p) for p in pending]
+        t_max = max(lens)
+        ids = torch.zeros((len(rows), t_max), dtype=torch.long)
+        for b, p in enumerate(pending):
+            ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device, non_blocking=True)
+        mask, positions = extend_mask(starts, lens, self.device)
+        kv = BatchKV(self.pool, [r.slot for r in rows], starts, lens)
+        logits = self.model(ids, positions, mask, kv)
+        if t_max == 1:
+            last = logits[:, 0]
+        else:
+            last = logits[torch.arange(len(rows), device=self.device),
+                          torch.tensor(lens, device=self.device) - 1]
+        tokens, logprobs, logprobs_all = sample_batch(last, [r.spec for r in rows],
+                                                      [r.generator for r in rows],
+                                                      any(r.return_logprob for r in rows))
+        now = time.perf_counter()
+        for b, r in enumerate(rows):
+            if r.input_logprob_start is not None and not r.input_logprobs:
+                self._input_logprobs(r, logits[b, :lens[b]], starts[b])
+            r.kv_len += lens[b]
+            if r.spec.max_new_tokens == 0:  # prefill only (sglang's cache warm-up request)
+                self._finish(r, {"type": "length", "length": 0})
+                continue
+            tok = tokens[b]
+            r.ids.append(tok)
+            if r.return_logprob:
+                r.output_logprobs.append(logprobs[b])
+                if r.top_logprobs_num:
+                    vals, idx = logprobs_all[b].topk(min(r.top_logprobs_num, logprobs_all.shape[1]))
+                    r.output_top_logprobs.append(list(zip(vals.tolist(), idx.tolist(), strict=True)))
+            if r.first_token_at is None:
+                r.first_token_at = now
+                if r.log_metrics:
+                    self.metrics.first_token(now - r.created)
+            reason = self._finish_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+            elif r.stream and r.sink is not None:
+                r.sink(r, r.num_output, False)
+
+    def _input_logprobs(self, r: Req, row_logits: torch.Tensor, kv_start: int) -> None:
+        """Logprobs of prompt tokens from the window start (the first prompt token has none)."""
+        lp = torch.log_softmax(row_logits.float(), dim=-1)
+        prompt = r.prompt_ids
+        out: list[tuple[float | None, int]] = []
+        for pos in range(r.input_logprob_start, len(prompt)):
+            if pos == 0:
+                out.append((None, prompt[0]))
+            else:
+                out.append((lp[pos - 1 - kv_start, prompt[pos]].item(), prompt[pos]))
+        r.input_logprobs = out
+
+    def _finish_reason(self, r: Req, tok: int) -> dict | None:
+        n_out = r.num_output
+        spec = r.spec
+        if n_out >= spec.min_new_tokens:
+            if tok == self.eos_id and not spec.ignore_eos:
+                return {"type": "stop", "matched": tok}
+            if tok in spec.stop_token_ids:
+                return {"type": "stop", "matched": tok}
+            if spec.stop_strs:
+                longest = max(len(s.encode()) for s in spec.stop_strs)
+                tail = self.tokenizer.decode(r.ids[len(r.prompt_ids):][-(longest + 3):])
+                for s in spec.stop_strs:
+                    if s in tail:
+                        r.matched_stop_str = s
+                        return {"type": "stop", "matched": s}
+        if len(r.ids) >= r.max_len or len(r.ids) >= self.context_len:
+            return {"type": "length", "length": n_out}
+        return None
+
+    def _finish(self, r: Req, reason: dict) -> None:
+        r.finish = reason
+        if r.slot is not None:
+            if r.kv_len and not self.pool.released:
+                self.cache.insert(r.ids[:r.kv_len], self.pool, r.slot)
+            self.pool.free(r.slot)
+            r.slot = None
+        if r in self.running:
+            self.running.remove(r)
+        if r.log_metrics:
+            self.metrics.finished(len(r.prompt_ids), r.num_output, r.cached_tokens,
+                                  time.perf_counter() - r.created, reason["type"] == "abort")
+        if r.sink is not None:
+            r.sink(r, r.num_output, True)

@@ -1,0 +1,36 @@
+"""Process entry point: parse sglang flags, load the engine, serve HTTP until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from slime_like.errors import ConfigError
+from slime_like.reference_engine.args import parse_args
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    """Run one reference engine; returns the process exit status."""
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        logger.error("invalid argument %s", e)
+        return 2
+    logging.getLogger().setLevel(args.all_args.get("log_level", "info").upper())
+    # Imported after argument parsing so `--help` and flag errors answer fast.
+    from slime_like.reference_engine.engine import ReferenceEngine
+    from slime_like.reference_engine.http_server import create_app
+
+    engine = ReferenceEngine(args)
+    try:
+        app = create_app(engine)
+        # A bounded graceful shutdown: an open stream must not keep SIGTERM from stopping us.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_keep_alive=30, access_log=False, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,204 @@
+"""TP ranks: rank 0 is the HTTP process, ranks 1..N-1 are child processes holding full weights.
+
+Generation runs on rank 0; every rank holds a full (replicated) copy of the weights and
+takes part in weight updates, so a weight group has the layout of a real TP engine
+(rank = rank_offset + tp_rank). The ranks form a gloo default process group, as sglang's
+schedulers do (its weight-sync code asserts torch.distributed is initialised). Rank
+processes die with their parent (PR_SET_PDEATHSIG plus a parent watch) and are killed on
+shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime_like.errors import LaunchError
+from slime_like.reference_engine.args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_READY_TIMEOUT_S = 300.0
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits, and watch it as well."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch() -> None:
+        # prctl fires on the death of the parent *thread*; the watch covers re-parenting too.
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
+    """Entry point of TP rank `rank` >= 1: load the model, join the group, serve rank ops."""
+    die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
+    try:
+        torch.set_num_threads(1)  # ranks only receive weights; leave the cores to rank 0
+        from slime_like.models.config import ModelConfig
+        from slime_like.models.loading import load_pretrained
+        from slime_like.reference_engine.weight_receiver import WeightReceiver
+
+        device = torch.device(args.rank_device(rank))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        config = ModelConfig.from_pretrained(args.model_path)
+        model = load_pretrained(args.model_path, device=device, dtype=args.torch_dtype(config.dtype),
+                                load_format="dummy" if args.load_format == "dummy" else "auto",
+                                seed=args.random_seed)
+        # Say "loaded" before joining the group: if loading failed, rank 0 hears the error
+        # instead of waiting in the rendezvous for a rank that will never come.
+        conn.send(("loaded", None))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=args.tp_size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
+        receiver = WeightReceiver(model, tp_rank=rank, tp_size=args.tp_size, device=device,
+                                  model_path=args.model_path, load_format=args.load_format,
+                                  seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)
+        conn.send(("ready", None))
+    except Exception:  # noqa: BLE001 - reported to rank 0, which fails the launch
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        method, kwargs = msg
+        try:
+            result = getattr(receiver, method)(**kwargs)
+            if hasattr(result, "wait"):  # a Completion: finish the copy before answering
+                result = result.wait()
+            conn.send(("ok", result))
+        except Exception as e:  # noqa: BLE001 - rank errors travel back to the HTTP answer
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+class TPGroup:
+    """The rank processes of one engine and the pipes rank 0 drives them through."""
+
+    def __init__(self, args: EngineArgs):
+        self.size = args.tp_size
+        self.port = free_port()
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, args, self.port, child_conn),
+                               name=f"reference-tp{rank}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self._stopping = False
+
+    def _expect(self, rank: int, conn, wanted: str) -> None:
+        proc = self._procs[rank - 1]
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise LaunchError(f"TP rank {rank} exited with code {proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"TP rank {rank} did not report '{wanted}' in {_READY_TIMEOUT_S:.0f}s")
+        status, detail = conn.recv()
+        if status != wanted:
+            raise LaunchError(f"TP rank {rank} failed to start", detail or "")
+
+    def wait_ready(self) -> None:
+        """Wait until every rank loaded its model, join the default gloo group as rank 0,
+        then wait for every rank's ready message."""
+        for rank, conn in enumerate(self._conns, start=1):
+            self._expect(rank, conn, "loaded")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=0,
+                                world_size=self.size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
+        for rank, conn in enumerate(self._conns, start=1):
+            self._expect(rank, conn, "ready")
+        if self._procs:
+            threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True).start()
+
+    def _watch_ranks(self) -> None:
+        """A TP rank that dies takes the server down, as a crashed sglang scheduler does."""
+        while not self._stopping:
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive() and not self._stopping:
+                    logger.error("TP rank %d exited with code %s; shutting the engine down",
+                                 rank, proc.exitcode)
+                    for other in self._procs:
+                        if other.is_alive():
+                            other.kill()
+                    os._exit(1)
+            time.sleep(0.2)
+
+    def start(self, method: str, per_rank_kwargs: list[dict]) -> None:
+        """Send `method` to ranks 1..N-1 (rank 0's kwargs are per_rank_kwargs[0], run by the caller)."""
+        for conn, kwargs in zip(self._conns, per_rank_kwargs[1:], strict=True):
+            conn.send((method, kwargs))
+
+    def collect(self, timeout: float | None = None) -> list[tuple[str, Any]]:
+        """The (status, result) of ranks 1..N-1 for the last `start`."""
+        out = []
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(timeout):
+                out.append(("error", f"TP rank {rank} did not answer in {timeout}s"))
+                continue
+            try:
+                out.append(conn.recv())
+            except EOFError:
+                out.append(("error", f"TP rank {rank} exited"))
+        return out
+
+    def alive(self) -> bool:
+        """True while every rank process runs."""
+        return all(p.is_alive() for p in self._procs)
+
+    def shutdown(self) -> None:
+        """Ask ranks to exit, kill those that don't, leave the default group."""
+        self._stopping = True
+        for conn in self._conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(None)
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,356 @@
+"""The per-TP-rank half of sglang's weight API: groups, receives, loads, checksums, memory.
+
+One `WeightReceiver` lives on every TP rank (rank 0 in the HTTP process, the others in
+their own processes); the engine fans each operation out to all of them. Loading always
+goes by HF parameter name, and every name and shape is checked before the first byte of a
+parameter changes, so a bad request never leaves a half-written model.
+
+On CUDA a distributed receive goes straight into one uint8 GPU buffer and is loaded with
+`torch._foreach_copy_` from views of it, on a side stream: the caller gets a `Completion`
+back as soon as the copy is enqueued, so the receive of the next bucket can start while
+this one is still being unpacked.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime_like.models.loading import iter_checkpoint
+from slime_like.models.transformer import hf_named_parameters
+from slime_like.protocol.buckets import TensorMeta, dtype_from_name, layout, unflatten
+from slime_like.protocol.weight_group import (
+    destroy_process_group,
+    init_custom_process_group,
+    tcp_init_method,
+)
+
+logger = logging.getLogger(__name__)
+
+_SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
+DEFAULT_GROUP_TIMEOUT_S = 600.0
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class Completion:
+    """The outcome of a rank operation; on CUDA it may still be running on a stream."""
+
+    def __init__(self, ok: bool, message: str, event: Any = None, keep: Any = None):
+        self.ok, self.message = ok, message
+        self._event = event
+        self._keep = keep  # buffers that must outlive the asynchronous copy
+
+    def wait(self) -> tuple[bool, str]:
+        """Block until the copy finished; (success, message)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event, self._keep = None, None
+        return self.ok, self.message
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """First 8 bytes of sha256 over the raw bytes, as %016x (sglang's CPU tensor hash)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return f"{int.from_bytes(hashlib.sha256(raw).digest()[:8], 'big'):016x}"
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """sha256 over name + checksum, sorted by name (sglang's per_gpu_checksum)."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+@dataclass
+class _Released:
+    """What release_memory_occupation took away, so resume can put storage back."""
+
+    shapes: dict[str, torch.Size]
+    backup: dict[str, torch.Tensor] | None
+
+
+class WeightReceiver:
+    """Weight operations on one TP rank's copy of the model."""
+
+    def __init__(self, model: torch.nn.Module, *, tp_rank: int, tp_size: int, device: torch.device,
+                 model_path: str, load_format: str, seed: int = 0, cpu_backup: bool = False):
+        self.model = model
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.device = torch.device(device)
+        self.model_path = model_path
+        self.load_format = load_format
+        self.seed = seed
+        self.cpu_backup = cpu_backup
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.released: _Released | None = None
+        self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Receive buffers whose copy may still run. Updates are answered before their copy
+        # ends, so a fast sender could make the engine allocate one buffer per bucket; at
+        # most MAX_BUCKETS_IN_FLIGHT stay outstanding (the oldest is waited for first).
+        self._in_flight: collections.deque = collections.deque()
+        self._refresh_params()
+
+    def _refresh_params(self) -> None:
+        self.params: dict[str, torch.nn.Parameter] = dict(hf_named_parameters(self.model))
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    # ---- groups ----------------------------------------------------------------------------
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> tuple[bool, str]:
+        """Join weight group `group_name` as rank rank_offset + tp_rank."""
+        rank = rank_offset + self.tp_rank
+        try:
+            if backend == "nccl" and self.device.type != "cuda":
+                raise ValueError("backend 'nccl' needs a CUDA engine; this engine runs on cpu "
+                                 "(use backend 'gloo')")
+            pg = init_custom_process_group(
+                backend=backend, init_method=tcp_init_method(master_address, master_port),
+                world_size=world_size, rank=rank, group_name=group_name,
+                # No device_id, as sglang: a bound device makes NCCL connect eagerly inside
+                # this call, which then blocks until the trainer's first collective, while
+                # the trainer (like sglang's) waits for this call's answer before sending.
+                timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - answered as sglang's 400 message
+            return False, f"Failed to initialize custom process group: {e}."
+        self.groups[group_name] = pg
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave a weight group; unknown names are sglang's 400."""
+        pg = self.groups.pop(group_name, None)
+        if pg is None:
+            return False, "The group to be destroyed does not exist."
+        destroy_process_group(pg)
+        return True, "Succeeded to destroy custom process group."
+
+    def destroy_all_groups(self) -> None:
+        """Leave every weight group (shutdown)."""
+        for name in list(self.groups):
+            self.destroy_group(name)
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def check_loadable(self, named: Iterable[tuple[str, torch.Size | tuple[int, ...]]]) -> list[str]:
+        """Problems that would stop a load (unknown name, wrong shape), named per tensor."""
+        problems = []
+        for name, shape in named:
+            if self.tied and name == "lm_head.weight":
+                continue
+            param = self.params.get(name)
+            if param is None:
+                problems.append(f"unknown parameter {name!r} for {self.model.config.architecture}")
+            elif tuple(param.shape) != tuple(shape):
+                problems.append(f"shape mismatch for {name!r}: model has {tuple(param.shape)}, "
+                                f"got {tuple(shape)}")
+        return problems
+
+    def _copy_in(self, named: list[tuple[str, torch.Tensor]], stream: Any = None) -> None:
+        """Copy tensors into the parameters of the same name (one foreach copy)."""
+        pairs = [(self.params[n], t) for n, t in named if not (self.tied and n == "lm_head.weight")]
+        if not pairs:
+            return
+        dsts = [p.data for p, _ in pairs]
+        srcs = [t if t.device == p.device else t.to(p.device, non_blocking=True) for p, t in pairs]
+        if stream is None:
+            torch._foreach_copy_(dsts, srcs)
+        else:
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_(dsts, srcs)
+
+    def load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Check every name and shape, then copy all tensors in."""
+        problems = self.check_loadable((n, t.shape) for n, t in named)
+        if problems:
+            raise ValueError("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+        self._copy_in(named)
+
+    # ---- distributed -----------------------------------------------------------------------
+
+    def receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                            group_name: str, load_format: str | None) -> Completion:
+        """Join the trainer's broadcast(s) for one update request, then load by name."""
+        pg = self.groups.get(group_name)
+        if pg is None:
+            return Completion(False, f"Failed to receive weights: Group {group_name} not in "
+                                     f"{list(self.groups)}. Please call `init_weights_update_group` first.")
+        try:
+            if not (len(names) == len(dtypes) == len(shapes)):
+                raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
+                                 f"({len(shapes)}) must have the same length")
+            metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
+                     for n, d, s in zip(names, dtypes, shapes, strict=True)]
+            self._bound_in_flight()
+            if load_format == "flattened_bucket":
+                entries = layout(metas)
+                buffer = torch.empty(entries[-1].end_idx, dtype=torch.uint8, device=self.device)
+                dist.broadcast(buffer, src=0, group=pg, async_op=True).wait()
+                named = unflatten(buffer, entries)
+            elif load_format in (None, "direct"):
+                buffer = None
+                named = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)) for m in metas]
+                works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
+                for w in works:
+                    w.wait()
+            else:
+                raise ValueError(f"unknown load_format {load_format!r}; expected null or 'flattened_bucket'")
+        except Exception as e:  # noqa: BLE001
+            return Completion(False, f"Failed to receive weights: {e}")
+        problems = self.check_loadable((n, t.shape) for n, t in named)
+        if problems:
+            return Completion(False, f"Failed to update parameter online: {'; '.join(problems[:5])}. "
+                                     "The full weights of the ModelRunner are partially updated. "
+                                     "Please discard the whole weights.")
+        if self._load_stream is None:
+            self._copy_in(named)
+            return Completion(True, "Succeeded to update parameter online.")
+        # CUDA: the copy waits for the broadcast on a side stream; the caller may already
+        # launch the next receive (its stream does not wait for this copy).
+        self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._copy_in(named, stream=self._load_stream)
+        keep = buffer if buffer is not None else [t for _, t in named]
+        for t in ([buffer] if buffer is not None else [t for _, t in named]):
+            t.record_stream(self._load_stream)
+        event = torch.cuda.Event()
+        event.record(self._load_stream)
+        self._in_flight.append(event)
+        return Completion(True, "Succeeded to update parameter online.", event, keep)
+
+    def _bound_in_flight(self) -> None:
+        while len(self._in_flight) >= MAX_BUCKETS_IN_FLIGHT:
+            self._in_flight.popleft().synchronize()
+
+    def wait_loads(self) -> None:
+        """Make the compute stream wait for every enqueued weight copy (before a forward)."""
+        if self._load_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._load_stream)
+
+    # ---- tensor (IPC) ----------------------------------------------------------------------
+
+    def load_tensor_payload(self, payload: str | bytes, load_format: str | None) -> tuple[bool, str]:
+        """Deserialize this rank's payload (allowlisting unpickler) and load it."""
+        from slime_like.protocol.tensor_payload import LocalSerializedTensor, deserialize
+
+        obj = deserialize(payload)
+        if load_format == "flattened_bucket":
+            if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
+                raise ValueError("a flattened_bucket payload must be a dict with 'flattened_tensor' "
+                                 f"and 'metadata', got {type(obj).__name__}")
+            named = unflatten(obj["flattened_tensor"], obj["metadata"])
+        elif load_format in (None, "direct"):
+            if not isinstance(obj, list | tuple):
+                raise ValueError(f"a tensor payload must be a list of (name, tensor), got {type(obj).__name__}")
+            named = []
+            for item in obj:
+                if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)):
+                    raise ValueError("every payload entry must be a (name, tensor) pair")
+                name, value = item
+                if isinstance(value, LocalSerializedTensor):
+                    value = value.get(self.tp_rank)
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"payload entry {name!r} is a {type(value).__name__}, not a tensor")
+                named.append((name, value))
+        else:
+            raise ValueError(f"unknown load_format {load_format!r}; expected null, 'direct' or "
+                             "'flattened_bucket' (custom loaders are not supported)")
+        self.load_named(named)
+        return True, "Success"
+
+    # ---- disk ------------------------------------------------------------------------------
+
+    def load_from_disk(self, model_path: str, load_format: str | None) -> tuple[bool, str]:
+        """Load a safetensors checkpoint; on any failure roll back to the weights before."""
+        fmt = load_format or self.load_format
+        backup = {n: p.detach().clone() for n, p in self.params.items()}
+        try:
+            if fmt == "dummy":
+                from slime_like.models.loading import init_dummy_weights
+
+                init_dummy_weights(self.model, self.seed)
+            elif fmt in ("auto", "safetensors"):
+                seen: set[str] = set()
+                for name, tensor in iter_checkpoint(model_path):
+                    self.load_named([(name, tensor)])
+                    seen.add(name)
+                missing = [n for n in self.params if n not in seen]
+                if missing:
+                    raise ValueError(f"checkpoint lacks parameters {missing[:5]}")
+            else:
+                raise ValueError(f"load_format {fmt!r} is not supported (auto, safetensors, dummy)")
+        except Exception as e:  # noqa: BLE001 - rolled back and answered success=false
+            self._copy_in(list(backup.items()))
+            return False, (f"Failed to update weights: {e}.\nRolling back to original weights.")
+        self.model_path = model_path
+        return True, "Succeeded to update model weights."
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    def checksums(self, skip_tensor_list: list[str] | None = None) -> dict:
+        """One entry of /weights_checker's `ranks` for this TP rank."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        skip = tuple(skip_tensor_list or ())
+        sums = {n: tensor_checksum(p) for n, p in self.params.items()
+                if not any(s in n for s in _SKIP_CHECK_PATTERNS + skip)}
+        return {
+            "checksums": sums,
+            "per_gpu_checksum": overall_checksum(sums),
+            "parallelism_info": [{"role": "target", "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                                  "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                                  "rank": self.tp_rank, "size": self.tp_size}],
+        }
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list | None:
+        """First `truncate_size` rows of a parameter as float32 lists, or None."""
+        param = self.params.get(name)
+        if param is None and self.tied and name == "lm_head.weight":
+            param = self.params.get("model.embed_tokens.weight")
+        if param is None:
+            return None
+        return param.detach()[:truncate_size].float().cpu().tolist()
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def release_weights(self) -> None:
+        """Really drop the parameter storage (shape kept), optionally backing it up on CPU."""
+        if self.released is not None:
+            raise ValueError("weights are already released")
+        shapes = {n: p.shape for n, p in self.params.items()}
+        backup = {n: p.detach().cpu().clone() for n, p in self.params.items()} if self.cpu_backup else None
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released = _Released(shapes, backup)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_weights(self) -> bool:
+        """Give parameters storage again; True when their contents came back from a backup."""
+        if self.released is None:
+            raise ValueError("weights were not released")
+        for n, p in self.params.items():
+            p.data = torch.empty(self.released.shapes[n], dtype=p.dtype, device=p.device)
+        restored = self.released.backup is not None
+        if restored:
+            self._copy_in(list(self.released.backup.items()))
+        else:
+            # Until the trainer pushes weights the contents are meaningless; make that visible.
+            for p in self.params.values():
+                p.data.fill_(float("nan")) if p.dtype.is_floating_point else p.data.zero_()
+        self.released = None
+        return restored
+
+    def describe(self) -> dict:
+        """Rank state for diagnostics."""
+        return {"tp_rank": self.tp_rank, "groups": sorted(self.groups), "model_path": self.model_path,
+                "released": self.released is not None, "time": time.time()}

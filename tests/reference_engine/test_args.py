@@ -1,0 +1,64 @@
+"""The engine accepts any sglang 0.5.23 argv and refuses flags sglang does not know."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from slime_like.errors import ConfigError
+from slime_like.reference_engine.args import parse_args
+
+
+def test_sglang_aliases_and_abbreviations_parse_to_the_same_args():
+    a = parse_args(["--model", "m", "--tensor-parallel-size", "2", "--context-length", "2k"])
+    b = parse_args(["--model-path", "m", "--tp", "2", "--context-length", "2000"])
+    assert a.tp_size == b.tp_size == 2 and a.context_length == b.context_length == 2000
+    assert parse_args(["--model-path", "m", "--context-length", "2Ki"]).context_length == 2048
+
+
+def test_unused_sglang_flags_are_accepted_with_one_warning_naming_them(caplog):
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(["--model-path", "m", "--mem-fraction-static", "0.8", "--enable-tf32-matmul",
+                           "--cuda-graph-bs-decode", "1", "2", "--tp-size", "1"])
+    warnings = [r.getMessage() for r in caplog.records if "ignored sglang flags" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "--mem-fraction-static" in warnings[0] and "--cuda-graph-bs-decode" in warnings[0]
+    assert "--tp-size" not in warnings[0]
+    assert args.all_args["mem_fraction_static"] == 0.8
+
+
+def test_a_flag_sglang_does_not_know_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-path", "m", "--no-such-sglang-flag"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-such-sglang-flag" in capsys.readouterr().err
+
+
+def test_bad_choice_and_unsupported_layouts_are_clear_errors(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--load-format", "nonsense"])
+    with pytest.raises(ConfigError, match="--nnodes"):
+        parse_args(["--model-path", "m", "--nnodes", "2"])
+    with pytest.raises(ConfigError, match="--load-format"):
+        parse_args(["--model-path", "m", "--load-format", "gguf"])
+    with pytest.raises(ConfigError, match="--dp-size"):
+        parse_args(["--model-path", "m", "--dp-size", "2"])
+
+
+def test_weight_update_gate_flag_defaults_to_strict():
+    assert parse_args(["--model-path", "m"]).weight_update_gate == "strict"
+    args = parse_args(["--model-path", "m", "--reference-weight-update-gate", "optional"])
+    assert args.weight_update_gate == "optional"
+
+
+def test_the_engine_imports_neither_ray_nor_sglang():
+    import subprocess
+    import sys
+
+    code = ("import sys, slime_like.reference_engine.server, slime_like.reference_engine.http_server, "
+            "slime_like.reference_engine.engine, slime_like.protocol.tensor_payload; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'sglang', 'sglang_router')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
