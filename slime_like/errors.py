@@ -67,6 +67,7 @@ class WeightSyncError(SlimeLikeError):
         self.step = step
         self.engine = engine
         self.detail = message
+        self.paused: list[str] = []  # engines left paused for the caller (resume_on_failure off)
         where = f" on engine {engine}" if engine else ""
         super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
 

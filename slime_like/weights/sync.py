@@ -71,6 +71,9 @@ class WeightSyncConfig:
     disk_dir: str | None = None        # disk transport: where checkpoints are written
     model_dir: str | None = None       # disk transport: config/tokenizer files to copy along
     liveness_timeout_s: float = 3.0
+    # After a failed sync: resume every paused engine (standalone use), or leave them paused
+    # for the caller (the fleet), which first takes unverified engines out of the router.
+    resume_on_failure: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ConfigError:
@@ -308,10 +311,29 @@ class WeightSync:
 
     # ---- the transaction ------------------------------------------------------------------------
 
-    def update(self, weights: Any, weight_version: str | None = None) -> SyncReport:
-        """Push `weights` (a model, named tensors or a WeightSource) into every engine."""
+    def update(self, weights: Any, weight_version: str | None = None,
+               engines: Sequence[EngineHandle] | None = None) -> SyncReport:
+        """Push `weights` (a model, named tensors or a WeightSource) into every engine.
+
+        `engines` replaces the set to sync (the fleet passes the engines of this update);
+        the weight group is rebuilt when the set changed.
+        """
         with self._lock:
+            if engines is not None:
+                self._set_engines(engines)
             return self._update(weights, weight_version)
+
+    def _set_engines(self, engines: Sequence[EngineHandle]) -> None:
+        new = [_target(e) for e in engines]
+        if [e.url for e in new] == [e.url for e in self.engines]:
+            return
+        known = {e.url: e for e in self.engines}
+        self.engines = []
+        for e in new:
+            if e.url not in known:
+                e.client.timeout = self.config.http_timeout_s
+                self._probed.discard(e.url)
+            self.engines.append(known.get(e.url, e))
 
     def _update(self, weights: Any, weight_version: str | None) -> SyncReport:
         cfg = self.config
@@ -369,9 +391,14 @@ class WeightSync:
             error = self._failed(e, steps.current, begun)
         finally:
             # The living engines resume first: finding out which engines died (pings with
-            # a timeout) must not keep the healthy ones paused.
-            with steps("continue"):
-                problems = self._continue(paused)
+            # a timeout) must not keep the healthy ones paused. A caller that routes engines
+            # (the fleet) resumes them itself, after unrouting the unverified ones.
+            problems = []
+            if failure is None or cfg.resume_on_failure:
+                with steps("continue"):
+                    problems = self._continue(paused)
+            else:
+                error.paused = [e.url for e in paused]
             if problems and failure is None:
                 raise WeightSyncError("continue_generation", "; ".join(
                     f"{url}: {msg}" for url, msg in problems), problems[0][0])
