@@ -1,4 +1,4 @@
-"""The job: placement -> rollout manager -> trainer group -> first sync -> {rollout, train, sync}.
+"""The job: placement -> fleet -> trainer group -> first sync -> {rollout, train, sync}.
 
     python -m slime_like.train --config configs/quickstart.yaml
 
@@ -6,7 +6,7 @@ Each step samples prompts of the toy task, generates through the router, scores 
 completions, checks that the trainer's log-probabilities of the sampled tokens equal the
 engines' at the same weight version (a stale or corrupt sync shows at once), takes one GRPO
 step and pushes the new weights into every engine. Engine deaths are handled by the
-rollout manager in the background (see `rollout/manager.py`).
+fleet in the background (see `rollout/fleet.py`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import ray
 from slime_like.cluster.placement import place_job
 from slime_like.config.layout import layout_from_args
 from slime_like.config.parse import parse_args
+from slime_like.config.slices import fleet_settings, make_keys, sync_settings
 from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.models.tiny import make_tiny_model
 from slime_like.report import RunReport
+from slime_like.rollout.fleet import Fleet
 from slime_like.rollout.generate import Sample
-from slime_like.rollout.manager import RolloutManager
 from slime_like.rollout.task import SayTheLetterTask
 from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
@@ -63,37 +64,6 @@ def init_ray(args: argparse.Namespace) -> None:
              include_dashboard=False, log_to_driver=True)
 
 
-def sync_config(args: argparse.Namespace, model_path: str) -> dict:
-    """The trainer's WeightSync settings from the job's flags."""
-    transport = args.update_weight_transport
-    if transport == "nccl":  # slime's name: IPC when colocated, else a broadcast group
-        transport = "tensor" if args.colocate else "distributed"
-    return {"transport": transport, "pause_mode": args.pause_mode,
-            "update_weight_buffer_size": args.update_weight_buffer_size,
-            "disk_dir": args.update_weight_disk_dir, "model_dir": model_path,
-            "http_timeout_s": 120.0, "group_timeout_s": 120.0}
-
-
-def sync_weights(rollout: RolloutManager, trainer: TrainerGroup) -> dict:
-    """One full sync; engines pause for it and are routed again at the new version.
-
-    A sync that fails because an engine died is retried once for the living engines (the
-    weight group is rebuilt without the dead one, which recovery brings back).
-    """
-    rollout.begin_update()
-    report: dict = {}
-    try:
-        try:
-            report = trainer.sync_weights()
-        except Exception as e:  # noqa: BLE001 - WeightSyncError, possibly wrapped by Ray
-            logger.warning("weight sync failed (%s); retrying for the living engines", e)
-            report = trainer.sync_weights()
-    finally:
-        version = int(report["weight_version"]) if report else rollout.trainer_version
-        rollout.end_update(version, report.get("engines") if report else [])
-    return report
-
-
 def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
                    tolerance: float) -> float:
     """Largest |engine - trainer| logprob over the samples made at `version`."""
@@ -112,17 +82,20 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     return worst
 
 
-def crash_midway(rollout: RolloutManager, total: int):
+def crash_midway(fleet: Fleet, total: int):
     """An `on_sample` hook that kills engine 0 once a quarter of the samples are back."""
     def on_sample(done: int) -> None:
         if done == max(1, total // 4):
-            threading.Thread(target=rollout.simulate_crash, args=(0,), name="simulated-crash",
+            threading.Thread(target=fleet.kill_engine, args=(0,), name="simulated-crash",
                              daemon=True).start()
     return on_sample
 
 
 def train(args: argparse.Namespace) -> int:
-    """Run the job described by parsed flags; 0 on success."""
+    """Run the job described by parsed flags; 0 on success.
+
+    placement -> fleet -> trainer group -> first sync -> {rollout, check, train, sync}.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     report = RunReport(out)
@@ -130,7 +103,11 @@ def train(args: argparse.Namespace) -> int:
     model_path = args.hf_checkpoint or str(make_tiny_model(
         out / "model", layers=args.tiny_model_layers, hidden=args.tiny_model_hidden, seed=args.seed))
     placement = place_job(args, timeout_s=300)
-    rollout = RolloutManager(args, placement, model_path, out / "logs", on_event=report.log_event)
+    keys = make_keys(args)
+    updatable = [m.name for m in args.topology.models if m.update_weights]
+    fleet = Fleet(fleet_settings(args, log_dir=str(out / "logs"), keys=keys,
+                                 model_paths={m: model_path for m in updatable}),
+                  placement, on_event=report.log_event)
     trainer: TrainerGroup | None = None
     task = SayTheLetterTask(seed=args.seed)
     n = args.n_samples_per_prompt
@@ -138,46 +115,47 @@ def train(args: argparse.Namespace) -> int:
                 "max_new_tokens": args.rollout_max_response_len or 16, "ignore_eos": True}
     notes: list[str] = []
     try:
-        rollout.start()
+        fleet.start()
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
-                               sync_config=sync_config(args, model_path))
-        trainer.attach_engines(rollout.sync_targets())
-        rollout.attach_trainer(trainer.rank0)
-        first = sync_weights(rollout, trainer)
+                               sync=sync_settings(args, model_path))
+        fleet.set_weight_source(trainer.push_weights)
+        first = fleet.sync(trainer.push_weights)
         logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
 
         for step in range(args.num_rollout or 10):
             t0 = time.time()
             prompts = task.sample_prompts(args.rollout_batch_size or 8)
-            hook = (crash_midway(rollout, len(prompts) * n)
+            hook = (crash_midway(fleet, len(prompts) * n)
                     if step == args.simulate_engine_crash_at else None)
-            samples = rollout.generate([p.input_ids for p in prompts], n, sampling, hook)
+            samples = fleet.generate([p.input_ids for p in prompts], n, sampling, hook)
             rollout_s = time.time() - t0
             rewards = [task.reward(prompts[s.prompt_index], s.output_ids) for s in samples]
             advantages = group_advantages(rewards, n)
-            worst = check_logprobs(samples, trainer, rollout.trainer_version,
+            worst = check_logprobs(samples, trainer, int(fleet.version),
                                    args.logprob_check_tolerance)
             pairs = [(s.prompt_ids, s.output_ids) for s in samples]
             train_metrics = trainer.train_step(pairs, advantages)
             sync = {}
             if (step + 1) % args.update_weights_interval == 0:
-                sync = sync_weights(rollout, trainer)
+                sync = fleet.sync(trainer.push_weights)
             report.log_step(step, {
                 "reward_mean": sum(rewards) / len(rewards),
                 "rollout_s": round(rollout_s, 3),
                 "sync_s": round(sync.get("total_s", 0.0), 4),
-                "weight_version": rollout.trainer_version,
+                "weight_version": int(fleet.version),
                 "logprob_max_abs_diff": worst,
+                "samples_requested": len(prompts) * n,
+                "samples_returned": len(samples),
                 "retried_requests": sum(s.attempts > 1 for s in samples),
-                "engines": rollout.states(),
+                "engines": fleet.states(),
                 **train_metrics,
             })
             logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                         "engines %s", step, sum(rewards) / len(rewards), rollout_s,
-                        sync.get("total_s", 0.0), worst, rollout.states())
-        if not rollout.wait_recovered(timeout=300):
+                        sync.get("total_s", 0.0), worst, fleet.states())
+        if not fleet.wait_recovered(timeout=300):
             notes.append("a recovery was still running at the end of the run")
-        for r in rollout.recoveries:
+        for r in fleet.recoveries:
             notes.append(f"recovery of {r['engine']}: " + (
                 f"{r['recovery_s']} s from death to serving version {r['version']}"
                 if "recovery_s" in r else f"FAILED: {r['error']}"))
@@ -185,7 +163,7 @@ def train(args: argparse.Namespace) -> int:
     finally:
         if trainer is not None:
             trainer.shutdown()
-        rollout.shutdown()
+        fleet.shutdown()
         placement.release()
         path = report.render(title="slime_like quickstart run", notes=notes)
         logger.info("report: %s", path)

@@ -13,6 +13,7 @@ from typing import Any
 
 from slime_like.cluster.hosts import format_host
 from slime_like.config.layout import EnginePlacement
+from slime_like.config.slices import EngineSettings, engine_settings
 from slime_like.engine.launch import ComposedArgs, render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
@@ -23,7 +24,7 @@ def _size(name: str, overrides: Mapping[str, Any], flags: Mapping[str, Any]) -> 
     return 1 if value is None else int(value)
 
 
-def engine_config(engine: EnginePlacement, args: argparse.Namespace, *,
+def engine_config(engine: EnginePlacement, settings: EngineSettings, *,
                   model_path: str | None = None, log_dir: str | None = None) -> EngineConfig:
     """What the engine actor of `engine` is started with.
 
@@ -31,17 +32,18 @@ def engine_config(engine: EnginePlacement, args: argparse.Namespace, *,
     reference engine).
     """
     path = model_path or engine.model_path
-    if path is None:
+    if not path:
         raise ConfigError("--hf-checkpoint", f"engine {engine.engine_id} has no model to load")
-    flags, overrides = args.sglang_flags, dict(engine.overrides)
+    flags, overrides = settings.sglang_flags, dict(engine.overrides)
     return EngineConfig(
-        model_path=path, program=args.engine, worker_type=engine.worker_type,
+        model_path=path, program=settings.program, worker_type=engine.worker_type,
         num_gpus_per_engine=engine.num_gpus, pp_size=_size("pp_size", overrides, flags),
         dp_size=_size("dp_size", overrides, flags), ep_size=_size("ep_size", overrides, flags),
         nnodes=engine.nnodes, node_rank=engine.node_rank, base_gpu_id=engine.base_gpu_id,
-        engine_rank=engine.engine_index, seed=args.seed,
+        engine_rank=engine.engine_index, seed=settings.seed,
         # Only engines on the trainer's GPUs give their memory back (slime's needs_offload).
-        enable_memory_saver=bool(args.offload_rollout and engine.shares_trainer_gpus),
+        enable_memory_saver=bool(settings.offload_rollout and engine.shares_trainer_gpus),
+        api_key=settings.api_key, admin_api_key=settings.admin_api_key,
         sglang_flags=dict(flags), overrides=overrides,
         overrides_path=f"{engine.group_where}.overrides", log_dir=log_dir,
         name=engine.engine_id.replace("/", "-")
@@ -56,7 +58,7 @@ def engine_server_args(engine: EnginePlacement, args: argparse.Namespace, *, por
     if engine.nnodes > 1 and dist_init_port is None:
         raise ConfigError("dist_init_port", f"engine {engine.engine_id} spans {engine.nnodes} "
                                             "nodes and needs the port its node_rank 0 reserved")
-    e = EngineServer(engine_config(engine, args, model_path=model_path))
+    e = EngineServer(engine_config(engine, engine_settings(args), model_path=model_path))
     if engine.dist_init_host and dist_init_port is not None:
         e.dist_init_addr = f"{format_host(engine.dist_init_host)}:{dist_init_port}"
     return e.compose_args(host=engine.node_ip, port=port, nccl_port=nccl_port,

@@ -7,6 +7,11 @@ Two signals per engine, checked every `interval_s` for all engines concurrently:
   an engine (re)starts, so a cold compile is not mistaken for a hang (slime's default of 0 s
   kills engines during their first compile).
 A hung probe never delays the others: each runs in its own worker with a deadline.
+
+The monitor holds health counters only; lifecycle decisions are the fleet's. It asks the
+fleet whether to probe an engine now (`should_probe`: not while paused for an update) and
+reports to it: `on_suspect` at the first failed probe (the fleet takes the engine out of
+the router at once), `on_healthy` when a suspect answers again, `on_dead` after N.
 """
 
 from __future__ import annotations
@@ -36,17 +41,22 @@ class HealthPolicy:
 class _Watched:
     since: float
     failures: int = 0
-    paused: bool = False
 
 
 class HealthMonitor:
     """Watches engines by key; calls `on_dead(key, reason)` once per death."""
 
     def __init__(self, probe: Callable[[Hashable, float], None], is_alive: Callable[[Hashable], bool],
-                 on_dead: Callable[[Hashable, str], None], policy: HealthPolicy | None = None):
+                 on_dead: Callable[[Hashable, str], None], policy: HealthPolicy | None = None, *,
+                 should_probe: Callable[[Hashable], bool] | None = None,
+                 on_suspect: Callable[[Hashable, str], None] | None = None,
+                 on_healthy: Callable[[Hashable], None] | None = None):
         self.probe = probe
         self.is_alive = is_alive
         self.on_dead = on_dead
+        self.should_probe = should_probe or (lambda key: True)
+        self.on_suspect = on_suspect or (lambda key, why: None)
+        self.on_healthy = on_healthy or (lambda key: None)
         self.policy = policy or HealthPolicy()
         self._engines: dict[Hashable, _Watched] = {}
         self._lock = threading.Lock()
@@ -65,18 +75,6 @@ class HealthMonitor:
     def unwatch(self, key: Hashable) -> None:
         with self._lock:
             self._engines.pop(key, None)
-
-    def pause(self, key: Hashable) -> None:
-        """Skip readiness probes (e.g. while the engine is paused for a weight update)."""
-        with self._lock:
-            if key in self._engines:
-                self._engines[key].paused = True
-
-    def resume(self, key: Hashable) -> None:
-        with self._lock:
-            if key in self._engines:
-                self._engines[key].paused = False
-                self._engines[key].failures = 0
 
     # ---- loop ------------------------------------------------------------------------------
 
@@ -114,7 +112,7 @@ class HealthMonitor:
                 if self._declare_dead(key, "server process exited"):
                     dead.append(key)
                 continue
-            if w.paused or now - w.since < self.policy.first_wait_s:
+            if now - w.since < self.policy.first_wait_s or not self._should_probe(key):
                 continue
             futures[key] = self._pool.submit(self.probe, key, self.policy.timeout_s)
         deadline = time.monotonic() + self.policy.timeout_s + 1.0
@@ -128,10 +126,15 @@ class HealthMonitor:
                 ok, why = False, f"probe failed: {e}"
             with self._lock:
                 w = self._engines.get(key)
-                if w is None or w.paused:
+                if w is None:
                     continue
+                was_failing = w.failures > 0
                 w.failures = 0 if ok else w.failures + 1
                 failures = w.failures
+            if ok and was_failing:
+                self.on_healthy(key)
+            elif failures == 1:
+                self.on_suspect(key, why)
             if failures >= self.policy.failure_threshold and self._declare_dead(
                     key, f"{failures} consecutive failed probes; last: {why}"):
                 dead.append(key)
@@ -145,6 +148,12 @@ class HealthMonitor:
         logger.warning("engine %s is dead: %s", key, reason)
         self.on_dead(key, reason)
         return True
+
+    def _should_probe(self, key: Hashable) -> bool:
+        try:
+            return bool(self.should_probe(key))
+        except Exception:  # noqa: BLE001 - an engine we cannot ask about is probed
+            return True
 
     def _alive(self, key: Hashable) -> bool:
         try:

@@ -70,13 +70,6 @@ class TrainerRank:
         self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
                                     seed=self.seed, group=self.group)
 
-    def attach_engines(self, engines: list[tuple[str, int]]) -> None:
-        """Rank 0: the engines every full sync pushes to (URL, TP size)."""
-        if self.rank != 0:
-            return
-        cfg = WeightSyncConfig(**self.sync_config)
-        self.weight_sync = WeightSync([EngineHandle(url, tp) for url, tp in engines], cfg)
-
     # ---- training ------------------------------------------------------------------------------
 
     def train_step(self, samples: list[tuple[list[int], list[int]]],
@@ -94,45 +87,37 @@ class TrainerRank:
 
     # ---- weight sync (rank 0) ------------------------------------------------------------------
 
-    def sync_weights(self) -> dict:
-        """Push the current weights into every attached engine as version `version + 1`."""
-        if self.rank != 0:
-            return {}
-        assert self.policy is not None and self.weight_sync is not None
-        with self._weights_lock:
-            report = self.weight_sync.update(self.policy.model, str(self.version + 1))
-            self.version += 1
-            self._dirty = False
-            self._weights_lock.notify_all()
-        out = report.as_dict()
-        out["dropped"] = self.weight_sync.take_dropped()
-        return out
+    def _weight_sync(self) -> WeightSync:
+        if self.weight_sync is None:
+            self.weight_sync = WeightSync([], WeightSyncConfig(**self.sync_config))
+        return self.weight_sync
 
-    def sync_new_engine(self, url: str, tp_size: int, timeout: float = 600.0) -> dict:
-        """Give a recovered engine the weights the others serve, then let full syncs include it.
+    def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True) -> dict:
+        """Put the current weights into `targets` (the fleet's update) and report.
 
-        Waits while a train step has made the weights newer than the served version (the
-        next full sync comes right after it and covers this engine anyway).
+        A full update installs `version` (the fleet's next) on every target over the main
+        weight group. A resync gives replacement engines the version the others serve,
+        over a group of their own; it waits while a train step has made the weights newer
+        than that version (the full sync right after the step takes the engine along).
         """
         if self.rank != 0:
             return {}
-        assert self.policy is not None and self.weight_sync is not None
+        assert self.policy is not None
         with self._weights_lock:
-            if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=timeout):
-                raise TimeoutError(f"weights stayed ahead of the served version for {timeout}s")
-            cfg = WeightSyncConfig(**self.sync_config)
-            one = WeightSync([EngineHandle(url, tp_size)], cfg)
+            if full:
+                report = self._weight_sync().update(self.policy.model, str(version),
+                                                    engines=targets)
+                self.version = version
+                self._dirty = False
+                self._weights_lock.notify_all()
+                return report.as_dict()
+            if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
+                raise TimeoutError("weights stayed ahead of the served version for 600s")
+            one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
             try:
-                report = one.update(self.policy.model, str(self.version))
+                return one.update(self.policy.model, str(self.version)).as_dict()
             finally:
                 one.close()
-            self.weight_sync.remove_engine(url)
-            self.weight_sync.add_engine(EngineHandle(url, tp_size))
-            return report.as_dict()
-
-    def remove_engine(self, url: str) -> None:
-        if self.rank == 0 and self.weight_sync is not None:
-            self.weight_sync.remove_engine(url)
 
     def current_version(self) -> int:
         return self.version

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import ray
 
 from slime_like.cluster.placement import JobPlacement
+from slime_like.config.slices import SyncSettings
 from slime_like.trainer.actor import TrainerActor, trainer_env
 
 
@@ -15,12 +13,13 @@ class TrainerGroup:
     """N data-parallel trainer ranks; rank 0 drives weight syncs."""
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any]):
+                 sync: SyncSettings):
         world = len(placement.plan.trainer)
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
-                rank, world, model_path, lr=lr, seed=seed, sync_config=sync_config)
+                rank, world, model_path, lr=lr, seed=seed,
+                sync_config=sync.weight_sync_kwargs())
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -30,9 +29,6 @@ class TrainerGroup:
     @property
     def rank0(self):
         return self.actors[0]
-
-    def attach_engines(self, engines: Sequence[tuple[str, int]]) -> None:
-        ray.get(self.rank0.attach_engines.remote(list(engines)))
 
     def train_step(self, samples: list, advantages: list[float]) -> dict[str, float]:
         """Split the batch over ranks (contiguous shards), step all, report rank 0's metrics."""
@@ -45,8 +41,20 @@ class TrainerGroup:
     def completion_logprobs(self, samples: list) -> list[list[float]]:
         return ray.get(self.rank0.completion_logprobs.remote(samples))
 
-    def sync_weights(self) -> dict:
-        return ray.get(self.rank0.sync_weights.remote())
+    def push_weights(self, update) -> dict:
+        """The fleet's weight source: rank 0 pushes into the update's engines.
+
+        A failure comes back as the WeightSyncError rank 0 raised (not Ray's wrapper), so
+        the fleet sees which step and engine failed.
+        """
+        ref = self.rank0.push_weights.remote(update.targets, int(update.version), update.full)
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     def shutdown(self) -> None:
         try:

@@ -1,0 +1,576 @@
+"""Fleet: the only owner of engines — launch, lifecycle, router membership, recovery.
+
+Every engine of every model in the job's `--sglang-config` is a `ManagedEngine` here; no
+other code creates engines, moves them between states or adds/removes router workers.
+The health monitor and the weight sync report to the fleet and hold no lifecycle state.
+
+A weight update is a context:
+
+    with fleet.updating() as update:          # engines paused by the sync are UPDATING
+        push(update.targets, update.version)  # any transport, from any process
+    # success: every target verified at update.version is routed; the fleet is at that version
+    # failure: every target not verified at the fleet's version leaves the router (STALE),
+    #          is resumed, and is resynced before it serves again
+
+`route()` refuses an engine whose verified version is not the fleet's current version, so
+the invariant of DESIGN §3 holds by construction. A dead engine is relaunched on its own
+bundle as soon as the death is seen, synced by the weight source (the trainer), checked,
+and only then routed; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from slime_like.cluster.placement import JobPlacement
+from slime_like.config.layout import EnginePlacement
+from slime_like.config.slices import FleetSettings
+from slime_like.engine.actor import EngineActor
+from slime_like.engine.from_placement import engine_config
+from slime_like.engine.handle import EngineHandle
+from slime_like.errors import SlimeLikeError, WeightSyncError
+from slime_like.protocol.weight_version import WeightVersion, parse_weight_version
+from slime_like.rollout.generate import RouterGenerator, Sample
+from slime_like.rollout.health import HealthMonitor, HealthPolicy
+from slime_like.rollout.lifecycle import SYNCABLE, EngineState, ManagedEngine
+from slime_like.router.client import RouterClient
+from slime_like.router.router import Router
+
+logger = logging.getLogger(__name__)
+
+S = EngineState
+EventSink = Callable[..., None]
+# push(update): put the weights of `update.version` into `update.targets` (the trainer).
+WeightSource = Callable[["Update"], Any]
+
+
+class FleetError(SlimeLikeError):
+    """The fleet cannot do what was asked (no engines to sync, routing refused, ...)."""
+
+
+@dataclass
+class Update:
+    """One weight update in progress: the engines it covers and the version it installs."""
+
+    version: WeightVersion
+    targets: list[EngineHandle]
+    full: bool
+    report: dict = field(default_factory=dict)
+
+
+class Fleet:
+    """Engines of every model in the job, their routers, health and recovery."""
+
+    def __init__(self, settings: FleetSettings, placement: JobPlacement,
+                 on_event: EventSink | None = None):
+        self.settings = settings
+        self.placement = placement
+        self.log_dir = Path(settings.log_dir)
+        self._sinks: list[EventSink] = [on_event] if on_event else []
+        self.routers: dict[str, Router] = {}
+        self.engines: list[ManagedEngine] = []
+        self.version = WeightVersion(0)
+        self.recoveries: list[dict] = []
+        self.weight_source: WeightSource | None = None
+        self.monitor: HealthMonitor | None = None
+        self._lock = threading.RLock()
+        self._recovering: set[str] = set()  # relaunch in progress
+        self._resyncing: set[str] = set()   # a STALE engine's resync thread is running
+        self._full_update = threading.Event()
+        self._syncing = threading.Event()  # a full sync with its retries is running
+        self._closing = False
+        self._on_shutdown: list[Callable[[], None]] = []
+        plan = placement.plan
+        for router in plan.routers:
+            by_engine: dict[int, list[EnginePlacement]] = {}
+            for p in plan.engines_of(router.model_name):
+                by_engine.setdefault(p.engine_index, []).append(p)
+            for _, ps in sorted(by_engine.items()):
+                ps.sort(key=lambda p: p.node_rank)
+                cfg = engine_config(ps[0], settings.engine, model_path=self._model_path(ps[0]))
+                self.engines.append(ManagedEngine(
+                    ps[0].engine_id, router.model_name, ps, router.update_weights,
+                    tp_size=max(1, ps[0].num_gpus // cfg.pp_size)))
+
+    def _model_path(self, p: EnginePlacement) -> str:
+        return self.settings.model_paths.get(p.model_name) or p.model_path or ""
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def subscribe(self, sink: EventSink) -> None:
+        """Call `sink(engine_id, state, **details)` on every lifecycle event."""
+        self._sinks.append(sink)
+
+    def _emit(self, subject: str, state: str, **details: Any) -> None:
+        for sink in list(self._sinks):
+            try:
+                sink(subject, state, **details)
+            except Exception:  # noqa: BLE001 - a broken sink must not break the lifecycle
+                logger.exception("event sink failed")
+
+    def _move(self, e: ManagedEngine, dst: EngineState, **details: Any) -> None:
+        """The one place engine states change (the table in lifecycle.py is enforced)."""
+        src = e.move(dst)
+        self._emit(e.engine_id, dst.value, previous=src.value, **details)
+
+    # ---- router membership (the only code that adds or removes workers) ---------------------
+
+    def router_url(self, model: str | None = None) -> str:
+        """The URL to generate through for `model` (default: the updatable model)."""
+        return self.routers[model or self.updatable_model].url
+
+    @property
+    def updatable_model(self) -> str:
+        names = [r.model_name for r in self.placement.plan.routers if r.update_weights]
+        return names[0] if names else self.placement.plan.routers[0].model_name
+
+    def _router_client(self, e: ManagedEngine) -> RouterClient:
+        return self.routers[e.model_name].client
+
+    def route(self, e: ManagedEngine) -> None:
+        """Add an engine to its router; refused unless it serves the fleet's version."""
+        if e.update_weights and e.verified_version != self.version:
+            raise FleetError(f"engine {e.engine_id} serves version {e.verified_version}, the "
+                             f"fleet is at {self.version}: not routed")
+        if e.routed or e.handle is None:
+            return
+        h = e.handle
+        if h.worker_type == "encoder":
+            return
+        info = self._router_client(e).add_worker(h.url, worker_type=h.worker_type,
+                                                 bootstrap_port=h.bootstrap_port,
+                                                 api_key=h.api_key,
+                                                 timeout=self.settings.register_timeout_s)
+        e.routed, e.router_worker_id = True, info.id
+
+    def _unroute(self, e: ManagedEngine) -> None:
+        if not e.routed or e.handle is None:
+            return
+        try:
+            self._router_client(e).remove_worker(e.router_worker_id, url=e.handle.url, timeout=15)
+        except Exception as err:  # noqa: BLE001 - a dead router takes its workers with it
+            logger.warning("%s: removal from the router failed: %s", e.engine_id, err)
+        e.routed, e.router_worker_id = False, None
+
+    # ---- launch ----------------------------------------------------------------------------
+
+    def _launch(self, e: ManagedEngine) -> Any:
+        """Create the engine's node actors and start their servers; an ObjectRef of the URL."""
+        e.actors = [EngineActor.options(**self.placement.engine_options(p)).remote(
+            engine_config(p, self.settings.engine, model_path=self._model_path(p),
+                          log_dir=str(self.log_dir))) for p in e.placements]
+        dist_init = None
+        if len(e.actors) > 1:
+            dist_init = ray.get(e.actors[0].reserve_dist_init_addr.remote())
+        refs = [a.init.remote(dist_init) for a in e.actors]
+        return refs[0]
+
+    def _loaded(self, e: ManagedEngine) -> dict:
+        e.handle = ray.get(e.actors[0].handle.remote(e.tp_size))
+        e.verified_version = parse_weight_version(e.handle.weight_version())
+        return {"url": e.handle.url, "pid": ray.get(e.actors[0].server_pid.remote()),
+                "version": str(e.verified_version)}
+
+    def start(self) -> Fleet:
+        """Routers, then every engine concurrently. Frozen models' engines are routed at once;
+        the updatable model's wait (LOADED) for the first sync."""
+        for plan in self.placement.plan.routers:
+            router = Router(pd_disaggregation=plan.pd_disaggregation,
+                            router_flags=self.settings.router.flags, log_dir=self.log_dir,
+                            api_key=self.settings.router.api_key,
+                            name=f"router-{plan.model_name}").start()
+            self.routers[plan.model_name] = router
+            self._emit(f"router/{plan.model_name}", "READY", url=router.url,
+                       metrics=router.prometheus_url, pid=router.process.pid)
+        refs = {}
+        for e in self.engines:
+            self._emit(e.engine_id, S.LAUNCHING.value)
+            refs[e.engine_id] = self._launch(e)
+        for e in self.engines:
+            ray.get(refs[e.engine_id])
+            with self._lock:
+                self._move(e, S.LOADED, **self._loaded(e))
+                if not e.update_weights:  # frozen: it serves its checkpoint as loaded
+                    e.verified_version = None
+                    self._frozen_route(e)
+        health = self.settings.health
+        if health.enabled:
+            self.monitor = HealthMonitor(
+                self._probe, self._alive, self._on_dead,
+                HealthPolicy(interval_s=health.interval_s, timeout_s=health.timeout_s,
+                             failure_threshold=health.failure_threshold,
+                             first_wait_s=health.first_wait_s),
+                should_probe=self._should_probe, on_suspect=self._on_suspect,
+                on_healthy=self._on_healthy)
+            for e in self.engines:
+                self.monitor.watch(e.engine_id)
+            self.monitor.start()
+        return self
+
+    def _frozen_route(self, e: ManagedEngine) -> None:
+        self._move(e, S.UPDATING, reason="frozen model: serves its checkpoint")
+        self.route(e)
+        self._move(e, S.REGISTERED, version="frozen")
+
+    # ---- weight updates ------------------------------------------------------------------------
+
+    def set_weight_source(self, source: WeightSource) -> None:
+        """How the fleet puts the current weights into a replacement engine (the trainer)."""
+        self.weight_source = source
+
+    def _targets(self, engine_ids: Sequence[str] | None) -> list[ManagedEngine]:
+        pool = [e for e in self.engines if e.update_weights and e.state in SYNCABLE
+                and e.handle is not None]
+        if engine_ids is not None:
+            pool = [e for e in pool if e.engine_id in set(engine_ids)]
+        return pool
+
+    @contextlib.contextmanager
+    def updating(self, engine_ids: Sequence[str] | None = None, *,
+                 version: WeightVersion | None = None) -> Iterator[Update]:
+        """A weight update of the updatable engines (all syncable ones, or `engine_ids`).
+
+        A full update installs the next version; a resync (`engine_ids` given, no version)
+        installs the current one. See the module docstring for what happens on exit.
+        """
+        full = engine_ids is None
+        with self._lock:
+            if full:
+                if self._full_update.is_set():
+                    raise FleetError("a full weight update is already in progress")
+                self._full_update.set()
+            chosen = self._targets(engine_ids)
+            if not chosen:
+                if full:
+                    self._full_update.clear()
+                raise FleetError("no engines to sync: " + ", ".join(
+                    f"{e.engine_id} {e.state.value}" for e in self.engines if e.update_weights))
+            update = Update(version if version is not None else
+                            (self.version.next() if full else self.version),
+                            [e.handle for e in chosen], full)
+            for e in chosen:
+                self._move(e, S.UPDATING, version=str(update.version))
+        try:
+            yield update
+        except BaseException as err:
+            self._settle(chosen, update, failed=err)
+            raise
+        else:
+            self._settle(chosen, update, failed=None)
+        finally:
+            if full:
+                self._full_update.clear()
+
+    def _settle(self, chosen: list[ManagedEngine], update: Update,
+                failed: BaseException | None) -> None:
+        """After a sync: route what is verified at the fleet's version, unroute the rest.
+
+        After a failure nothing is verified: a transfer that stopped midway leaves weights
+        that are partly new under the old version string, so every target resyncs.
+        """
+        verified: dict[str, WeightVersion | None] = {e.engine_id: None for e in chosen}
+        if failed is None:
+            synced = set(update.report.get("engines") or [h.url for h in update.targets])
+            pushed = parse_weight_version(update.report.get("weight_version")) or update.version
+            verified = {e.engine_id: pushed if e.url in synced else None for e in chosen}
+        else:
+            logger.warning("weight update to version %s failed: %s", update.version, failed)
+        with self._lock:
+            if failed is None and update.full:
+                self.version = update.version
+                self._emit("fleet", "VERSION", version=str(self.version))
+            for e in chosen:
+                e.verified_version = verified[e.engine_id]
+                if e.state is not S.UPDATING:
+                    continue  # declared dead meanwhile; recovery owns it
+                if e.verified_version == self.version:
+                    try:
+                        self.route(e)
+                        self._move(e, S.REGISTERED, version=str(self.version))
+                        continue
+                    except Exception as err:  # noqa: BLE001 - the engine resyncs instead
+                        logger.warning("%s: could not be routed: %s", e.engine_id, err)
+                self._unroute(e)
+                self._move(e, S.STALE, version=str(e.verified_version),
+                           reason="weights not verified at the fleet's version")
+            # A version bump strands any routed engine still at the old one.
+            for e in self.engines:
+                if e.routed and e.update_weights and e.verified_version != self.version \
+                        and e.state is not S.UPDATING:
+                    self._unroute(e)
+                    self._move(e, S.STALE, reason="version moved on")
+        if failed is not None:
+            # Resumed only now, after the unverified engines left the router.
+            self._resume(chosen)
+            self._probe_dead(chosen)
+        self._resync_stale_later()
+
+    def _resume(self, chosen: list[ManagedEngine]) -> None:
+        def resume(e: ManagedEngine) -> None:
+            with contextlib.suppress(Exception):
+                e.handle.client.request("POST", "/continue_generation", body={}, admin=True,
+                                        timeout=self.settings.verify_timeout_s)
+        with ThreadPoolExecutor(max(1, len(chosen))) as pool:
+            list(pool.map(resume, chosen))
+
+    def _probe_dead(self, chosen: list[ManagedEngine]) -> None:
+        for e in chosen:
+            if not self._alive(e.engine_id):
+                self._on_dead(e.engine_id, "server gone after a failed weight update")
+
+    def sync(self, push: Callable[[Update], dict | None], retries: int = 1) -> dict:
+        """A full update through `push`, retried for the living engines after a failure.
+
+        Replacement resyncs wait while it runs (retries included): the retry takes the
+        STALE engines along.
+        """
+        self._syncing.set()
+        try:
+            for attempt in range(retries + 1):
+                try:
+                    with self.updating() as update:
+                        update.report = push(update) or {}
+                    return update.report
+                except (WeightSyncError, FleetError) as err:
+                    if attempt == retries or not self._targets(None):
+                        raise
+                    logger.warning("weight sync failed (%s); retrying for the living engines",
+                                   err)
+            raise AssertionError("unreachable")
+        finally:
+            self._syncing.clear()
+            self._resync_stale_later()
+
+    # ---- health ----------------------------------------------------------------------------------
+
+    def find(self, engine_id: str) -> ManagedEngine:
+        for e in self.engines:
+            if e.engine_id == engine_id:
+                return e
+        raise KeyError(engine_id)
+
+    def _should_probe(self, engine_id: str) -> bool:
+        return self.find(engine_id).state in (S.REGISTERED, S.SUSPECT, S.LOADED, S.STALE)
+
+    def _probe(self, engine_id: str, timeout: float) -> None:
+        self.find(engine_id).handle.health_generate(timeout=timeout)
+
+    def _alive(self, engine_id: str) -> bool:
+        e = self.find(engine_id)
+        if e.external_address is not None:
+            return e.handle is not None and e.handle.client.ping(timeout=2.0)
+        try:
+            return all(ray.get([a.is_alive.remote() for a in e.actors], timeout=10))
+        except Exception:  # noqa: BLE001 - an actor that cannot answer is not alive
+            return False
+
+    def _on_suspect(self, engine_id: str, why: str) -> None:
+        """First failed probe: out of the router at once (recovered or declared dead later)."""
+        with self._lock:
+            e = self.find(engine_id)
+            if e.state is S.REGISTERED:
+                self._unroute(e)
+                self._move(e, S.SUSPECT, reason=why)
+
+    def _on_healthy(self, engine_id: str) -> None:
+        with self._lock:
+            e = self.find(engine_id)
+            if e.state is not S.SUSPECT:
+                return
+            if not e.update_weights or e.verified_version == self.version:
+                self.route(e)
+                self._move(e, S.REGISTERED, reason="probes pass again")
+            else:
+                self._move(e, S.STALE, reason="probes pass again, version moved on")
+        self._resync_stale_later()
+
+    def kill_engine(self, index: int = 0) -> str:
+        """SIGKILL one engine's server, as a real crash would (the demo and tests)."""
+        e = self.engines[index]
+        ray.get(e.actors[0].simulate_crash.remote())
+        logger.warning("simulated a crash of %s (%s)", e.engine_id, e.url)
+        return e.engine_id
+
+    # ---- recovery ------------------------------------------------------------------------------
+
+    def _on_dead(self, engine_id: str, reason: str) -> None:
+        with self._lock:
+            if self._closing or engine_id in self._recovering:
+                return
+            e = self.find(engine_id)
+            if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING):
+                return
+            self._recovering.add(engine_id)
+            self._unroute(e)  # before anything else: no request may reach a dead engine
+            self._move(e, S.DEAD, reason=reason)
+            if self.monitor is not None:
+                self.monitor.unwatch(engine_id)
+        threading.Thread(target=self._recover, args=(e, reason), name=f"recover-{engine_id}",
+                         daemon=True).start()
+
+    def _recover(self, e: ManagedEngine, reason: str) -> None:
+        t0 = time.time()
+        try:
+            for a in e.actors:
+                with contextlib.suppress(Exception):  # the actor may have died with its server
+                    ray.get(a.shutdown.remote(), timeout=30)
+                ray.kill(a)
+            with self._lock:
+                if self._closing:
+                    return
+                self._move(e, S.RELAUNCHING)
+            e.restarts += 1
+            ray.get(self._launch(e))
+            with self._lock:
+                self._move(e, S.STALE, **self._loaded(e))
+            if self.monitor is not None:
+                self.monitor.watch(e.engine_id)
+            if not e.update_weights:
+                with self._lock:
+                    self._frozen_from_stale(e)
+            else:
+                self._resync(e)
+            took = time.time() - t0
+            self.recoveries.append({"engine": e.engine_id, "reason": reason,
+                                    "recovery_s": round(took, 2), "version": str(self.version),
+                                    "url": e.url, "dead_at": e.dead_at})
+            self._emit(e.engine_id, "RECOVERED", recovery_s=round(took, 2))
+            logger.warning("%s recovered in %.1fs at version %s (%s)", e.engine_id, took,
+                           self.version, e.url)
+        except Exception as err:  # noqa: BLE001 - report it; the run goes on with fewer engines
+            logger.exception("%s: recovery failed", e.engine_id)
+            self.recoveries.append({"engine": e.engine_id, "reason": reason,
+                                    "error": f"{type(err).__name__}: {err}"})
+            with self._lock:
+                if e.state not in (S.DEAD, S.STOPPED):
+                    self._unroute(e)
+                    self._move(e, S.DEAD, reason=f"recovery failed: {err}")
+        finally:
+            with self._lock:
+                self._recovering.discard(e.engine_id)
+
+    def _frozen_from_stale(self, e: ManagedEngine) -> None:
+        self._move(e, S.UPDATING, reason="frozen model: serves its checkpoint")
+        self.route(e)
+        self._move(e, S.REGISTERED)
+
+    def _resync(self, e: ManagedEngine, timeout: float = 600.0) -> None:
+        """Bring a STALE engine to the fleet's version and route it (or let a full sync do it)."""
+        if self.weight_source is None:
+            raise FleetError(f"{e.engine_id}: no weight source to resync it (set_weight_source)")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._closing:
+            if e.state is S.REGISTERED:
+                return  # a full sync took it along
+            if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING):
+                raise FleetError(f"{e.engine_id}: {e.state.value} while waiting to resync")
+            if e.state is not S.STALE or self._full_update.is_set() or self._syncing.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                with self.updating([e.engine_id]) as update:
+                    update.report = self.weight_source(update) or {}
+            except (WeightSyncError, FleetError) as err:
+                logger.warning("%s: resync failed (%s); retrying", e.engine_id, err)
+                time.sleep(0.5)
+        if e.state is not S.REGISTERED:
+            raise FleetError(f"{e.engine_id}: not at version {self.version} after {timeout:.0f}s")
+
+    def _resync_stale_later(self) -> None:
+        """STALE engines not already being recovered get their own resync thread."""
+        if self.weight_source is None or self._closing:
+            return
+        with self._lock:
+            stale = [e for e in self.engines if e.state is S.STALE and e.update_weights
+                     and e.engine_id not in self._recovering | self._resyncing]
+            for e in stale:
+                self._resyncing.add(e.engine_id)
+        for e in stale:
+            threading.Thread(target=self._resync_then_release, args=(e,),
+                             name=f"resync-{e.engine_id}", daemon=True).start()
+
+    def _resync_then_release(self, e: ManagedEngine) -> None:
+        try:
+            self._resync(e)
+        except Exception as err:  # noqa: BLE001 - stays STALE; the next full sync takes it along
+            logger.warning("%s: resync stopped: %s", e.engine_id, err)
+        finally:
+            with self._lock:
+                self._resyncing.discard(e.engine_id)
+
+    def wait_recovered(self, timeout: float = 300.0) -> bool:
+        """Block until no recovery or resync is running (True) or the timeout passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._recovering and not self._resyncing:
+                    return True
+            time.sleep(0.1)
+        return False
+
+    # ---- generation and views ---------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, sampling_params: dict,
+                 on_sample: Callable[[int], None] | None = None,
+                 model: str | None = None) -> list[Sample]:
+        """Generate through the model's router (n samples per prompt, with logprobs)."""
+        router = self.routers[model or self.updatable_model]
+        count = sum(1 for e in self.engines if e.model_name == router.name.removeprefix("router-"))
+        gen = RouterGenerator(router.url, api_key=self.settings.router.api_key,
+                              concurrency=self.settings.engine.server_concurrency * max(1, count),
+                              request_timeout_s=self.settings.router.request_timeout_s)
+        return gen.generate(prompts, n, sampling_params, on_sample)
+
+    def states(self) -> dict[str, str]:
+        with self._lock:
+            return {e.engine_id: e.state.value for e in self.engines}
+
+    def handles(self, model: str | None = None) -> list[EngineHandle]:
+        """Handles of the engines serving now (REGISTERED), for callers of their own."""
+        with self._lock:
+            return [e.handle for e in self.engines if e.state is S.REGISTERED and e.handle
+                    and (model is None or e.model_name == model)]
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every engine's and router's Prometheus address (for the report and the console)."""
+        out = {f"router/{m}": r.prometheus_url for m, r in self.routers.items()}
+        out.update({e.engine_id: e.handle.metrics_url() for e in self.engines if e.handle})
+        return out
+
+    # ---- teardown -------------------------------------------------------------------------------
+
+    def on_shutdown(self, fn: Callable[[], None]) -> None:
+        """Run `fn` after the engines and routers are stopped (e.g. release the placement)."""
+        self._on_shutdown.append(fn)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closing = True
+        if self.monitor is not None:
+            self.monitor.stop()
+        for e in self.engines:
+            with self._lock:
+                self._unroute(e)
+                if e.state is not S.STOPPED:
+                    self._move(e, S.STOPPED)
+            for a in e.actors:
+                try:
+                    ray.get(a.shutdown.remote(), timeout=30)
+                except Exception as err:  # noqa: BLE001 - keep tearing the rest down
+                    logger.warning("%s: shutdown failed: %s", e.engine_id, err)
+                ray.kill(a)
+        for router in self.routers.values():
+            router.stop()
+        for fn in self._on_shutdown:
+            fn()
+        self._on_shutdown.clear()

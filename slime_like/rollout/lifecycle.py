@@ -1,0 +1,103 @@
+"""The engine lifecycle: states, the legal moves between them, and one engine's record.
+
+    LAUNCHING -> LOADED -> UPDATING -> REGISTERED <-> UPDATING
+    REGISTERED -> SUSPECT (a failed probe: out of the router) -> REGISTERED | DEAD
+    UPDATING -> STALE (a sync that did not verify it: out of the router) -> UPDATING
+    any -> DEAD -> RELAUNCHING -> STALE -> UPDATING -> REGISTERED
+    any -> STOPPED (shutdown)
+
+Invariant (DESIGN §3): an engine is in its router only while its verified weight version
+equals the fleet's current version. Only `Fleet` moves engines; `move` refuses anything
+not in `TRANSITIONS`, so an illegal move is a bug that shows at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime_like.config.layout import EnginePlacement
+from slime_like.engine.handle import EngineHandle
+from slime_like.errors import SlimeLikeError
+from slime_like.protocol.weight_version import WeightVersion
+
+
+class EngineState(str, enum.Enum):
+    LAUNCHING = "LAUNCHING"
+    LOADED = "LOADED"
+    UPDATING = "UPDATING"
+    REGISTERED = "REGISTERED"
+    SUSPECT = "SUSPECT"
+    STALE = "STALE"
+    DEAD = "DEAD"
+    RELAUNCHING = "RELAUNCHING"
+    STOPPED = "STOPPED"
+
+
+S = EngineState
+TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
+    S.LAUNCHING: frozenset({S.LOADED, S.DEAD, S.STOPPED}),
+    S.LOADED: frozenset({S.UPDATING, S.DEAD, S.STOPPED}),
+    S.UPDATING: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
+    S.REGISTERED: frozenset({S.UPDATING, S.SUSPECT, S.STALE, S.DEAD, S.STOPPED}),
+    S.SUSPECT: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
+    S.STALE: frozenset({S.UPDATING, S.DEAD, S.STOPPED}),
+    S.DEAD: frozenset({S.RELAUNCHING, S.STOPPED}),
+    S.RELAUNCHING: frozenset({S.STALE, S.DEAD, S.STOPPED}),
+    S.STOPPED: frozenset(),
+}
+
+# States an update may take an engine from (it then moves to UPDATING).
+SYNCABLE: frozenset[EngineState] = frozenset({S.LOADED, S.REGISTERED, S.STALE})
+# Routine moves of a healthy run (the report shows the others).
+ROUTINE: frozenset[tuple[EngineState | None, EngineState]] = frozenset({
+    (None, S.LAUNCHING), (S.LAUNCHING, S.LOADED), (S.LOADED, S.UPDATING),
+    (S.REGISTERED, S.UPDATING), (S.UPDATING, S.REGISTERED), (S.REGISTERED, S.STOPPED),
+})
+
+
+class IllegalTransition(SlimeLikeError):
+    """A move the lifecycle table does not allow (a bug in the caller)."""
+
+    def __init__(self, engine_id: str, src: EngineState, dst: EngineState):
+        self.engine_id, self.src, self.dst = engine_id, src, dst
+        super().__init__(f"engine {engine_id}: illegal lifecycle move {src.value} -> {dst.value}")
+
+    def __reduce__(self):
+        return (type(self), (self.engine_id, self.src, self.dst))
+
+
+@dataclass
+class ManagedEngine:
+    """One engine of the fleet (all its node actors) and where it is in its lifecycle."""
+
+    engine_id: str
+    model_name: str
+    placements: list[EnginePlacement]
+    update_weights: bool
+    tp_size: int = 1
+    external_address: str | None = None  # attached, never launched or killed by us
+    actors: list[Any] = field(default_factory=list)
+    handle: EngineHandle | None = None
+    state: EngineState = EngineState.LAUNCHING
+    verified_version: WeightVersion | None = None
+    routed: bool = False
+    router_worker_id: str | None = None
+    restarts: int = 0
+    dead_at: float | None = None
+
+    @property
+    def url(self) -> str | None:
+        return self.handle.url if self.handle else None
+
+    def move(self, dst: EngineState) -> EngineState:
+        """Change state if the table allows it; the previous state."""
+        src = self.state
+        if dst not in TRANSITIONS[src]:
+            raise IllegalTransition(self.engine_id, src, dst)
+        self.state = dst
+        if dst is EngineState.DEAD:
+            self.dead_at = time.time()
+        return src

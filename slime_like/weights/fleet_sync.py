@@ -1,0 +1,72 @@
+"""FleetWeights: push a model or state dict from this process into a fleet's engines.
+
+For users with a trainer of their own (a torchrl loop, Megatron, FSDP) who drive the fleet
+from their own Ray driver: `push(model)` runs one full update through `fleet.sync`, so the
+fleet's routing invariant and failure handling apply unchanged. It is also the fleet's
+weight source for replacement engines: a replacement gets the weights of the last push,
+but only while they are still unchanged since (no optimizer step touched them); otherwise
+it waits for the next push, which takes it along.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from slime_like.errors import WeightSyncError
+from slime_like.rollout.fleet import Fleet, Update
+from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
+
+
+def _stamp(weights: Any) -> tuple:
+    """Identity and in-place version of every tensor: changes when an optimizer steps."""
+    if isinstance(weights, nn.Module):
+        tensors = list(weights.state_dict(keep_vars=True).values())
+    elif isinstance(weights, Mapping):
+        tensors = list(weights.values())
+    else:
+        return (id(weights),)
+    return tuple((id(t), t._version) for t in tensors if isinstance(t, torch.Tensor))
+
+
+class FleetWeights:
+    """Weight pushes from this process into the fleet's updatable engines (any transport)."""
+
+    def __init__(self, fleet: Fleet, config: WeightSyncConfig | None = None, **settings: Any):
+        settings.setdefault("resume_on_failure", False)  # the fleet unroutes, then resumes
+        self.fleet = fleet
+        self.config = config or WeightSyncConfig(**settings)
+        if self.config.resume_on_failure:
+            raise WeightSyncError("attach", "FleetWeights needs resume_on_failure=False: the "
+                                  "fleet takes unverified engines out of the router first")
+        self.sync = WeightSync([], self.config)
+        self._pushed: Any = None
+        self._stamp: tuple | None = None
+        fleet.set_weight_source(self._resync)
+
+    def push(self, weights: Any) -> SyncReport | dict:
+        """One full update of `weights` (nn.Module, state dict or named tensors)."""
+        def run(update: Update) -> dict:
+            return self.sync.update(weights, update.version.wire, engines=update.targets).as_dict()
+
+        report = self.fleet.sync(run)
+        self._pushed, self._stamp = weights, _stamp(weights)
+        return report
+
+    def _resync(self, update: Update) -> dict:
+        if update.full:
+            raise WeightSyncError("attach", "full updates go through FleetWeights.push")
+        if self._pushed is None or _stamp(self._pushed) != self._stamp:
+            raise WeightSyncError("attach", "the weights changed since the last push; the "
+                                  "replacement is synced by the next push")
+        one = WeightSync(update.targets, self.config)
+        try:
+            return one.update(self._pushed, update.version.wire).as_dict()
+        finally:
+            one.close()
+
+    def close(self) -> None:
+        self.sync.close()
