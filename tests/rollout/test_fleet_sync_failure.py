@@ -1,0 +1,94 @@
+"""A sync that fails after engines paused: no unverified engine stays in the router.
+
+Real Ray, the real sglang-router, two reference engines and a real weight transfer that
+breaks after its first bucket landed (the engines then hold partly new weights under the
+old version string). The router's own `/workers` must not list them until they are
+resynced; then both are routed again at the fleet's version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from slime_like.api import FleetWeights, launch_fleet
+from slime_like.errors import WeightSyncError
+from slime_like.models import load_pretrained
+from slime_like.weights.source import ModelWeights
+
+YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
+
+
+class BreaksAfterFirstBucket:
+    """The model's weights, perturbed, whose stream fails after a few tensors (a trainer
+    that dies mid-sync)."""
+
+    def __init__(self, model: torch.nn.Module, good: int):
+        self.inner, self.good = ModelWeights(model), good
+
+    def metadata(self):
+        return self.inner.metadata()
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, (name, t) in enumerate(self.inner.tensors()):
+            if i == self.good:
+                raise RuntimeError("trainer lost its weights mid-sync")
+            yield name, t + 1.0
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_model_dir):
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+    f = launch_fleet(YAML, model_path=tiny_model_dir, engine="reference", log_dir=tmp_path)
+    yield f
+    f.shutdown()
+    ray.shutdown()
+
+
+def routed_urls(fleet) -> set[str]:
+    return {w.url for w in fleet.routers["policy"].client.list_workers()}
+
+
+def test_failed_sync_unroutes_every_unverified_engine_then_resyncs_them(fleet, tiny_model_dir):
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    # small buckets: the first bucket reaches the engines before the stream breaks
+    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=4096)
+    weights.push(model)
+    urls = {e.url for e in fleet.engines}
+    assert routed_urls(fleet) == urls and int(fleet.version) == 1
+
+    pushed = checksums(fleet)
+    stale_checks: list[tuple[str, set[str]]] = []
+    fleet.subscribe(lambda engine, state, **d: state == "STALE" and
+                    stale_checks.append((fleet.find(engine).url, routed_urls(fleet))))
+    with pytest.raises(WeightSyncError, match="mid-sync"):
+        fleet.sync(lambda u: weights.sync.update(BreaksAfterFirstBucket(model, good=5),
+                                                 u.version.wire, engines=u.targets).as_dict(),
+                   retries=0)
+    # the moment each engine went STALE it was already out of the router (the real
+    # router's /workers), and the fleet's version did not move
+    assert sorted(url for url, _ in stale_checks) == sorted(urls)
+    assert all(url not in routed for url, routed in stale_checks)
+    assert int(fleet.version) == 1
+    # resynced from the last push (the model is unchanged since), then routed again
+    assert fleet.wait_recovered(timeout=120)
+    deadline = time.monotonic() + 60
+    while routed_urls(fleet) != urls and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert routed_urls(fleet) == urls
+    assert set(fleet.states().values()) == {"REGISTERED"}
+    for e in fleet.engines:
+        assert e.handle.weight_version() == "1"
+    # and they serve the pushed weights again, not the half-written ones
+    assert checksums(fleet) == pushed
+    weights.close()
+
+
+def checksums(fleet) -> dict[str, str]:
+    return {e.engine_id: e.handle.check_weights()["ranks"][0]["per_gpu_checksum"]
+            for e in fleet.engines}
