@@ -2,7 +2,7 @@
 sglang 0.5.23's ServerArgs -> our view of the engine (sizes, ports, role, overrides) agrees.
 
 The argv is made by the code that launches engines at run time: `engine_config` for each
-placement, then `Engine.compose_args` with the ports its actor would have reserved. sglang itself is rendered as the program, whatever the config says.
+placement, then `EngineServer.compose_args` with the ports its actor would have reserved. sglang itself is rendered as the program, whatever the config says.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 from slime_like.config import parse_args
 from slime_like.engine.from_placement import engine_config
 from slime_like.engine.launch import engine_view, render_argv
-from slime_like.engine.server import Engine
+from slime_like.config.slices import engine_settings
+from slime_like.engine.server import EngineServer
 from tests.contract.sglang_parse import register_argv
 
 pytestmark = pytest.mark.sglang
@@ -25,12 +26,12 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 
 
 def _engines(config: Path):
-    """(key, Engine, composed args, the group's overrides) for every engine actor of a config."""
+    """(key, EngineServer, composed args, the group's overrides) for every engine actor of a config."""
     args = parse_args(["--config", str(config)])
     plan = args.nominal_plan
     out = []
     for i, p in enumerate(plan.engines):
-        engine = Engine(engine_config(p, args, model_path=p.model_path or "tiny-model"))
+        engine = EngineServer(engine_config(p, engine_settings(args), model_path=p.model_path or "tiny-model"))
         if p.nnodes > 1:
             engine.dist_init_addr = f"{p.dist_init_host}:{20000 + 50 * i}"
         port = 30000 + 10 * i
@@ -46,7 +47,7 @@ for _key, _engine, _composed, _ in ENGINES:
 
 # A config written for an older sglang: a renamed and a dropped field in a group's overrides.
 _PD = next(e for k, e, *_ in ENGINES if k.startswith("pd.yaml"))
-_OLD = Engine(dataclasses.replace(_PD.config, overrides={
+_OLD = EngineServer(dataclasses.replace(_PD.config, overrides={
     "cuda_graph_max_bs": 32, "prefill_round_robin_balance": True, "mem_fraction_static": 0.6}))
 _OLD_COMPOSED = _OLD.compose_args(host="10.0.0.1", port=31000, nccl_port=31001,
                                   bootstrap_port=31002)

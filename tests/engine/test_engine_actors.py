@@ -48,7 +48,9 @@ def two_engines(ray_local, router, tiny_model_dir, tmp_path_factory):
     actors = [EngineActor.remote(EngineConfig(
         model_path=str(tiny_model_dir), program="reference", engine_rank=i, log_dir=str(logs),
         startup_timeout=120.0)) for i in range(2)]
-    urls = ray.get([a.init.remote(router_url=router.url) for a in actors], timeout=300)
+    urls = ray.get([a.init.remote() for a in actors], timeout=300)
+    for url in urls:
+        router.client.add_worker(url)
     yield actors, urls
     ray.get([a.shutdown.remote() for a in actors], timeout=60)
     for a in actors:
@@ -77,24 +79,26 @@ def test_both_engines_are_registered_and_generate_through_the_router_reaches_bot
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
 
-def test_control_verbs_reach_the_engine_through_the_actor(two_engines):
+def test_the_actor_hands_out_a_handle_that_reaches_the_engine(two_engines):
     actor = two_engines[0][0]
-    assert ray.get(actor.get_weight_version.remote()) == "default"
-    ray.get(actor.pause_generation.remote("abort"))
-    ray.get(actor.continue_generation.remote())
-    assert ray.get(actor.flush_cache.remote()) is True
-    assert ray.get(actor.health_generate.remote()) is True
+    handle = ray.get(actor.handle.remote())  # crosses the Ray boundary (pickled, no client)
+    assert handle.url == two_engines[1][0] and handle.engine_id == "engine0"
+    assert handle.weight_version() == "default"
+    handle.pause_generation("abort")
+    handle.continue_generation()
+    assert handle.flush_cache() is True
+    assert handle.health_generate() is True
 
 
 def test_removed_worker_gets_no_traffic_until_registered_again(two_engines, router):
     actors, urls = two_engines
-    assert ray.get(actors[1].unregister.remote()) is True
+    assert router.client.remove_worker(url=urls[1]) is True
     assert [w.url for w in router.client.list_workers()] == [urls[0]]
     before = _served(urls[1])
     for _ in range(3):
         router.client.generate({"text": "x", "sampling_params": {"max_new_tokens": 1}})
     assert _served(urls[1]) == before
-    ray.get(actors[1].register.remote(router.url))
+    router.client.add_worker(urls[1])
     assert {w.url for w in router.client.list_workers()} == set(urls)
 
 
