@@ -86,9 +86,6 @@ def make_keys(args: argparse.Namespace) -> tuple[str | None, str | None, str | N
     Keys are on by default: every engine and router of the run gets them, and every client
     the job creates uses them, so nothing else on the network can pause, update or route.
     """
-    if not getattr(args, "generate_api_keys", True):
-        return args.sglang_flags.get("api_key"), args.sglang_flags.get("admin_api_key"), \
-            args.router_flags.get("api_key")
     api = args.sglang_flags.get("api_key") or secrets.token_urlsafe(24)
     admin = args.sglang_flags.get("admin_api_key") or secrets.token_urlsafe(24)
     router = args.router_flags.get("api_key") or api

@@ -98,7 +98,7 @@ class EngineClient:
     def _success(self, endpoint: str, body: Any, timeout: float | None = None) -> dict:
         """Calls answering {"success","message"}: a 400 or success=false raises."""
         out = self.request("POST", endpoint, body=body, timeout=timeout, admin=True)
-        if isinstance(out, dict) and out.get("success") is False:
+        if isinstance(out, dict) and not p.SuccessMessage.model_validate(out).success:
             raise EngineError(self.url, endpoint, 200, json.dumps(out))
         return out
 
@@ -138,7 +138,7 @@ class EngineClient:
 
     def weight_version(self) -> str:
         """The live weight version (from /model_info; /get_weight_version is gone in 0.5.21+)."""
-        return str(self.model_info()["weight_version"])
+        return p.ModelInfo.model_validate(self.model_info()).weight_version
 
     def loads(self) -> dict:
         return self.request("GET", "/v1/loads")
@@ -154,10 +154,11 @@ class EngineClient:
         return self.request("POST", "/pause_generation", body=p.PauseGenerationRequest(mode=mode),
                             admin=True, timeout=timeout)
 
-    def continue_generation(self, torch_empty_cache: bool = True) -> dict:
+    def continue_generation(self, torch_empty_cache: bool = True,
+                            timeout: float | None = None) -> dict:
         return self.request("POST", "/continue_generation",
                             body=p.ContinueGenerationRequest(torch_empty_cache=torch_empty_cache),
-                            admin=True)
+                            admin=True, timeout=timeout)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.request("POST", "/abort_request", body=p.AbortRequest(rid=rid, abort_all=abort_all),

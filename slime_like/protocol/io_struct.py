@@ -206,7 +206,7 @@ class SuccessMessage(BaseModel):
     """The (success, message) answer of weight and control operations."""
 
     model_config = ConfigDict(extra="allow")
-    success: bool
+    success: bool = True
     message: str = ""
 
 

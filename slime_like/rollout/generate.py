@@ -16,6 +16,8 @@ from typing import Any
 
 import aiohttp
 
+from slime_like.protocol import io_struct as p
+
 logger = logging.getLogger(__name__)
 
 
@@ -105,8 +107,8 @@ class RouterGenerator:
         finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "unknown"
         if finish == "abort":
             return None
-        spans = meta.get("weight_versions") or []
-        if len({s["version"] for s in spans}) > 1:
+        spans = [p.WeightVersionSpan.model_validate(s) for s in meta.get("weight_versions") or []]
+        if len({s.version for s in spans}) > 1:
             return None
         logprobs = [float(lp) for lp, _tok, _text in meta.get("output_token_logprobs", [])]
         return Sample(index, list(prompt_ids), list(out["output_ids"]), logprobs,

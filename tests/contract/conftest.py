@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from slime_like.engine.sglang_args_check import check_argvs
+from tests.contract.sglang_args_check import check_argvs
 from tests.contract.sglang_parse import ARGVS
 
 

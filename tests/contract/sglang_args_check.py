@@ -2,7 +2,7 @@
 
 sglang takes seconds to import and reconfigures logging on parse, so every argv of a batch
 is parsed in one subprocess: `check_argvs([...])` runs `python -m
-slime_like.engine.sglang_args_check`, which reads argvs as JSON on stdin and answers, per
+tests.contract.sglang_args_check`, which reads argvs as JSON on stdin and answers, per
 argv, the constructed ServerArgs fields or the parser's error text.
 """
 
@@ -32,7 +32,7 @@ def check_argvs(argvs: Sequence[Sequence[str]], timeout: float = 180.0) -> dict[
 
     Returns {"sglang_version", "fields": [field names], "results": [{"ok", "args"|"error"}]}.
     """
-    proc = subprocess.run([sys.executable, "-m", "slime_like.engine.sglang_args_check"],
+    proc = subprocess.run([sys.executable, "-m", "tests.contract.sglang_args_check"],
                           input=json.dumps([list(a) for a in argvs]), capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
