@@ -66,8 +66,16 @@ def init_ray(args: argparse.Namespace) -> None:
 
 def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
                    tolerance: float) -> float:
-    """Largest |engine - trainer| logprob over the samples made at `version`."""
-    current = [s for s in samples if s.weight_version == str(version)]
+    """Largest |engine - trainer| logprob over the step's samples, all made at `version`.
+
+    Syncs happen between steps, so every sample must claim the fleet's version; one that
+    claims another is a stale serve, and fails the run like a log-probability mismatch.
+    """
+    stale = sorted({s.weight_version for s in samples if s.weight_version != str(version)})
+    if stale:
+        raise LogprobMismatch(f"stale serve: samples made at weight version(s) {stale} while "
+                              f"the fleet serves {version}")
+    current = samples
     if not current:
         return float("nan")
     ours = trainer.completion_logprobs([(s.prompt_ids, s.output_ids) for s in current])
@@ -146,6 +154,7 @@ def train(args: argparse.Namespace) -> int:
                 "logprob_max_abs_diff": worst,
                 "samples_requested": len(prompts) * n,
                 "samples_returned": len(samples),
+                "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
                 "retried_requests": sum(s.attempts > 1 for s in samples),
                 "engines": fleet.states(),
                 **train_metrics,

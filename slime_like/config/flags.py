@@ -142,7 +142,13 @@ def _fault_tolerance(p: argparse.ArgumentParser) -> None:
                    help="Grace after start before the first probe (slime's code says 0, which "
                         "kills engines during their cold compile; its docs say 300).")
     g.add_argument("--rollout-health-check-failures", type=t.positive_int, default=3,
-                   metavar="N", help="Consecutive failed probes before an engine counts as dead.")
+                   metavar="N", help="Consecutive failed probes before an engine counts as dead "
+                                     "(the first failed probe already takes it out of the "
+                                     "router and resubmits the requests in flight).")
+    g.add_argument("--rollout-request-timeout", type=t.positive_float, default=600.0,
+                   metavar="SECONDS",
+                   help="Longest a rollout waits for one /generate answer before sending the "
+                        "request again (a hung engine is also left at its first failed probe).")
 
 
 def _ours(p: argparse.ArgumentParser) -> None:

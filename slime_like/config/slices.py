@@ -109,11 +109,12 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
     """The fleet's slice of the job's flags."""
     api, admin, router_key = keys or (None, None, None)
     router_flags = {k: v for k, v in args.router_flags.items() if k != "api_key"}
+    router_flags["request_timeout_secs"] = args.sglang_router_request_timeout_secs
     return FleetSettings(
         engine=engine_settings(args, api_key=api, admin_api_key=admin),
         router=RouterSettings(flags=router_flags,
                               api_key=router_key or args.router_flags.get("api_key"),
-                              request_timeout_s=float(args.sglang_router_request_timeout_secs)),
+                              request_timeout_s=float(args.rollout_request_timeout)),
         health=HealthSettings(enabled=bool(args.use_fault_tolerance),
                               interval_s=args.rollout_health_check_interval,
                               timeout_s=args.rollout_health_check_timeout,

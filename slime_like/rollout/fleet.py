@@ -90,6 +90,13 @@ class Fleet:
         self._syncing = threading.Event()  # a full sync with its retries is running
         self._closing = False
         self._on_shutdown: list[Callable[[], None]] = []
+        # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
+        self._exit_refs: dict[Any, tuple[str, int]] = {}
+        self._exit_lock = threading.Lock()
+        self._exit_thread: threading.Thread | None = None
+        self.router_restarts: list[dict] = []
+        self._generators: set[RouterGenerator] = set()
+        self.last_generation: dict = {}
         plan = placement.plan
         for router in plan.routers:
             by_engine: dict[int, list[EnginePlacement]] = {}
@@ -134,6 +141,43 @@ class Fleet:
         names = [r.model_name for r in self.placement.plan.routers if r.update_weights]
         return names[0] if names else self.placement.plan.routers[0].model_name
 
+    def _supervise(self, model: str, router: Router) -> None:
+        """A router that dies is relaunched at once on its port, its workers re-added."""
+        router.process.on_exit(lambda code: threading.Thread(
+            target=self._restart_router, args=(model, router, code),
+            name=f"restart-router-{model}", daemon=True).start())
+
+    def _restart_router(self, model: str, router: Router, code: int) -> None:
+        if self._closing:
+            return
+        t0 = time.time()
+        self._emit(f"router/{model}", "DEAD", code=code)
+        logger.warning("router of %s exited with code %s; relaunching on port %s", model, code,
+                       router.port)
+        try:
+            router.restart()
+        except Exception as err:  # noqa: BLE001 - without a router the run cannot go on
+            logger.exception("router of %s could not be relaunched", model)
+            self._emit(f"router/{model}", "FAILED", error=str(err))
+            return
+        with self._lock:
+            routed = [e for e in self.engines if e.model_name == model and e.routed]
+            for e in routed:
+                e.routed, e.router_worker_id = False, None
+                try:
+                    self.route(e)
+                except Exception as err:  # noqa: BLE001 - it resyncs or recovers instead
+                    logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
+                    if e.state is S.REGISTERED:
+                        self._move(e, S.STALE, reason=f"router restart: {err}")
+        took = round(time.time() - t0, 2)
+        self.router_restarts.append({"model": model, "code": code, "restart_s": took,
+                                     "url": router.url})
+        self._emit(f"router/{model}", "READY", url=router.url, pid=router.process.pid,
+                   restart_s=took, workers=len(routed))
+        self._supervise(model, router)
+        self._resync_stale_later()
+
     def _router_client(self, e: ManagedEngine) -> RouterClient:
         return self.routers[e.model_name].client
 
@@ -175,6 +219,36 @@ class Fleet:
         refs = [a.init.remote(dist_init) for a in e.actors]
         return refs[0]
 
+    def _watch_exit(self, e: ManagedEngine) -> None:
+        """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
+        with self._exit_lock:
+            for a in e.actors:
+                self._exit_refs[a.wait_exit.remote(None)] = (e.engine_id, e.restarts)
+        if self._exit_thread is None:
+            self._exit_thread = threading.Thread(target=self._exit_watcher, name="engine-exits",
+                                                 daemon=True)
+            self._exit_thread.start()
+
+    def _exit_watcher(self) -> None:
+        while not self._closing:
+            with self._exit_lock:
+                refs = list(self._exit_refs)
+            if not refs:
+                time.sleep(0.1)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                with self._exit_lock:
+                    engine_id, generation = self._exit_refs.pop(ref)
+                try:
+                    code = ray.get(ref)
+                    why = f"server process exited with code {code}"
+                except Exception as err:  # noqa: BLE001 - the actor died with its node
+                    why = f"engine actor lost: {type(err).__name__}"
+                e = self.find(engine_id)
+                if e.restarts == generation and not self._closing:
+                    self._on_dead(engine_id, why)
+
     def _loaded(self, e: ManagedEngine) -> dict:
         e.handle = ray.get(e.actors[0].handle.remote(e.tp_size))
         e.verified_version = parse_weight_version(e.handle.weight_version())
@@ -192,6 +266,7 @@ class Fleet:
             self.routers[plan.model_name] = router
             self._emit(f"router/{plan.model_name}", "READY", url=router.url,
                        metrics=router.prometheus_url, pid=router.process.pid)
+            self._supervise(plan.model_name, router)
         refs = {}
         for e in self.engines:
             self._emit(e.engine_id, S.LAUNCHING.value)
@@ -203,6 +278,7 @@ class Fleet:
                 if not e.update_weights:  # frozen: it serves its checkpoint as loaded
                     e.verified_version = None
                     self._frozen_route(e)
+            self._watch_exit(e)
         health = self.settings.health
         if health.enabled:
             self.monitor = HealthMonitor(
@@ -380,6 +456,9 @@ class Fleet:
             if e.state is S.REGISTERED:
                 self._unroute(e)
                 self._move(e, S.SUSPECT, reason=why)
+                # Requests stuck on it are sent again now; the first answer wins.
+                for gen in self._generators:
+                    gen.resubmit_in_flight()
 
     def _on_healthy(self, engine_id: str) -> None:
         with self._lock:
@@ -432,6 +511,7 @@ class Fleet:
             ray.get(self._launch(e))
             with self._lock:
                 self._move(e, S.STALE, **self._loaded(e))
+            self._watch_exit(e)
             if self.monitor is not None:
                 self.monitor.watch(e.engine_id)
             if not e.update_weights:
@@ -523,12 +603,22 @@ class Fleet:
                  on_sample: Callable[[int], None] | None = None,
                  model: str | None = None) -> list[Sample]:
         """Generate through the model's router (n samples per prompt, with logprobs)."""
-        router = self.routers[model or self.updatable_model]
-        count = sum(1 for e in self.engines if e.model_name == router.name.removeprefix("router-"))
+        model = model or self.updatable_model
+        router = self.routers[model]
+        count = sum(1 for e in self.engines if e.model_name == model)
         gen = RouterGenerator(router.url, api_key=self.settings.router.api_key,
                               concurrency=self.settings.engine.server_concurrency * max(1, count),
                               request_timeout_s=self.settings.router.request_timeout_s)
-        return gen.generate(prompts, n, sampling_params, on_sample)
+        with self._lock:
+            self._generators.add(gen)
+        try:
+            samples = gen.generate(prompts, n, sampling_params, on_sample)
+        finally:
+            with self._lock:
+                self._generators.discard(gen)
+        self.last_generation = {"requested": len(prompts) * n, "returned": len(samples),
+                                "resubmitted": gen.resubmitted}
+        return samples
 
     def states(self) -> dict[str, str]:
         with self._lock:
@@ -551,6 +641,10 @@ class Fleet:
     def on_shutdown(self, fn: Callable[[], None]) -> None:
         """Run `fn` after the engines and routers are stopped (e.g. release the placement)."""
         self._on_shutdown.append(fn)
+
+    def kill_router(self, model: str | None = None) -> None:
+        """SIGKILL a router, as a real crash would (the chaos test)."""
+        self.routers[model or self.updatable_model].process.kill()
 
     def shutdown(self) -> None:
         with self._lock:

@@ -3,7 +3,12 @@
 A sample is only kept when its tokens were produced at one weight version (its
 `weight_versions` spans name a single version), so the trainer can recompute its
 log-probabilities at that version. A request that fails (its engine died, the router had no
-worker for a moment) or that came back aborted is sent again, up to `max_attempts` times.
+worker for a moment) or that came back aborted is sent again, up to `max_attempts` times;
+while the router cannot be reached at all (it crashed and is being relaunched) requests
+wait and retry until `router_down_s` has passed, so a router restart loses no sample.
+`resubmit_in_flight()` (called by the fleet when an engine stops answering probes) sends
+every request still in flight again at once: one of them may be stuck on the hung engine,
+and the first answer wins, so each requested sample still comes back exactly once.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class GenerationError(RuntimeError):
     """A request kept failing after every retry."""
 
 
-@dataclass
+@dataclass(eq=False)
 class RouterGenerator:
     """Sends prompts to a router's /generate and gathers samples."""
 
@@ -49,6 +54,7 @@ class RouterGenerator:
     max_attempts: int = 6
     retry_backoff_s: float = 0.5
     request_timeout_s: float = 300.0
+    router_down_s: float = 120.0
 
     def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any],
                  on_sample: Callable[[int], None] | None = None) -> list[Sample]:
@@ -59,9 +65,23 @@ class RouterGenerator:
         """
         self._on_sample = on_sample
         self._done = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self.resubmitted = 0
         return asyncio.run(self._generate_all(prompts, n, sampling_params))
 
+    def resubmit_in_flight(self) -> None:
+        """Thread-safe: cancel every request in flight; each is sent again at once."""
+        loop = self._loop if hasattr(self, "_loop") else None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._cancel_in_flight)
+
+    def _cancel_in_flight(self) -> None:
+        for task in list(self._inflight):
+            task.cancel("resubmit")
+
     async def _generate_all(self, prompts, n, sampling_params) -> list[Sample]:
+        self._loop = asyncio.get_running_loop()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limit = asyncio.Semaphore(self.concurrency)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
@@ -75,29 +95,58 @@ class RouterGenerator:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params,
                 "return_logprob": True}
         last = ""
-        for attempt in range(1, self.max_attempts + 1):
+        attempt = 0
+        down_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while attempt < self.max_attempts:
+            attempt += 1
             async with limit:
+                task = asyncio.ensure_future(self._post(session, body))
+                self._inflight.add(task)
                 try:
-                    async with session.post(f"{self.router_url}/generate", json=body) as resp:
-                        text = await resp.text()
-                        if resp.status != 200:
-                            last = f"HTTP {resp.status}: {text[:300]}"
-                        else:
-                            sample = self._parse(index, prompt_ids, await resp.json(content_type=None))
-                            if sample is not None:
-                                sample.attempts = attempt
-                                self._done += 1
-                                if self._on_sample is not None:
-                                    self._on_sample(self._done)
-                                return sample
-                            last = "aborted or produced at more than one weight version"
+                    status, out = await task
+                except asyncio.CancelledError:
+                    if task.cancelled() and not _cancelling(asyncio.current_task()):
+                        self.resubmitted += 1
+                        attempt -= 1  # a resubmission is not a failure of this request
+                        continue
+                    raise
+                except aiohttp.ClientConnectorError as e:
+                    # Nothing listens: the router is down (being relaunched). Wait for it.
+                    down_since = down_since or loop.time()
+                    last = f"router unreachable: {e}"
+                    if loop.time() - down_since < self.router_down_s:
+                        attempt -= 1
+                        await asyncio.sleep(self.retry_backoff_s)
+                        continue
+                    status, out = None, None
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    last = f"{type(e).__name__}: {e}"
+                    status, out, last = None, None, f"{type(e).__name__}: {e}"
+                finally:
+                    self._inflight.discard(task)
+            down_since = None
+            if status == 200:
+                sample = self._parse(index, prompt_ids, out)
+                if sample is not None:
+                    sample.attempts = attempt
+                    self._done += 1
+                    if self._on_sample is not None:
+                        self._on_sample(self._done)
+                    return sample
+                last = "aborted or produced at more than one weight version"
+            elif status is not None:
+                last = f"HTTP {status}: {str(out)[:300]}"
             logger.info("generate retry %d/%d for prompt %d: %s", attempt, self.max_attempts,
                         index, last)
             await asyncio.sleep(self.retry_backoff_s * attempt)
         raise GenerationError(f"prompt {index}: /generate via {self.router_url} failed "
                               f"{self.max_attempts} times; last: {last}")
+
+    async def _post(self, session: aiohttp.ClientSession, body: dict) -> tuple[int, Any]:
+        async with session.post(f"{self.router_url}/generate", json=body) as resp:
+            if resp.status != 200:
+                return resp.status, await resp.text()
+            return 200, await resp.json(content_type=None)
 
     @staticmethod
     def _parse(index: int, prompt_ids: list[int], out: Any) -> Sample | None:
@@ -114,3 +163,8 @@ class RouterGenerator:
         return Sample(index, list(prompt_ids), list(out["output_ids"]), logprobs,
                       str(meta.get("weight_version")), finish,
                       meta={"id": meta.get("id"), "cached_tokens": meta.get("cached_tokens")})
+
+
+def _cancelling(task: asyncio.Task | None) -> int:
+    """Whether the task itself is being cancelled (Python 3.11+; 0 before)."""
+    return getattr(task, "cancelling", lambda: 0)() if task is not None else 0

@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -109,23 +110,49 @@ class Router:
         raise LaunchError(f"{self.name}: lost the port race {self.port_attempts} times",
                           last.log_tail if last else "")
 
+    def restart(self, timeout: float = 30.0) -> Router:
+        """Relaunch a router that died on the ports it had, so clients keep their URL.
+
+        The kernel may hold the port for a moment after the crash; the bind is retried
+        until `timeout`, then new ports are taken (the caller reads `url` again).
+        """
+        if self.process is not None and self.process.is_alive():
+            return self
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._launch()
+                return self
+            except LaunchError:
+                if self.process is None or not self.process.exit_looks_like_address_in_use():
+                    raise
+                if time.monotonic() > deadline:
+                    logger.warning("%s: port %s still taken after %.0fs; moving to new ports",
+                                   self.name, self.port, timeout)
+                    return self.start()
+                time.sleep(0.5)
+
     def _start_once(self) -> None:
         with reserve_ports(2, host=self.host) as reservation:
             self.port, self.prometheus_port = reservation.ports
-            composed = compose_router_args(host=self.host, port=self.port,
-                                           prometheus_port=self.prometheus_port,
-                                           pd_disaggregation=self.pd_disaggregation,
-                                           router_flags=self.router_flags)
-            self.warnings = composed.warnings
-            for w in composed.warnings:
-                logger.warning("%s: %s", self.name, w)
-            self.process = ServerProcess(render_router_argv(composed.args, self.python),
-                                         log_path=self.log_path, name=self.name,
-                                         env=server_env(local_hosts=[self.host]))
             reservation.release_for_server()
-            self.process.start()
-            client = self.client
-            self.process.wait_healthy(client.is_live, self.startup_timeout, what="live")
+            self._launch()
+
+    def _launch(self) -> None:
+        """Start the router on `self.port`/`self.prometheus_port` and wait until it is live."""
+        composed = compose_router_args(host=self.host, port=self.port,
+                                       prometheus_port=self.prometheus_port,
+                                       pd_disaggregation=self.pd_disaggregation,
+                                       router_flags=self.router_flags)
+        self.warnings = composed.warnings
+        for w in composed.warnings:
+            logger.warning("%s: %s", self.name, w)
+        self.process = ServerProcess(render_router_argv(composed.args, self.python),
+                                     log_path=self.log_path, name=self.name,
+                                     env=server_env(local_hosts=[self.host]))
+        self.process.start()
+        client = self.client
+        self.process.wait_healthy(client.is_live, self.startup_timeout, what="live")
 
     def stop(self, grace: float = 5.0) -> None:
         """Terminate the router process tree (idempotent)."""
