@@ -12,6 +12,7 @@ fleet in the background (see `rollout/fleet.py`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import ray
 
+from slime_like.chaos import ChaosMonkey, InvariantSampler, plan_faults
 from slime_like.cluster.placement import place_job
 from slime_like.config.layout import layout_from_args
 from slime_like.config.parse import parse_args
@@ -36,6 +38,10 @@ from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
 
 logger = logging.getLogger("slime_like.train")
+
+
+class ChaosViolation(SlimeLikeError):
+    """A chaos run saw an engine routed while stale or unreachable."""
 
 
 class LogprobMismatch(SlimeLikeError):
@@ -128,6 +134,15 @@ def train(args: argparse.Namespace) -> int:
                                sync=sync_settings(args, model_path))
         fleet.set_weight_source(trainer.push_weights)
         first = fleet.sync(trainer.push_weights)
+        monkey = sampler = None
+        if args.chaos_seed is not None:
+            updatable_engines = [e for e in fleet.engines if e.update_weights]
+            monkey = ChaosMonkey(fleet, plan_faults(args.chaos_seed, args.chaos_faults,
+                                                    args.num_rollout or 10,
+                                                    len(updatable_engines)), trainer)
+            sampler = InvariantSampler(fleet, unreachable_grace_s=(
+                args.rollout_health_check_interval + args.rollout_health_check_timeout + 1.5)
+            ).start()
         logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
 
         for step in range(args.num_rollout or 10):
@@ -135,6 +150,8 @@ def train(args: argparse.Namespace) -> int:
             prompts = task.sample_prompts(args.rollout_batch_size or 8)
             hook = (crash_midway(fleet, len(prompts) * n)
                     if step == args.simulate_engine_crash_at else None)
+            if monkey is not None:
+                hook = monkey.rollout_hook(step, len(prompts) * n) or hook
             samples = fleet.generate([p.input_ids for p in prompts], n, sampling, hook)
             rollout_s = time.time() - t0
             rewards = [task.reward(prompts[s.prompt_index], s.output_ids) for s in samples]
@@ -145,6 +162,8 @@ def train(args: argparse.Namespace) -> int:
             train_metrics = trainer.train_step(pairs, advantages)
             sync = {}
             if (step + 1) % args.update_weights_interval == 0:
+                if monkey is not None:
+                    monkey.arm_sync(step)
                 sync = fleet.sync(trainer.push_weights)
             report.log_step(step, {
                 "reward_mean": sum(rewards) / len(rewards),
@@ -164,6 +183,16 @@ def train(args: argparse.Namespace) -> int:
                         sync.get("total_s", 0.0), worst, fleet.states())
         if not fleet.wait_recovered(timeout=300):
             notes.append("a recovery was still running at the end of the run")
+        if sampler is not None and monkey is not None:
+            found = sampler.stop()
+            chaos = {"seed": args.chaos_seed, "faults": monkey.summary(), **found,
+                     "recoveries": fleet.recoveries, "router_restarts": fleet.router_restarts}
+            (out / "chaos.json").write_text(json.dumps(chaos, indent=1))
+            notes.append(f"chaos: {len(monkey.faults)} faults, {found['samples']} router "
+                         f"samples, {len(found['violations'])} invariant violations")
+            if found["violations"]:
+                raise ChaosViolation(f"{len(found['violations'])} invariant violations; first: "
+                                     f"{found['violations'][0]}")
         for r in fleet.recoveries:
             notes.append(f"recovery of {r['engine']}: " + (
                 f"{r['recovery_s']} s from death to serving version {r['version']}"

@@ -23,6 +23,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 WEIGHT_TRANSPORTS = ("nccl", "distributed", "tensor", "disk")
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
+CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
+                "stop_engine", "kill_router")
 
 
 def _cluster(p: argparse.ArgumentParser) -> None:
@@ -171,6 +173,15 @@ def _ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprob-check-tolerance", type=t.positive_float, default=1e-4,
                    help="Largest |engine - trainer| log-probability of a sampled token accepted "
                         "by the per-step correctness check (fp32 on CPU agrees to ~1e-6).")
+    g.add_argument("--chaos-seed", type=int, default=None, metavar="SEED",
+                   help="Chaos run: inject real faults (see --chaos-faults) at moments drawn "
+                        "from this seed and check the routing invariant from outside; the run "
+                        "fails on any violation. Writes chaos.json to the report folder.")
+    g.add_argument("--chaos-faults", nargs="+", default=list(CHAOS_FAULTS),
+                   choices=list(CHAOS_FAULTS), metavar="FAULT",
+                   help="Faults of a chaos run, one per chosen step: " + ", ".join(CHAOS_FAULTS)
+                        + " (kill_* = SIGKILL of an engine's server during the rollout or at "
+                          "that step of a weight sync; stop_engine = SIGSTOP; kill_router).")
     g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,

@@ -11,6 +11,7 @@ no HTTP) `handle()` is None.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -277,6 +278,11 @@ class EngineServer:
     def shutdown(self, grace: float = 10.0) -> None:
         """Kill the server's whole process tree (idempotent); the fleet unroutes it first."""
         self._stop_process(grace)
+
+    def suspend(self) -> None:
+        """SIGSTOP the server tree: a hang (it stops answering but does not exit)."""
+        if self.process is not None:
+            self.process.kill(signal.SIGSTOP)
 
     def simulate_crash(self) -> None:
         """SIGKILL the server tree without telling anyone, as a real crash would."""

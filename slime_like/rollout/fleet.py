@@ -642,6 +642,13 @@ class Fleet:
         """Run `fn` after the engines and routers are stopped (e.g. release the placement)."""
         self._on_shutdown.append(fn)
 
+    def stop_engine(self, index: int) -> str:
+        """SIGSTOP one engine's server: a hang, found by probes, not by its exit (chaos)."""
+        e = self.engines[index]
+        ray.get(e.actors[0].suspend.remote())
+        logger.warning("suspended %s (%s)", e.engine_id, e.url)
+        return e.engine_id
+
     def kill_router(self, model: str | None = None) -> None:
         """SIGKILL a router, as a real crash would (the chaos test)."""
         self.routers[model or self.updatable_model].process.kill()

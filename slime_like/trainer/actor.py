@@ -90,7 +90,18 @@ class TrainerRank:
     def _weight_sync(self) -> WeightSync:
         if self.weight_sync is None:
             self.weight_sync = WeightSync([], WeightSyncConfig(**self.sync_config))
+            self.weight_sync.on_step = self._on_sync_step
         return self.weight_sync
+
+    def arm_fault(self, step: str, engine_actor: Any) -> None:
+        """Chaos runs: SIGKILL this engine's server when the next full sync reaches `step`."""
+        self._armed = (step, engine_actor)
+
+    def _on_sync_step(self, step: str) -> None:
+        armed = getattr(self, "_armed", None)
+        if armed is not None and armed[0] == step:
+            self._armed = None
+            ray.get(armed[1].simulate_crash.remote(), timeout=30)  # landed before we go on
 
     def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True) -> dict:
         """Put the current weights into `targets` (the fleet's update) and report.

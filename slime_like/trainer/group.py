@@ -56,6 +56,10 @@ class TrainerGroup:
                 raise cause from None
             raise
 
+    def arm_fault(self, step: str, engine_actor) -> None:
+        """Chaos runs: kill an engine when rank 0's next full sync reaches `step`."""
+        ray.get(self.rank0.arm_fault.remote(step, engine_actor))
+
     def shutdown(self) -> None:
         try:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=60)

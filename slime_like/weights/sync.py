@@ -27,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,13 +121,16 @@ class SyncReport:
 class _Steps:
     """Times each named step and remembers which one is running (for error messages)."""
 
-    def __init__(self, report: SyncReport):
+    def __init__(self, report: SyncReport, on_step: Callable[[str], None] | None = None):
         self.report = report
         self.current = "check_metadata"
+        self.on_step = on_step
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         self.current = name
+        if self.on_step is not None:
+            self.on_step(name)
         start = time.perf_counter()
         try:
             yield
@@ -187,6 +190,8 @@ class WeightSync:
         self._counter = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        # Called with each step's name as it starts (progress displays, chaos runs).
+        self.on_step: Callable[[str], None] | None = None
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -339,7 +344,7 @@ class WeightSync:
         cfg = self.config
         version = weight_version or str(self._counter + 1)
         report = SyncReport(version, cfg.transport, cfg.pause_mode, [e.url for e in self.engines])
-        steps = _Steps(report)
+        steps = _Steps(report, self.on_step)
         start = time.perf_counter()
         source = as_source(weights)
         with steps("check_metadata"):
