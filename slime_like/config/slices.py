@@ -86,8 +86,8 @@ def make_keys(args: argparse.Namespace) -> tuple[str | None, str | None, str | N
     Keys are on by default: every engine and router of the run gets them, and every client
     the job creates uses them, so nothing else on the network can pause, update or route.
     """
-    api = args.sglang_flags.get("api_key") or secrets.token_urlsafe(24)
-    admin = args.sglang_flags.get("admin_api_key") or secrets.token_urlsafe(24)
+    api = args.sglang_flags.get("api_key") or secrets.token_hex(24)
+    admin = args.sglang_flags.get("admin_api_key") or secrets.token_hex(24)
     router = args.router_flags.get("api_key") or api
     return api, admin, router
 
@@ -128,6 +128,9 @@ def sync_settings(args: argparse.Namespace, model_dir: str) -> SyncSettings:
     transport = args.update_weight_transport
     if transport == "nccl":
         transport = "tensor" if args.colocate else "distributed"
+    # A hung engine holds a sync no longer than a hung request holds a rollout.
+    timeout = min(120.0, float(args.rollout_request_timeout))
     return SyncSettings(transport=transport, pause_mode=args.pause_mode,
                         update_weight_buffer_size=args.update_weight_buffer_size,
-                        disk_dir=args.update_weight_disk_dir, model_dir=model_dir)
+                        disk_dir=args.update_weight_disk_dir, model_dir=model_dir,
+                        http_timeout_s=timeout, group_timeout_s=timeout)

@@ -22,6 +22,9 @@ class WeightVersion(int):
     def __repr__(self) -> str:
         return f"WeightVersion({int(self)})"
 
+    def __str__(self) -> str:
+        return str(int(self))
+
 
 def parse_weight_version(text: object) -> WeightVersion | None:
     """A `weight_version` as an engine reports it; None for "default" or anything unset."""

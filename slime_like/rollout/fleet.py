@@ -403,21 +403,24 @@ class Fleet:
             if not self._alive(e.engine_id):
                 self._on_dead(e.engine_id, "server gone after a failed weight update")
 
-    def sync(self, push: Callable[[Update], dict | None], retries: int = 1) -> dict:
+    def sync(self, push: Callable[[Update], dict | None], retries: int = 3,
+             wait_for_engines_s: float = 600.0) -> dict:
         """A full update through `push`, retried for the living engines after a failure.
 
-        Replacement resyncs wait while it runs (retries included): the retry takes the
-        STALE engines along.
+        With every engine dead or relaunching it waits (bounded) for one to come back
+        instead of failing the run. Replacement resyncs wait while it runs (retries
+        included): each attempt takes the STALE engines along.
         """
         self._syncing.set()
         try:
             for attempt in range(retries + 1):
+                self._wait_for_syncable(wait_for_engines_s)
                 try:
                     with self.updating() as update:
                         update.report = push(update) or {}
                     return update.report
                 except (WeightSyncError, FleetError) as err:
-                    if attempt == retries or not self._targets(None):
+                    if attempt == retries:
                         raise
                     logger.warning("weight sync failed (%s); retrying for the living engines",
                                    err)
@@ -425,6 +428,17 @@ class Fleet:
         finally:
             self._syncing.clear()
             self._resync_stale_later()
+
+    def _wait_for_syncable(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._targets(None):
+            with self._lock:
+                coming = [e.engine_id for e in self.engines if e.update_weights
+                          and e.state in (S.DEAD, S.RELAUNCHING)]
+            if not coming or time.monotonic() > deadline:
+                raise FleetError("no engines to sync: " + ", ".join(
+                    f"{e.engine_id} {e.state.value}" for e in self.engines if e.update_weights))
+            time.sleep(0.1)
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -435,10 +449,19 @@ class Fleet:
         raise KeyError(engine_id)
 
     def _should_probe(self, engine_id: str) -> bool:
-        return self.find(engine_id).state in (S.REGISTERED, S.SUSPECT, S.LOADED, S.STALE)
+        return self.find(engine_id).state in (S.REGISTERED, S.SUSPECT, S.LOADED, S.STALE,
+                                              S.UPDATING)
 
     def _probe(self, engine_id: str, timeout: float) -> None:
-        self.find(engine_id).handle.health_generate(timeout=timeout)
+        """A real generation step; while paused for an update (where /health_generate
+        blocks by design) only that the server still answers (/ping), so a hang during a
+        sync is still found."""
+        e = self.find(engine_id)
+        if e.state is S.UPDATING:
+            if not e.handle.client.ping(timeout=timeout):
+                raise FleetError(f"{e.engine_id}: /ping unanswered during a weight update")
+            return
+        e.handle.health_generate(timeout=timeout)
 
     def _alive(self, engine_id: str) -> bool:
         e = self.find(engine_id)
@@ -501,7 +524,7 @@ class Fleet:
         try:
             for a in e.actors:
                 with contextlib.suppress(Exception):  # the actor may have died with its server
-                    ray.get(a.shutdown.remote(), timeout=30)
+                    ray.get(a.shutdown.remote(1.0), timeout=30)  # dead or hung: no grace
                 ray.kill(a)
             with self._lock:
                 if self._closing:
@@ -562,6 +585,9 @@ class Fleet:
             except (WeightSyncError, FleetError) as err:
                 logger.warning("%s: resync failed (%s); retrying", e.engine_id, err)
                 time.sleep(0.5)
+                continue
+            if e.state is not S.REGISTERED:
+                time.sleep(0.5)  # e.g. the router is being relaunched
         if e.state is not S.REGISTERED:
             raise FleetError(f"{e.engine_id}: not at version {self.version} after {timeout:.0f}s")
 

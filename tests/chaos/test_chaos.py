@@ -1,0 +1,88 @@
+"""Chaos run of the real job: every kind of fault, and what users rely on still holds.
+
+Short form (CI): four engines, sixteen steps, seven faults — SIGKILL during a rollout and at
+the pause, transfer, end and continue steps of a weight sync, a SIGSTOPped engine, a
+SIGKILLed router. The long form (`-m slow`) repeats it over several seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+import ray
+
+from slime_like.config.parse import parse_args
+from slime_like.train import train
+
+
+@pytest.fixture
+def fresh_ray():
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _alive_of_run(run_dir) -> list[str]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if str(run_dir) in cmd and "pytest" not in cmd:
+            out.append(cmd)
+    return out
+
+
+def run_chaos(run_dir, seed: int, steps: int = 16) -> dict:
+    args = parse_args(["--config", "configs/chaos.yaml", "--output-dir", str(run_dir),
+                       "--chaos-seed", str(seed), "--num-rollout", str(steps)])
+    assert train(args) == 0  # every step completed (a violation raises)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    chaos = json.loads((run_dir / "chaos.json").read_text())
+    return {"metrics": metrics, "chaos": chaos}
+
+
+def check(run_dir, out: dict, steps: int) -> None:
+    metrics, chaos = out["metrics"], out["chaos"]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for m in metrics:
+        assert m["samples_returned"] == m["samples_requested"], m
+        assert m["logprob_max_abs_diff"] < 1e-4, m
+    # every fault fired, on an engine (or the router), and every death was recovered
+    assert sorted(f["kind"] for f in chaos["faults"]) == sorted(
+        ["kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
+         "stop_engine", "kill_router"])
+    assert all(f["fired_at"] and f["target"] for f in chaos["faults"]), chaos["faults"]
+    assert chaos["recoveries"] and all("recovery_s" in r for r in chaos["recoveries"])
+    assert chaos["router_restarts"], "the router was killed and must have been relaunched"
+    # the outside sampler looked often enough to mean something, and saw nothing wrong
+    assert chaos["samples"] > 50 and chaos["violations"] == []
+    # every engine of the updatable model ends (before the shutdown) routed at the final
+    # version: the run waits for the last recoveries
+    final = metrics[-1]["weight_version"]
+    events = [json.loads(x) for x in (run_dir / "engine_timeline.jsonl").read_text().splitlines()]
+    versions = [e for e in events if e["engine"] == "fleet" and e["state"] == "VERSION"]
+    assert int(versions[-1]["version"]) == final
+    for engine in metrics[-1]["engines"]:
+        mine = [e for e in events if e["engine"] == engine and e["state"] != "STOPPED"]
+        last = [e for e in mine if e["state"] in ("REGISTERED", "UPDATING", "STALE")][-1]
+        assert mine[-1]["state"] in ("REGISTERED", "RECOVERED"), (engine, mine[-3:])
+        assert last["state"] == "REGISTERED" and int(last["version"]) == final, (engine, last)
+    time.sleep(5)
+    assert _alive_of_run(run_dir) == [], "processes of the run outlived it by 5 s"
+
+
+def test_chaos_short_form(tmp_path, fresh_ray):
+    out = run_chaos(tmp_path, seed=7)
+    check(tmp_path, out, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(20))
+def test_chaos_long_form(tmp_path, fresh_ray, seed):
+    out = run_chaos(tmp_path, seed=seed, steps=24)
+    check(tmp_path, out, 24)
