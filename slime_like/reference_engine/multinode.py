@@ -186,14 +186,13 @@ class NodeWatch:
                 conn.send(("shutdown",))
 
 
-def serve_node(args: EngineArgs) -> int:
+def serve_node(args: EngineArgs, rank_main: Callable[..., None]) -> int:
     """The process of node `args.node_rank` > 0: run its TP ranks, heartbeat to node 0.
 
-    Returns 0 when node 0 shut the engine down (or on SIGTERM), 1 when node 0 went away or
-    a local rank died.
+    `rank_main(rank, args, None)` is a TP rank's entry point (`tp.rank_main`). Returns 0
+    when node 0 shut the engine down (or on SIGTERM), 1 when node 0 went away or a local
+    rank died.
     """
-    from slime_like.reference_engine.tp import rank_main
-
     ctx = mp.get_context("spawn")
     procs: list[mp.Process] = []
     for rank in args.node_ranks():
