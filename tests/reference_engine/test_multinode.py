@@ -187,3 +187,17 @@ def test_node_1_exits_with_node_0_non_zero_unless_node_0_shut_down(tiny_model_di
         assert (code != 0) if how == "killed" else (code == 0), (code, pair.node1_log.read_text())
     finally:
         pair.stop()
+
+
+def test_memory_release_and_resume_reach_the_rank_on_node_1(two_nodes, tiny_model_dir):
+    node0 = two_nodes.node0
+    assert node0.post("/release_memory_occupation", {"tags": ["weights"]}).json() is None
+    ranks = node0.post("/weights_checker", {"action": "checksum"}).json()["ranks"]
+    empty = hashlib.sha256(b"").digest()[:8]
+    assert all(r["checksums"]["model.norm.weight"] == f"{int.from_bytes(empty, 'big'):016x}"
+               for r in ranks) and len(ranks) == 2  # storage dropped on both nodes
+    assert node0.post("/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    assert node0.generate({"input_ids": [1, 2, 3]}).status_code == 503  # no contents without a backup
+    r = node0.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+    assert r.status_code == 200, r.text
+    assert node0.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
