@@ -96,6 +96,24 @@ def bootstrap_items(body: dict, n_prompts: int, n: int) -> list[Bootstrap | None
     return out
 
 
+def requested_rooms(body: object) -> list[int]:
+    """Best effort: the rooms a (possibly invalid) /generate body names, one sample each."""
+    if not isinstance(body, dict):
+        return []
+    room = body.get("bootstrap_room")
+    try:
+        if isinstance(room, list):
+            return [int(r) % _ROOM_MODULUS for r in room if r is not None]
+        if room is None:
+            return []
+        prompts = body.get("input_ids") if body.get("text") is None else body.get("text")
+        batch = len(prompts) if isinstance(prompts, list) and prompts and \
+            isinstance(prompts[0], list | str) else 1
+        return [(int(room) + i) % _ROOM_MODULUS for i in range(batch)]
+    except (TypeError, ValueError):
+        return []
+
+
 @dataclass
 class Handoff:
     """What the prefill engine hands to the decode engine for one room."""

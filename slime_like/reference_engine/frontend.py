@@ -31,6 +31,7 @@ from slime_like.reference_engine.disaggregation import (
     HandoffStore,
     env_timeout,
     fetch_handoff,
+    requested_rooms,
 )
 from slime_like.reference_engine.generate_io import GenerateJob, build_output, parse_generate
 from slime_like.reference_engine.scheduler import Req, Scheduler, finish_abort_waiting
@@ -147,10 +148,19 @@ class Frontend:
     # ---- generation ------------------------------------------------------------------------
 
     def parse(self, body: dict, internal: bool = False) -> GenerateJob:
-        """A /generate body -> GenerateJob (SchemaError / ValueError on bad input)."""
-        return parse_generate(body, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                              context_len=self.context_len, internal=internal,
-                              prefill_only=self.prefill_only and not internal)
+        """A /generate body -> GenerateJob (SchemaError / ValueError on bad input).
+
+        A PD prefill engine that refuses a request tells the decode side at once, so the
+        decode engine fails now instead of after its waiting timeout."""
+        try:
+            return parse_generate(body, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                                  context_len=self.context_len, internal=internal,
+                                  prefill_only=self.prefill_only and not internal)
+        except ValueError as e:  # SchemaError is a ValueError
+            if self.prefill_only and not internal and self.handoffs is not None:
+                for room in requested_rooms(body):
+                    self.handoffs.put(Handoff(room, error=f"the prefill engine refused the request: {e}"))
+            raise
 
     def _make_live(self, job: GenerateJob) -> list[_Live]:
         updates: asyncio.Queue = asyncio.Queue()

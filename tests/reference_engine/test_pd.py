@@ -162,6 +162,14 @@ def test_a_room_that_never_arrives_fails_with_500_in_bounded_time(pd):
     r = prefill.generate({**body, "bootstrap_room": room + 1}, timeout=60)
     assert r.status_code == 500 and "no decode engine took" in r.json()["message"]
     assert time.monotonic() - t0 < BOOTSTRAP_TIMEOUT_S + 10
+    # A request the prefill engine refuses (here: longer than its context) fails the decode
+    # side at once, not after its waiting timeout.
+    p = prefill.generate({**body, "input_ids": [5] * 2000, "bootstrap_room": room + 2}, timeout=60)
+    assert p.status_code == 400 and "longer than the model's context length" in p.text
+    t0 = time.monotonic()
+    d = decode.generate({**body, "bootstrap_room": room + 2}, timeout=60)
+    assert d.status_code == 500 and "prefill engine refused the request" in d.json()["message"]
+    assert time.monotonic() - t0 < WAITING_TIMEOUT_S
     # Both engines still serve.
     assert decode.get("/health").status_code == 200 and prefill.get("/health").status_code == 200
 
