@@ -109,6 +109,7 @@ class _Live:
     bootstrap: Bootstrap | None = None  # PD: this request's room
     published: bool = False  # PD prefill: its hand-off (or failure) is in the store
     taken: asyncio.Event | None = None  # PD prefill: set when the decode engine took it
+    transferring: bool = False  # PD decode: fetching its hand-off
 
 
 class Frontend:
@@ -232,6 +233,8 @@ class Frontend:
         if self._fetch_pool is None:
             self._fetch_pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="pd-fetch")
         timeout = env_timeout(WAITING_TIMEOUT_ENV)
+        for lv in wanted:
+            lv.transferring = True
         try:
             results = await asyncio.gather(*[
                 self.loop.run_in_executor(self._fetch_pool, fetch_handoff, lv.bootstrap, timeout,
@@ -241,6 +244,9 @@ class Frontend:
             for lv in wanted:  # the other fetches stop at their next poll round
                 lv.done = True
             raise
+        finally:
+            for lv in wanted:
+                lv.transferring = False
         for lv, handoff in zip(wanted, results, strict=True):
             if handoff is not None and not lv.done:
                 self._apply_handoff(lv, handoff)
@@ -405,6 +411,12 @@ class Frontend:
         async with self._pause_cond:
             self.paused = True
             if mode == "abort":
+                # PD decode: requests still receiving their KV are in sglang's transfer
+                # queue, which an abort pause empties too.
+                for live in self.live.values():
+                    if live.transferring and not live.done:
+                        live.req.finish = finish_abort_waiting()
+                        live.done = True
                 # Like sglang: abort everything until no request holds the update lock.
                 while True:
                     await asyncio.wrap_future(self.scheduler.abort(abort_all=True))

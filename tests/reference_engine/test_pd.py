@@ -194,3 +194,22 @@ def test_after_a_weight_update_on_both_engines_pd_matches_a_regular_engine(pd, t
         _assert_same_generation(g, w)
         assert g["meta_info"]["weight_version"] == "v1"
         assert g["meta_info"]["weight_versions"] == [{"version": "v1", "start": 0, "end": 12}]
+
+
+def test_an_abort_pause_of_the_decode_engine_aborts_requests_waiting_for_their_kv(pd):
+    _, _, decode, _, bootstrap_port = pd
+    body = {"input_ids": TOK.encode("waiting for kv"), "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "bootstrap_room": random.getrandbits(62)}
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(decode.generate, body, timeout=60)
+        time.sleep(0.5)  # the request is now polling the prefill's bootstrap server
+        t0 = time.monotonic()
+        try:
+            assert decode.post("/pause_generation", {"mode": "abort"}).status_code == 200
+            r = fut.result(timeout=30)
+        finally:
+            decode.post("/continue_generation", {})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert time.monotonic() - t0 < WAITING_TIMEOUT_S - 0.5  # well before the waiting timeout
