@@ -108,6 +108,7 @@ class ReferenceEngine:
         if self._shut_down:
             return
         self._shut_down = True
+        self.frontend.close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.stop()
         self.scheduler.stop()

@@ -128,6 +128,7 @@ class Frontend:
         self.prefill_only = disaggregation_mode == "prefill"
         self.handoffs = handoffs  # the prefill engine's hand-off store
         self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closing = False
         self.paused = False
         self.ready = False  # warm-up done (sglang's server_status == Up)
         self.live: dict[str, _Live] = {}
@@ -238,7 +239,7 @@ class Frontend:
         try:
             results = await asyncio.gather(*[
                 self.loop.run_in_executor(self._fetch_pool, fetch_handoff, lv.bootstrap, timeout,
-                                          lambda lv=lv: lv.done)
+                                          lambda lv=lv: lv.done or self._closing)
                 for lv in wanted])
         except BaseException:
             for lv in wanted:  # the other fetches stop at their next poll round
@@ -352,6 +353,7 @@ class Frontend:
             for lv in lives:
                 if not lv.submitted:  # submitted ones are published by the scheduler
                     self._publish_failure(lv, "the prefill request was aborted before it ran")
+                    lv.done = True  # a KV fetch still polling for it stops
                 self.live.pop(lv.req.rid, None)
             unfinished = [lv.req.rid for lv in lives if lv.submitted and not lv.done]
             if unfinished:  # client went away: free the slots
@@ -472,6 +474,12 @@ class Frontend:
     def is_locked(self) -> bool:
         """True while any request or update holds the lock."""
         return self._lock is not None and self._lock.is_locked()
+
+    def close(self) -> None:
+        """Stop PD fetches still polling (the process is shutting down)."""
+        self._closing = True
+        if self._fetch_pool is not None:
+            self._fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     def snapshot(self) -> dict[str, Any]:
         """Frontend state for diagnostics."""

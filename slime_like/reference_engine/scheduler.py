@@ -233,7 +233,11 @@ class Scheduler:
             if r.spec.sampling_seed is not None:
                 r.generator = make_generator(r.spec.sampling_seed, self.device)
                 if r.generator_state is not None:  # PD: continue the prefill's random stream
-                    r.generator.set_state(r.generator_state)
+                    try:
+                        r.generator.set_state(r.generator_state)
+                    except (RuntimeError, TypeError) as e:  # e.g. a CPU prefill, a CUDA decode
+                        logger.warning("request %s: cannot continue the prefill engine's random "
+                                       "stream (%s); sampling from a fresh one", r.rid, e)
             else:
                 r.generator = self._shared_gen
             r.generator_state = None

@@ -38,7 +38,7 @@ from tests.reference_engine.conftest import (
 
 TOK = ByteTokenizer()
 NODE_HOSTS = ("127.0.0.1", "127.0.0.2")
-NODE_TIMEOUT_S = 2.0  # heartbeat silence after which node 0 gives up on node 1
+NODE_TIMEOUT_S = 4.0  # heartbeat silence after which node 0 gives up on node 1
 
 
 @dataclass
