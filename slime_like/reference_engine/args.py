@@ -158,11 +158,30 @@ class EngineArgs:
             return config_dtype
         return _DTYPES[self.dtype]
 
+    @property
+    def ranks_per_node(self) -> int:
+        """TP ranks each node runs (sglang: tp_size // nnodes)."""
+        return self.tp_size // self.nnodes
+
+    def node_ranks(self, node_rank: int | None = None) -> range:
+        """The global TP ranks on a node (this one by default): node r has r*k .. r*k+k-1."""
+        node = self.node_rank if node_rank is None else node_rank
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
     def rank_device(self, tp_rank: int) -> str:
-        """cuda:(base_gpu_id + tp_rank * gpu_id_step) on GPUs, as sglang places TP ranks."""
+        """cuda:(base_gpu_id + local_rank * gpu_id_step) on GPUs, as sglang places TP ranks
+        (the local rank is the rank's index on its node)."""
         if self.device == "cuda":
-            return f"cuda:{self.base_gpu_id + tp_rank * self.gpu_id_step}"
+            return f"cuda:{self.base_gpu_id + (tp_rank % self.ranks_per_node) * self.gpu_id_step}"
         return "cpu"
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port); ValueError naming the address otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected host:port (IPv6 as [addr]:port), got {addr!r}")
+    return host.strip("[]"), int(port)
 
 
 def _given_flags(argv: list[str]) -> dict[str, Any]:
@@ -204,9 +223,19 @@ def parse_args(argv: list[str]) -> EngineArgs:
           "the reference engine serves one DP replica; run one engine per replica (sglang's weight "
           "updates also require dp_size == 1)")
     check(values["pp_size"] == 1, "--pp-size", "pipeline parallelism is not supported by the reference engine")
-    check(values["nnodes"] == 1, "--nnodes",
-          "the reference engine runs on one node; start one engine per node instead of --nnodes > 1")
-    check(values["node_rank"] == 0, "--node-rank", "must be 0 with --nnodes 1")
+    nnodes, node_rank = values["nnodes"], values["node_rank"]
+    check(nnodes >= 1, "--nnodes", f"must be >= 1, got {nnodes}")
+    check(0 <= node_rank < nnodes, "--node-rank", f"must be in [0, {nnodes}) with --nnodes {nnodes}, "
+          f"got {node_rank}")
+    check(values["tp_size"] % nnodes == 0, "--tp-size",
+          f"{values['tp_size']} TP ranks cannot be spread evenly over --nnodes {nnodes}")
+    check(nnodes == 1 or bool(values["dist_init_addr"]), "--dist-init-addr",
+          "required with --nnodes > 1: host:port of node 0, where every node's TP ranks join")
+    if values["dist_init_addr"]:
+        try:
+            split_host_port(values["dist_init_addr"])
+        except ValueError as e:
+            raise ConfigError("--dist-init-addr", str(e)) from e
     mrr = values["max_running_requests"]
     check(mrr is None or mrr >= 1, "--max-running-requests", f"must be >= 1, got {mrr}")
     return EngineArgs(

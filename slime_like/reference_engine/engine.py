@@ -12,6 +12,12 @@ import torch
 from slime_like.models.config import ModelConfig
 from slime_like.models.loading import load_pretrained
 from slime_like.reference_engine.args import SGLANG_VERSION, EngineArgs
+from slime_like.reference_engine.disaggregation import (
+    BOOTSTRAP_TIMEOUT_ENV,
+    BootstrapServer,
+    HandoffStore,
+    env_timeout,
+)
 from slime_like.reference_engine.frontend import Frontend
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.scheduler import Scheduler
@@ -68,11 +74,19 @@ class ReferenceEngine:
             self.model, device=self.device, context_len=self.context_len, max_running=max_running,
             prefix_cache_tokens=max_running * self.context_len, weight_version=args.weight_version,
             seed=args.random_seed, metrics=self.metrics)
+        # PD prefill: hand-offs by bootstrap room, served on --disaggregation-bootstrap-port.
+        self.handoffs: HandoffStore | None = None
+        self.bootstrap_server: BootstrapServer | None = None
+        if args.disaggregation_mode == "prefill":
+            self.handoffs = HandoffStore(keep_s=env_timeout(BOOTSTRAP_TIMEOUT_ENV))
+            self.bootstrap_server = BootstrapServer(args.host, args.disaggregation_bootstrap_port,
+                                                    self.handoffs)
         self.frontend = Frontend(self.scheduler, context_len=self.context_len,
                                  skip_tokenizer_init=args.skip_tokenizer_init,
                                  incremental_streaming=args.incremental_streaming_output,
                                  vocab_size=self.config.vocab_size,
-                                 prefill_only=args.disaggregation_mode == "prefill")
+                                 disaggregation_mode=args.disaggregation_mode,
+                                 handoffs=self.handoffs)
         self.receiver = WeightReceiver(self.model, tp_rank=0, tp_size=args.tp_size, device=self.device,
                                        model_path=args.model_path, load_format=args.load_format,
                                        seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)
@@ -83,6 +97,8 @@ class ReferenceEngine:
                                             metrics=self.metrics, gate=args.weight_update_gate)
         self.tp_group.wait_ready()
         self.scheduler.start()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.start()
         logger.info("reference engine loaded %s (%s, %s) on %s: tp=%d, %d slots x %d tokens",
                     args.model_path, self.config.architecture, self.dtype, self.device,
                     args.tp_size, max_running, self.context_len)
@@ -92,6 +108,9 @@ class ReferenceEngine:
         if self._shut_down:
             return
         self._shut_down = True
+        self.frontend.close()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop()
         self.scheduler.stop()
         self.receiver.destroy_all_groups()
         self.tp_group.shutdown()

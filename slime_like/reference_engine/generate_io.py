@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.reference_engine.disaggregation import Bootstrap, bootstrap_items
 from slime_like.reference_engine.sampling import (
     SamplingSpec,
     SchemaError,
@@ -80,6 +81,7 @@ class GenerateItem:
     top_logprobs_num: int
     max_len: int
     input_logprob_start: int | None = None
+    bootstrap: Bootstrap | None = None  # PD: where this item's KV hand-off lives
 
 
 @dataclass
@@ -155,6 +157,7 @@ def parse_generate(body: dict, *, tokenizer: ByteTokenizer, vocab_size: int, con
     if len(set(rids)) != len(rids):
         dups = sorted({r for r in rids if rids.count(r) > 1})
         raise ValueError(f"Duplicate request IDs detected within the request: {dups}")
+    bootstraps = [None] * (n_prompts * n) if internal else bootstrap_items(body, n_prompts, n)
 
     items: list[GenerateItem] = []
     for i, prompt in enumerate(prompts):
@@ -190,7 +193,7 @@ def parse_generate(body: dict, *, tokenizer: ByteTokenizer, vocab_size: int, con
             items.append(GenerateItem(
                 rid=rids[i * n + j], prompt_ids=prompt, spec=spec,
                 return_logprob=bool(return_logprob[i]), top_logprobs_num=int(top_nums[i] or 0),
-                max_len=max_len, input_logprob_start=input_start))
+                max_len=max_len, input_logprob_start=input_start, bootstrap=bootstraps[i * n + j]))
     return GenerateJob(
         items=items, is_single=is_single and n == 1, stream=bool(body.get("stream")),
         return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slime_like.protocol import io_struct as p
+from slime_like.reference_engine.disaggregation import HandoffError
 from slime_like.reference_engine.engine import ReferenceEngine
 from slime_like.reference_engine.frontend import EngineUnavailable
 from slime_like.reference_engine.openai_api import register_openai_routes
@@ -181,8 +182,8 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
                         if not job.is_single:
                             out["index"] = index
                         yield _sse(out)
-                except (ValueError, EngineUnavailable) as e:
-                    code = 503 if isinstance(e, EngineUnavailable) else 400
+                except (ValueError, EngineUnavailable, HandoffError) as e:
+                    code = 503 if isinstance(e, EngineUnavailable) else getattr(e, "status_code", 400)
                     yield _sse({"error": {"message": str(e), "type": "invalid_request_error",
                                           "code": code, "retryable": code == 503}})
                 yield b"data: [DONE]\n\n"
@@ -203,6 +204,8 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return error_400(e)
         except EngineUnavailable as e:
             raise HTTPException(status_code=503, detail=str(e)) from e
+        except HandoffError as e:  # sglang aborts the request with 500 when the KV never came
+            raise HTTPException(status_code=e.status_code, detail=str(e)) from e
         finally:
             if not task.done():
                 task.cancel()

@@ -70,6 +70,12 @@ class Req:
     generator: torch.Generator | None = None
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # PD disaggregation. Prefill side: called once when the request finishes, with the
+    # prompt's KV (None if it was aborted) and its seeded generator's state. Decode side:
+    # the prompt's KV and generator state handed over, consumed at admission.
+    on_finish_kv: Callable[[Req, torch.Tensor | None, torch.Tensor | None], None] | None = None
+    kv_import: torch.Tensor | None = None
+    generator_state: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.ids:
@@ -226,8 +232,20 @@ class Scheduler:
         for r in reqs:
             if r.spec.sampling_seed is not None:
                 r.generator = make_generator(r.spec.sampling_seed, self.device)
+                if r.generator_state is not None:  # PD: continue the prefill's random stream
+                    try:
+                        r.generator.set_state(r.generator_state)
+                    except (RuntimeError, TypeError) as e:  # e.g. a CPU prefill, a CUDA decode
+                        logger.warning("request %s: cannot continue the prefill engine's random "
+                                       "stream (%s); sampling from a fresh one", r.rid, e)
             else:
                 r.generator = self._shared_gen
+            r.generator_state = None
+            if r.num_output:  # PD decode: the handed-over first token may already finish it
+                reason = self._finish_reason(r, r.ids[-1])
+                if reason is not None:
+                    self._finish(r, reason)
+                    continue
             self.waiting.append(r)
 
     def _abort(self, rid: str, abort_all: bool) -> None:
@@ -351,6 +369,13 @@ class Scheduler:
         slot = self.pool.alloc()
         assert slot is not None
         r.slot = slot
+        if r.kv_import is not None:  # PD decode: the prefill engine's KV of the prompt
+            n = r.kv_import.shape[3]
+            self.pool.kv[:, :, slot, :, :n] = r.kv_import.to(self.pool.kv.device, self.pool.kv.dtype)
+            r.kv_import = None
+            r.kv_len = n
+            self.running.append(r)
+            return
         # Keep one token to compute: its logits choose the next token. Prompt logprobs
         # need the logits of every position from the window's start, so no reuse past it.
         limit = len(r.ids) - 1
@@ -446,6 +471,14 @@ class Scheduler:
 
     def _finish(self, r: Req, reason: dict) -> None:
         r.finish = reason
+        if r.on_finish_kv is not None:
+            export, r.on_finish_kv = r.on_finish_kv, None
+            kv = state = None
+            if reason["type"] != "abort" and r.slot is not None and not self.pool.released:
+                kv = self.pool.kv[:, :, r.slot, :, :r.kv_len].to("cpu", copy=True)
+                if r.generator is not None and r.generator is not self._shared_gen:
+                    state = r.generator.get_state()
+            export(r, kv, state)
         if r.slot is not None:
             if r.kv_len and not self.pool.released:
                 self.cache.insert(r.ids[:r.kv_len], self.pool, r.slot)

@@ -20,6 +20,12 @@ def main(argv: list[str]) -> int:
         logger.error("invalid argument %s", e)
         return 2
     logging.getLogger().setLevel(args.all_args.get("log_level", "info").upper())
+    if args.node_rank > 0:
+        # Another node of a multi-node engine: no HTTP, only its TP ranks (sglang's layout).
+        from slime_like.reference_engine.multinode import serve_node
+        from slime_like.reference_engine.tp import rank_main
+
+        return serve_node(args, rank_main)
     # Imported after argument parsing so `--help` and flag errors answer fast.
     from slime_like.reference_engine.engine import ReferenceEngine
     from slime_like.reference_engine.http_server import create_app

@@ -5,7 +5,9 @@ takes part in weight updates, so a weight group has the layout of a real TP engi
 (rank = rank_offset + tp_rank). The ranks form a gloo default process group, as sglang's
 schedulers do (its weight-sync code asserts torch.distributed is initialised). Rank
 processes die with their parent (PR_SET_PDEATHSIG plus a parent watch) and are killed on
-shutdown.
+shutdown. With `--nnodes > 1` the ranks of other nodes are children of those nodes'
+processes and reach rank 0 over the network (`multinode.py`); rank 0 drives them through
+the same send/recv interface as its local pipes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from slime_like.errors import LaunchError
-from slime_like.reference_engine.args import EngineArgs
+from slime_like.reference_engine.args import EngineArgs, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
-    """Entry point of TP rank `rank` >= 1: load the model, join the group, serve rank ops."""
+def default_group_init_method(args: EngineArgs, local_port: int | None = None) -> str:
+    """Where the TP ranks' gloo default group meets: node 0's dist-init address across nodes,
+    a free loopback port on one node."""
+    if args.nnodes > 1:
+        host, port = split_host_port(args.dist_init_addr)
+        return f"tcp://{host}:{port}"
+    return f"tcp://127.0.0.1:{local_port}"
+
+
+def rank_main(rank: int, args: EngineArgs, init_method: str | None, conn=None) -> None:
+    """Entry point of TP rank `rank` >= 1: load the model, join the group, serve rank ops.
+
+    `conn` is the pipe to rank 0 on node 0; a rank on another node (conn None) dials node
+    0's rank driver instead and meets the others at the dist-init address.
+    """
     die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
+    if conn is None:
+        from slime_like.reference_engine.multinode import connect_to_node0
+
+        try:
+            conn = connect_to_node0(args, ("rank", rank), time.monotonic() + _READY_TIMEOUT_S)
+        except LaunchError as e:
+            logger.error("TP rank %d: %s", rank, e)
+            sys.exit(1)
+        init_method = default_group_init_method(args)
     try:
         torch.set_num_threads(1)  # ranks only receive weights; leave the cores to rank 0
         from slime_like.models.config import ModelConfig
@@ -80,7 +104,7 @@ def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
         # Say "loaded" before joining the group: if loading failed, rank 0 hears the error
         # instead of waiting in the rendezvous for a rank that will never come.
         conn.send(("loaded", None))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=args.tp_size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
         receiver = WeightReceiver(model, tp_rank=rank, tp_size=args.tp_size, device=device,
                                   model_path=args.model_path, load_format=args.load_format,
@@ -109,58 +133,83 @@ def _rank_main(rank: int, args: EngineArgs, port: int, conn) -> None:
 
 
 class TPGroup:
-    """The rank processes of one engine and the pipes rank 0 drives them through."""
+    """The rank processes of one engine and the connections rank 0 drives them through."""
 
     def __init__(self, args: EngineArgs):
+        self.args = args
         self.size = args.tp_size
         self.port = free_port()
-        self._procs: list[mp.Process] = []
-        self._conns: list[Any] = []
+        self.init_method = default_group_init_method(args, self.port)
+        self._procs: list[mp.Process] = []  # ranks 1..k-1 on this node
+        self._conns: list[Any] = []  # ranks 1..N-1, local pipes first, then remote ranks
+        self._driver = None
+        self._node_watch = None
         ctx = mp.get_context("spawn")
-        for rank in range(1, self.size):
+        for rank in args.node_ranks(0)[1:]:
             parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, args, self.port, child_conn),
+            proc = ctx.Process(target=rank_main, args=(rank, args, self.init_method, child_conn),
                                name=f"reference-tp{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent_conn)
+        if args.nnodes > 1:
+            from slime_like.reference_engine.multinode import RankDriver
+
+            self._driver = RankDriver(args)
         self._stopping = False
 
+    def _is_local(self, rank: int) -> bool:
+        return rank < self.args.ranks_per_node
+
     def _expect(self, rank: int, conn, wanted: str) -> None:
-        proc = self._procs[rank - 1]
+        proc = self._procs[rank - 1] if self._is_local(rank) else None
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not conn.poll(0.2):
-            if not proc.is_alive():
-                raise LaunchError(f"TP rank {rank} exited with code {proc.exitcode} while starting")
-            if time.monotonic() > deadline:
-                raise LaunchError(f"TP rank {rank} did not report '{wanted}' in {_READY_TIMEOUT_S:.0f}s")
-        status, detail = conn.recv()
+        try:
+            while not conn.poll(0.2):
+                if proc is not None and not proc.is_alive():
+                    raise LaunchError(f"TP rank {rank} exited with code {proc.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"TP rank {rank} did not report '{wanted}' in {_READY_TIMEOUT_S:.0f}s")
+            status, detail = conn.recv()
+        except (EOFError, OSError) as e:
+            raise LaunchError(f"TP rank {rank} went away while starting ({e})") from e
         if status != wanted:
             raise LaunchError(f"TP rank {rank} failed to start", detail or "")
 
     def wait_ready(self) -> None:
-        """Wait until every rank loaded its model, join the default gloo group as rank 0,
-        then wait for every rank's ready message."""
+        """Wait until every rank (here and on other nodes) loaded its model, join the default
+        gloo group as rank 0, then wait for every rank's ready message."""
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        if self._driver is not None:
+            for rank in range(self.args.ranks_per_node, self.size):
+                self._conns.append(self._driver.wait_rank(rank, deadline))
         for rank, conn in enumerate(self._conns, start=1):
             self._expect(rank, conn, "loaded")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=0,
+        dist.init_process_group("gloo", init_method=self.init_method, rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
         for rank, conn in enumerate(self._conns, start=1):
             self._expect(rank, conn, "ready")
         if self._procs:
             threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True).start()
+        if self._driver is not None:
+            from slime_like.reference_engine.multinode import NodeWatch
+
+            self._node_watch = NodeWatch(self._driver.wait_nodes(deadline), self._lost)
+
+    def _lost(self, reason: str) -> None:
+        """A rank is gone: take the server down, as a crashed sglang scheduler does."""
+        logger.error("%s; shutting the engine down", reason)
+        for other in self._procs:
+            if other.is_alive():
+                other.kill()
+        os._exit(1)
 
     def _watch_ranks(self) -> None:
-        """A TP rank that dies takes the server down, as a crashed sglang scheduler does."""
+        """A local TP rank that dies takes the server down."""
         while not self._stopping:
             for rank, proc in enumerate(self._procs, start=1):
                 if not proc.is_alive() and not self._stopping:
-                    logger.error("TP rank %d exited with code %s; shutting the engine down",
-                                 rank, proc.exitcode)
-                    for other in self._procs:
-                        if other.is_alive():
-                            other.kill()
-                    os._exit(1)
+                    self._lost(f"TP rank {rank} exited with code {proc.exitcode}")
             time.sleep(0.2)
 
     def start(self, method: str, per_rank_kwargs: list[dict]) -> None:
@@ -172,22 +221,24 @@ class TPGroup:
         """The (status, result) of ranks 1..N-1 for the last `start`."""
         out = []
         for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(timeout):
-                out.append(("error", f"TP rank {rank} did not answer in {timeout}s"))
-                continue
             try:
+                if not conn.poll(timeout):
+                    out.append(("error", f"TP rank {rank} did not answer in {timeout}s"))
+                    continue
                 out.append(conn.recv())
-            except EOFError:
+            except (EOFError, OSError):
                 out.append(("error", f"TP rank {rank} exited"))
         return out
 
     def alive(self) -> bool:
-        """True while every rank process runs."""
+        """True while every local rank process runs (remote nodes are watched by heartbeat)."""
         return all(p.is_alive() for p in self._procs)
 
     def shutdown(self) -> None:
-        """Ask ranks to exit, kill those that don't, leave the default group."""
+        """Ask ranks (and other nodes) to exit, kill local ones that don't, leave the group."""
         self._stopping = True
+        if self._node_watch is not None:
+            self._node_watch.shutdown()
         for conn in self._conns:
             with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send(None)
@@ -197,6 +248,8 @@ class TPGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        if self._driver is not None:
+            self._driver.close()
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()

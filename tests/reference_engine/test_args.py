@@ -38,12 +38,25 @@ def test_a_flag_sglang_does_not_know_is_an_argparse_error(capsys):
 def test_bad_choice_and_unsupported_layouts_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--load-format", "nonsense"])
-    with pytest.raises(ConfigError, match="--nnodes"):
-        parse_args(["--model-path", "m", "--nnodes", "2"])
     with pytest.raises(ConfigError, match="--load-format"):
         parse_args(["--model-path", "m", "--load-format", "gguf"])
     with pytest.raises(ConfigError, match="--dp-size"):
         parse_args(["--model-path", "m", "--dp-size", "2"])
+
+
+def test_multi_node_flags_need_an_even_split_and_node_0s_address():
+    with pytest.raises(ConfigError, match="--tp-size"):
+        parse_args(["--model-path", "m", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"])
+    with pytest.raises(ConfigError, match="--dist-init-addr"):
+        parse_args(["--model-path", "m", "--tp-size", "2", "--nnodes", "2"])
+    with pytest.raises(ConfigError, match="--node-rank"):
+        parse_args(["--model-path", "m", "--tp-size", "2", "--nnodes", "2", "--node-rank", "2",
+                    "--dist-init-addr", "127.0.0.1:5000"])
+    with pytest.raises(ConfigError, match="--dist-init-addr"):
+        parse_args(["--model-path", "m", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "nohost"])
+    args = parse_args(["--model-path", "m", "--tp-size", "4", "--nnodes", "2", "--node-rank", "1",
+                       "--dist-init-addr", "[::1]:5000"])
+    assert list(args.node_ranks()) == [2, 3] and list(args.node_ranks(0)) == [0, 1]
 
 
 def test_weight_update_gate_flag_defaults_to_strict():
