@@ -53,7 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: the training loop (slime_like.train) is not in this build; "
               "--dry-run checks a configuration without it", file=sys.stderr)
         return 2
-    return int(train.train(args) or 0)
+    try:
+        return int(train.train(args) or 0)
+    except ConfigError as e:  # e.g. --use-wandb without wandb: found when the job starts
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
