@@ -25,7 +25,8 @@ from slime_like.cluster.layout import layout_from_args
 from slime_like.cluster.placement import place_job
 from slime_like.errors import SlimeLikeError
 from slime_like.models.tiny import make_tiny_model
-from slime_like.report import RunReport
+from slime_like.observe import RunObservers
+from slime_like.report import sync_metrics
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.manager import RolloutManager
 from slime_like.rollout.task import SayTheLetterTask
@@ -123,12 +124,12 @@ def train(args: argparse.Namespace) -> int:
     """Run the job described by parsed flags; 0 on success."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    report = RunReport(out)
+    obs = RunObservers.from_args(args, out)  # report folder, tracking, progress
     init_ray(args)
     model_path = args.hf_checkpoint or str(make_tiny_model(
         out / "model", layers=args.tiny_model_layers, hidden=args.tiny_model_hidden, seed=args.seed))
     placement = place_job(args, timeout_s=300)
-    rollout = RolloutManager(args, placement, model_path, out / "logs", on_event=report.log_event)
+    rollout = RolloutManager(args, placement, model_path, out / "logs", on_event=obs.on_event)
     trainer: TrainerGroup | None = None
     task = SayTheLetterTask(seed=args.seed)
     n = args.n_samples_per_prompt
@@ -137,6 +138,7 @@ def train(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
         rollout.start()
+        obs.add_router(rollout.model_name, rollout.router.prometheus_url)
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
                                sync_config=sync_config(args, model_path))
         trainer.attach_engines(rollout.sync_targets())
@@ -159,8 +161,9 @@ def train(args: argparse.Namespace) -> int:
             train_metrics = trainer.train_step(pairs, advantages)
             sync = {}
             if (step + 1) % args.update_weights_interval == 0:
-                sync = sync_weights(rollout, trainer)
-            report.log_step(step, {
+                with obs.progress.syncing():
+                    sync = sync_weights(rollout, trainer)
+            obs.log_step(step, {
                 "reward_mean": sum(rewards) / len(rewards),
                 "rollout_s": round(rollout_s, 3),
                 "sync_s": round(sync.get("total_s", 0.0), 4),
@@ -169,6 +172,7 @@ def train(args: argparse.Namespace) -> int:
                 "retried_requests": sum(s.attempts > 1 for s in samples),
                 "engines": rollout.states(),
                 **train_metrics,
+                **sync_metrics(sync),
             })
             logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                         "engines %s", step, sum(rewards) / len(rewards), rollout_s,
@@ -185,7 +189,7 @@ def train(args: argparse.Namespace) -> int:
             trainer.shutdown()
         rollout.shutdown()
         placement.release()
-        path = report.render(title="slime_like quickstart run", notes=notes)
+        path = obs.close(title="slime_like quickstart run", notes=notes)
         logger.info("report: %s", path)
 
 
