@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import logging
 import math
+import os
 import re
 import socket
 import time
@@ -113,6 +114,21 @@ class WandbBackend:
         self.run.finish()
 
 
+def advertised_host() -> str:
+    """The address others reach this node at: SLIME_LIKE_HOST_IP, else the outbound interface's.
+
+    Connecting a UDP socket sends nothing; it only asks the kernel which interface routes out.
+    """
+    if os.environ.get("SLIME_LIKE_HOST_IP"):
+        return os.environ["SLIME_LIKE_HOST_IP"]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere real
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 def _metric_name(key: str) -> str:
     return "slime_like_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
@@ -145,7 +161,7 @@ class PrometheusBackend:
         except OSError as e:
             raise TrackingError("--job-metrics-port", f"cannot serve on {host}:{port}: {e}") from None
         self.port = int(self.server.server_port)
-        shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        shown = advertised_host() if host in ("0.0.0.0", "::", "") else host
         self.url = f"http://{shown}:{self.port}/metrics"
 
     def _gauge(self, key: str):
