@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobSubmitError as e:
         print(f"[slime_like] error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the job was submitted: nothing to stop
+        return 130
 
 
 if __name__ == "__main__":
