@@ -30,6 +30,8 @@ case " ${args[*]} " in
   *) args+=(--output-dir "$repo/runs/$(date +%Y%m%d-%H%M%S)") ;;
 esac
 
+# A dry run needs no cluster: print the plan here.
+case " ${args[*]} " in *" --dry-run "*) exec python -m slime_like.cli train "${args[@]}" ;; esac
 # Validate before starting anything: the CLI prints a one-line error and exits 2.
 python -m slime_like.cli train --dry-run "${args[@]}" >/dev/null || exit 2
 

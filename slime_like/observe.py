@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class RunObservers:
         self.progress = progress
         self._engine_urls: dict[str, str] = {}
         self._router_urls: dict[str, str] = {}
+        # Events come from recovery threads while the loop logs steps.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, out_dir: Path) -> RunObservers:
@@ -72,6 +75,10 @@ class RunObservers:
 
     def on_event(self, engine: str, state: str, **details: Any) -> None:
         """An engine (or router) changed state: timeline, tracking, launch progress."""
+        with self._lock:
+            self._on_event(engine, state, details)
+
+    def _on_event(self, engine: str, state: str, details: dict[str, Any]) -> None:
         self.report.log_event(engine, state, **details)
         self.tracker.log_event(engine, state, **details)
         url = details.get("url")
@@ -82,9 +89,10 @@ class RunObservers:
             self.progress.engine_ready(engine, f"{url}/metrics" if url else "")
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
-        self.report.log_step(step, metrics)
-        self.tracker.log_step(step, metrics)
-        self.progress.step(step, metrics.get("reward_mean"))
+        with self._lock:
+            self.report.log_step(step, metrics)
+            self.tracker.log_step(step, metrics)
+            self.progress.step(step, metrics.get("reward_mean"))
 
     def close(self, title: str, notes: list[str] | None = None) -> Path:
         """Stop progress and tracking, render report.md; returns its path."""

@@ -7,6 +7,7 @@ plain lines with no escape codes, one per event, so logs stay greppable.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -34,6 +35,21 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+def _route_logging_through(stream: IO[str]) -> list[tuple[logging.StreamHandler, IO[str]]]:
+    """Point the root logger's console handlers at `stream`; (handler, old stream) pairs.
+
+    While the live display runs, rich swaps sys.stderr for a proxy that prints above the
+    bars; handlers made earlier (logging.basicConfig) still hold the real stream and would
+    tear the display apart.
+    """
+    moved = []
+    for handler in logging.getLogger().handlers:
+        if (isinstance(handler, logging.StreamHandler) and handler.stream is not stream
+                and handler.stream in (sys.__stderr__, sys.__stdout__)):
+            moved.append((handler, handler.setStream(stream)))
+    return moved
+
+
 class RunProgress:
     """Launch, step and sync progress; live bars on a TTY, plain lines otherwise."""
 
@@ -48,12 +64,14 @@ class RunProgress:
         self._bars: Progress | None = None
         self._launch: TaskID | None = None
         self._steps: TaskID | None = None
+        self._rerouted: list[tuple[logging.StreamHandler, IO[str]]] = []
         if self.live:
             self._bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                   MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                                   TextColumn("{task.fields[info]}"), console=self.console)
             self._bars.start()
             self._launch = self._bars.add_task("engines ready", total=num_engines, info="")
+            self._rerouted = _route_logging_through(sys.stderr)
 
     def say(self, text: str) -> None:
         """One line for the operator, above the bars on a terminal."""
@@ -115,3 +133,6 @@ class RunProgress:
         if self._bars is not None:
             self._bars.stop()
             self._bars = None
+            for handler, stream in self._rerouted:
+                handler.setStream(stream)
+            self._rerouted = []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pty
 import re
+import sys
 
 from rich.console import Console
 
@@ -45,18 +47,26 @@ def test_not_a_tty_prints_plain_lines_without_escape_codes(monkeypatch):
     assert len(lines) == 6
 
 
-def test_a_terminal_gets_live_bars(monkeypatch):
+def test_a_terminal_gets_live_bars_with_log_lines_above_them(monkeypatch):
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120, color_system="standard")
-    p = RunProgress(3, num_engines=2, console=console)
-    assert p.live
-    _run(p, monkeypatch)
+    handler = logging.StreamHandler(sys.__stderr__)  # as logging.basicConfig makes it
+    logging.getLogger().addHandler(handler)
+    try:
+        p = RunProgress(3, num_engines=2, console=console)
+        assert p.live and handler.stream is not sys.__stderr__
+        logging.getLogger("slime_like.test").warning("a log line during the run")
+        _run(p, monkeypatch)
+        assert handler.stream is sys.__stderr__  # given back when the display stops
+    finally:
+        logging.getLogger().removeHandler(handler)
     raw = out.getvalue()
     assert "\x1b[" in raw  # cursor movement and colour: a live display
     text = ANSI.sub("", raw)
     assert "engine default/g0/e0 ready (1/2)" in text
     assert "steps" in text and "3/3" in text and "reward 0.750" in text
     assert "[slime_like]" not in text
+    assert "a log line during the run" in text  # printed through the display, not across it
 
 
 def test_a_pseudo_terminal_is_detected_as_a_terminal():
