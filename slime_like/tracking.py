@@ -100,15 +100,19 @@ class WandbBackend:
         self.run = wandb.init(project=project, group=group, mode=mode, dir=str(dir),
                               config=config, name=name)
         self._counts: dict[str, int] = {}
+        self._incidents = IncidentLog()
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
     def log_event(self, event: dict[str, Any]) -> None:
-        # Counted in the run summary: wandb's step axis belongs to log_step.
+        # Into the run summary: wandb's step axis belongs to log_step.
         key = f"engine_events/{event['state']}"
         self._counts[key] = self._counts.get(key, 0) + 1
         self.run.summary[key] = self._counts[key]
+        outcome = self._incidents.feed(event)
+        if outcome is not None and outcome[0] == "recovered":
+            self.run.summary[f"engine_recovery_s/{event['engine']}"] = outcome[1].recovery_s
 
     def close(self) -> None:
         self.run.finish()
@@ -130,7 +134,9 @@ def advertised_host() -> str:
 
 
 def _metric_name(key: str) -> str:
-    return "slime_like_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    """Prometheus spelling of a step metric: `sync_s` -> `slime_like_sync_seconds`."""
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    return "slime_like_" + (name[:-2] + "_seconds" if name.endswith("_s") else name)
 
 
 class PrometheusBackend:

@@ -67,6 +67,11 @@ def test_wandb_offline_writes_a_run_directory_without_network(tmp_path, monkeypa
                             config={"lr": 1e-6})
     assert [b.name for b in tracker.backends] == ["wandb"]
     tracker.log_step(0, {"reward_mean": 0.5})
+    tracker.log_event("e0", "DEAD", reason="exit -9")
+    tracker.log_event("e0", "REGISTERED", version="2")
+    run = tracker.backends[0].run
+    assert run.summary["engine_events/DEAD"] == 1
+    assert run.summary["engine_recovery_s/e0"] >= 0
     tracker.log_step(1, {"reward_mean": 0.75})
     tracker.close()
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
@@ -119,7 +124,7 @@ def test_job_metrics_endpoint_serves_steps_engine_states_and_recoveries(tmp_path
     assert 'slime_like_engine_recoveries_total{engine="e0"}' not in mid
     assert "slime_like_step 3.0" in body
     assert "slime_like_reward_mean 0.5" in body
-    assert "slime_like_sync_s 0.25" in body and "slime_like_sync_gbps 2.0" in body
+    assert "slime_like_sync_seconds 0.25" in body and "slime_like_sync_gbps 2.0" in body
     assert 'slime_like_engine_state{engine="e0",state="REGISTERED"} 1.0' in body
     assert 'slime_like_engine_state{engine="e0",state="STALE"} 0.0' in body
     assert 'slime_like_engine_deaths_total{engine="e0"} 1.0' in body
