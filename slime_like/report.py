@@ -80,7 +80,7 @@ def summary_lines(steps: list[dict], incidents: list[Incident]) -> list[str]:
                        + (f" (serving version {i.version})" if i.version else ""))
         else:
             outcome = f"NOT recovered ({i.failure})" if i.failure else "NOT recovered"
-        lines.append(f"  - {i.engine} died {where}(t {i.died_at:.1f} s{why}); {outcome}")
+        lines.append(f"  - {i.engine} seen dead {where}(t {i.died_at:.1f} s{why}); {outcome}")
     return lines
 
 

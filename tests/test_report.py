@@ -79,8 +79,8 @@ def test_quickstart_report_is_short_summary_first_and_without_routine_rows(tmp_p
     assert "median 0.2 s, median 1.25 GB/s" in summary
     assert "- engine deaths: 1" in summary
     death = next(x for x in summary.splitlines() if E0 in x)
-    # died at t=28.2 (during step 10), served again at t=34.0 (step 13's sync)
-    assert "died at step 10" in death and "server process exited" in death
+    # seen dead at t=28.2 (during step 10), served again at t=34.0 (step 13's sync)
+    assert "seen dead at step 10" in death and "server process exited" in death
     assert "recovered in 5.8 s (serving version 15)" in death
 
     table = [x for x in lines if x.startswith("| ") and not x.startswith("| t (s)")]
