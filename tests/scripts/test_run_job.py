@@ -10,6 +10,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from slime_like.ray_job import NO_AGENT, JobSubmitError, wait_and_submit
@@ -33,6 +34,43 @@ def test_a_bad_flag_is_the_clis_one_line_error_and_exit_2(tmp_path):
     assert "Traceback" not in r.stdout + r.stderr
     assert r.stdout == ""  # no Ray cluster was started
     assert not (tmp_path / "run").exists()
+
+
+def _hold(port: int) -> socket.socket | None:
+    """Bind `port` as another Ray cluster on the machine would; None if one already does."""
+    s = socket.socket()
+    try:
+        s.bind(("", port))
+        s.listen()
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
+def test_a_job_runs_while_another_cluster_holds_rays_default_ports(tmp_path):
+    # 52365: the dashboard agent's default port, 10001: the client server's. A private
+    # cluster that took the defaults would get no job agent and never accept the job.
+    held = [_hold(52365), _hold(10001)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    try:
+        r = subprocess.run(["bash", "scripts/run_job.sh", "--config", "configs/quickstart.yaml",
+                            "--num-rollout", "1", "--simulate-engine-crash-at", "5",
+                            "--output-dir", str(tmp_path / "run")],
+                           cwd=REPO, env={**env, "SLIME_LIKE_SUBMIT_TIMEOUT": "240"},
+                           capture_output=True, text=True, timeout=600)
+    finally:
+        for s in held:
+            if s is not None:
+                s.close()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[slime_like] step 1/1" in r.stdout
+    assert (tmp_path / "run" / "report.md").is_file()
+    temp_dir = r.stdout.split("stopped the Ray cluster in ")[1].split(":")[0]
+    assert not Path(temp_dir).exists()
+    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if temp_dir in " ".join(p.info["cmdline"] or [])]
+    assert left == [], "processes of the private cluster outlived the script"
 
 
 def test_a_flag_without_its_value_is_named_too():
