@@ -44,8 +44,10 @@ def _route_logging_through(stream: IO[str]) -> list[tuple[logging.StreamHandler,
     """
     moved = []
     for handler in logging.getLogger().handlers:
-        if (isinstance(handler, logging.StreamHandler) and handler.stream is not stream
-                and handler.stream in (sys.__stderr__, sys.__stdout__)):
+        old = getattr(handler, "stream", None)
+        # Only the terminal's own streams: a log redirected to a file stays in the file.
+        if (isinstance(handler, logging.StreamHandler) and old is not stream
+                and old in (sys.__stderr__, sys.__stdout__) and old.isatty()):
             moved.append((handler, handler.setStream(stream)))
     return moved
 

@@ -50,16 +50,21 @@ def test_not_a_tty_prints_plain_lines_without_escape_codes(monkeypatch):
 def test_a_terminal_gets_live_bars_with_log_lines_above_them(monkeypatch):
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120, color_system="standard")
-    handler = logging.StreamHandler(sys.__stderr__)  # as logging.basicConfig makes it
+    leader, follower = pty.openpty()
+    terminal = os.fdopen(follower, "w")
+    monkeypatch.setattr(sys, "__stderr__", terminal)  # stderr is the terminal, as in a shell
+    handler = logging.StreamHandler(terminal)  # as logging.basicConfig makes it
     logging.getLogger().addHandler(handler)
     try:
         p = RunProgress(3, num_engines=2, console=console)
-        assert p.live and handler.stream is not sys.__stderr__
+        assert p.live and handler.stream is not terminal
         logging.getLogger("slime_like.test").warning("a log line during the run")
         _run(p, monkeypatch)
-        assert handler.stream is sys.__stderr__  # given back when the display stops
+        assert handler.stream is terminal  # given back when the display stops
     finally:
         logging.getLogger().removeHandler(handler)
+        terminal.close()
+        os.close(leader)
     raw = out.getvalue()
     assert "\x1b[" in raw  # cursor movement and colour: a live display
     text = ANSI.sub("", raw)
