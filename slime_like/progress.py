@@ -36,14 +36,17 @@ def _duration(seconds: float) -> str:
 
 
 def _route_logging_through(stream: IO[str]) -> list[tuple[logging.StreamHandler, IO[str]]]:
-    """Point the root logger's console handlers at `stream`; (handler, old stream) pairs.
+    """Point the loggers' console handlers at `stream`; (handler, old stream) pairs.
 
     While the live display runs, rich swaps sys.stderr for a proxy that prints above the
     bars; handlers made earlier (logging.basicConfig) still hold the real stream and would
     tear the display apart.
     """
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]  # ray has its own
+    handlers = {id(h): h for lg in loggers for h in lg.handlers}.values()
     moved = []
-    for handler in logging.getLogger().handlers:
+    for handler in handlers:
         old = getattr(handler, "stream", None)
         # Only the terminal's own streams: a log redirected to a file stays in the file.
         if (isinstance(handler, logging.StreamHandler) and old is not stream
