@@ -66,9 +66,18 @@ def versions() -> dict[str, str | None]:
 
 
 def git_revision(path: Path | None = None) -> str:
-    """Commit of the checkout this package runs from (`+dirty` if modified), else "unknown"."""
-    where = path or Path(__file__).resolve().parent
+    """Commit of the checkout this package runs from (`+dirty` if modified), else "unknown".
+
+    Only a checkout of this project counts: a site-packages inside some other repository
+    (a venv in a project folder) must not report that repository's commit.
+    """
+    where = (path or Path(__file__).resolve().parent).resolve()
     try:
+        top = subprocess.run(["git", "-C", str(where), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=10)
+        if top.returncode != 0 or not (Path(top.stdout.strip()) / "pyproject.toml").is_file() \
+                or where.parent != Path(top.stdout.strip()).resolve():
+            return UNKNOWN
         rev = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)
         if rev.returncode != 0:

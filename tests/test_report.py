@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import matplotlib
@@ -144,6 +145,14 @@ def test_run_info_saves_resolved_flags_versions_and_git_revision(tmp_path):
     assert {"python", "torch", "ray", "sglang-router", "slime_like"} <= set(versions)
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", versions["git_revision"])
     assert git_revision(tmp_path) == "unknown"  # not a git checkout
+    other = tmp_path / "other-project"
+    (other / "venv" / "slime_like").mkdir(parents=True)
+    (other / "pyproject.toml").write_text("[project]\nname = 'other'\n")
+    git = ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    subprocess.run(git + ["add", "pyproject.toml"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    assert git_revision(other / "venv" / "slime_like") == "unknown"  # someone else's repo
     report.log_step(0, {"reward_mean": 0.5})
     assert "- run info: config.json, versions.json (git revision " in report.render().read_text()
 
