@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 
 def test_stop_reaches_renamed_agents_and_spares_other_processes():
-    temp_dir = tempfile.mkdtemp(prefix="slr.", dir="/tmp")  # short: Ray's socket paths
+    temp_dir = tempfile.mkdtemp(prefix="slr.")  # not tmp_path: Ray's socket paths are short
     gcs_port, dash_port = _free_port(), _free_port()
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
