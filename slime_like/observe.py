@@ -49,9 +49,10 @@ class RunObservers:
     @classmethod
     def from_args(cls, args: argparse.Namespace, out_dir: Path) -> RunObservers:
         """Build all three from the job's flags; saves config.json and versions.json."""
+        # Tracking first: a missing optional package fails before the run folder exists.
+        tracker = build_tracker(args, Path(out_dir), config=json_safe(args))
         report = RunReport(out_dir)
         report.save_run_info(args)
-        tracker = build_tracker(args, report.out_dir, config=json_safe(args))
         progress = RunProgress(args.num_rollout or DEFAULT_STEPS, expected_engines(args))
         obs = cls(report, tracker, progress)
         if tracker.metrics_url:

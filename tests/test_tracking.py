@@ -173,3 +173,21 @@ def test_tracking_flags_parse_with_slimes_names():
     assert args.use_tensorboard and args.job_metrics_port == 0
     with pytest.raises(ConfigError, match="^--wandb-mode: invalid choice"):
         parse_args(["--config", "configs/quickstart.yaml", "--wandb-mode", "cloud"])
+
+
+def test_a_job_asking_for_a_missing_package_stops_with_one_line_before_starting(
+        tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from slime_like.config.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    code = main(["--config", "configs/quickstart.yaml", "--use-tensorboard",
+                 "--output-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert capsys.readouterr().err == ("slime-like train: error: --use-tensorboard: the "
+                                       "tensorboard package is not installed: pip install "
+                                       "tensorboard\n")
+    assert not (tmp_path / "run").exists()  # nothing was started or written
