@@ -191,3 +191,15 @@ def test_a_job_asking_for_a_missing_package_stops_with_one_line_before_starting(
                                        "tensorboard package is not installed: pip install "
                                        "tensorboard\n")
     assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_a_taken_metrics_port_is_named_in_the_error(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(TrackingError, match=rf"^--job-metrics-port: cannot serve on "
+                                                rf"0\.0\.0\.0:{port}: "):
+            build_tracker(_args(job_metrics_port=port), tmp_path)
