@@ -143,7 +143,8 @@ def train(args: argparse.Namespace) -> int:
                                sync_config=sync_config(args, model_path))
         trainer.attach_engines(rollout.sync_targets())
         rollout.attach_trainer(trainer.rank0)
-        first = sync_weights(rollout, trainer)
+        with obs.progress.syncing("first weight sync"):
+            first = sync_weights(rollout, trainer)
         logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
 
         for step in range(args.num_rollout or 10):
