@@ -86,13 +86,24 @@ def run(address: str, entrypoint: Sequence[str], *, env: dict[str, str], timeout
         print(f"\n[slime_like] stopping job {sid}", file=sys.stderr)
         client.stop_job(sid)
         return 130
-    status = str(client.get_job_status(sid))
-    if not status.endswith("SUCCEEDED"):
+    status = _final_status(client, sid)
+    if status != "SUCCEEDED":
         info = client.get_job_info(sid)
-        print(f"[slime_like] job {sid} ended {status.rsplit('.', 1)[-1]}: "
+        print(f"[slime_like] job {sid} ended {status}: "
               f"{getattr(info, 'message', '') or ''}".rstrip(": "), file=sys.stderr)
         return 1
     return 0
+
+
+def _final_status(client: Any, sid: str, timeout_s: float = 60.0) -> str:
+    """The job's terminal status; the log stream can end (a dashboard restart) before it does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.get_job_status(sid)
+        name = getattr(status, "value", str(status))
+        if status.is_terminal() or time.monotonic() > deadline:
+            return name
+        time.sleep(1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
