@@ -40,44 +40,33 @@ if [ -z "${RAY_ADDRESS:-}" ]; then
   ray_tmp="$(mktemp -d /tmp/slr.XXXXXX)"   # short: Ray's socket paths must fit in 107 bytes
   export RAY_AUTH_TOKEN_PATH="$ray_tmp/auth_token"
   python -c 'import secrets; print(secrets.token_hex(32))' > "$RAY_AUTH_TOKEN_PATH"
-  # Every port Ray would otherwise take by default is picked free here: a fixed default
-  # (the dashboard agent's 52365, the client server's 10001) held by another cluster on the
-  # machine leaves this one without a job agent ("No available agent to submit job").
-  read -r gcs_port dash_port agent_port agent_grpc_port client_port metrics_port env_agent_port \
-    bundles gpus < <(python - "${args[@]}" <<'PY'
-import socket, sys
+  read -r bundles gpus < <(python - "${args[@]}" <<'PY'
+import sys
 from slime_like.cluster.layout import layout_from_args
 from slime_like.config.parse import parse_args
-socks = [socket.socket() for _ in range(7)]  # held together: seven distinct ports
-for s in socks:
-    s.bind(("", 0))
-ports = [s.getsockname()[1] for s in socks]
-for s in socks:
-    s.close()
 bundles = layout_from_args(parse_args(sys.argv[1:])).num_bundles
 try:
     import torch
     gpus = torch.cuda.device_count()
 except ImportError:
     gpus = 0
-print(*ports, bundles, gpus if gpus else bundles)
+print(bundles, gpus if gpus else bundles)
 PY
 )
+  gcs_port=""
   stop_cluster() {
     # Every process of this cluster and their children (agents, workers, client server);
     # `ray stop` would stop every Ray cluster of the machine.
-    python -m slime_like.local_cluster stop --temp-dir "$ray_tmp" --gcs-port "$gcs_port" || true
+    python -m slime_like.local_cluster stop --temp-dir "$ray_tmp" ${gcs_port:+--gcs-port "$gcs_port"} || true
     rm -rf "$ray_tmp"
   }
   trap stop_cluster EXIT
   echo "[slime_like] starting a private Ray cluster ($gpus GPUs declared, $bundles bundles needed)"
-  ray start --head --temp-dir "$ray_tmp" --port "$gcs_port" --dashboard-host 127.0.0.1 \
-    --dashboard-port "$dash_port" --include-dashboard true \
-    --dashboard-agent-listen-port "$agent_port" --dashboard-agent-grpc-port "$agent_grpc_port" \
-    --ray-client-server-port "$client_port" --metrics-export-port "$metrics_port" \
-    --runtime-env-agent-port "$env_agent_port" --num-cpus "$((bundles + 4))" \
-    --num-gpus "$gpus" --disable-usage-stats >"$ray_tmp/ray_start.log" 2>&1 \
-    || { cat "$ray_tmp/ray_start.log"; exit 1; }
+  # Free ports for all of Ray's fixed defaults: another cluster on the machine holding the
+  # dashboard agent's 52365 would leave this one without a job agent.
+  ports="$(python -m slime_like.local_cluster start --temp-dir "$ray_tmp" \
+    --num-cpus "$((bundles + 4))" --num-gpus "$gpus")" || exit 1
+  read -r gcs_port dash_port <<<"$ports"
   export RAY_ADDRESS="http://127.0.0.1:$dash_port"
 fi
 

@@ -1,44 +1,47 @@
-"""Stopping a private Ray cluster stops all of its processes and nothing else."""
+"""A private Ray cluster: started on free ports, stopped whole, other processes untouched."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 
 import psutil
+import pytest
 
-from slime_like.local_cluster import cluster_processes, stop_cluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from slime_like.errors import LaunchError
+from slime_like.local_cluster import cluster_processes, start_cluster, stop_cluster
+from tests.scripts.port_helpers import RAY_FIXED_DEFAULT_PORTS, hold
 
 
-def test_stop_reaches_renamed_agents_and_spares_other_processes():
+def test_start_avoids_taken_defaults_and_stop_reaches_renamed_agents_only():
     temp_dir = tempfile.mkdtemp(prefix="slr.")  # not tmp_path: Ray's socket paths are short
-    gcs_port, dash_port = _free_port(), _free_port()
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    held = [hold(p) for p in RAY_FIXED_DEFAULT_PORTS]  # as if another cluster had them
+    cluster = None
     try:
-        subprocess.run([ray_bin, "start", "--head", "--temp-dir", temp_dir, "--port", str(gcs_port),
-                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-                        "--include-dashboard", "true", "--num-cpus", "1",
-                        "--disable-usage-stats"], check=True, capture_output=True, timeout=180)
-        found = cluster_processes(temp_dir, gcs_port)
+        cluster = start_cluster(temp_dir, num_cpus=1, num_gpus=0)
+        found = cluster_processes(temp_dir, cluster.gcs_port)
         names = {p.name() for p in found}
+        # the job agent came up although its default port is taken
         assert {"gcs_server", "raylet", "ray::DashboardAgent"} <= names, names
         assert bystander.pid not in {p.pid for p in found}
     finally:
-        pids = stop_cluster(temp_dir, gcs_port)
+        for s in held:
+            if s is not None:
+                s.close()
+        pids = stop_cluster(temp_dir, cluster.gcs_port if cluster else None)
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert pids and not [p for p in pids if psutil.pid_exists(p)
                          and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert bystander.poll() is None, "a process outside the cluster was stopped"
     bystander.kill()
     bystander.wait()
+
+
+def test_a_failed_start_raises_with_rays_own_words(tmp_path):
+    with pytest.raises(LaunchError) as err:
+        start_cluster(str(tmp_path), num_cpus=-1, num_gpus=0)
+    assert "ray start --head in" in str(err.value) and "exited" in str(err.value)
+    assert err.value.log_tail

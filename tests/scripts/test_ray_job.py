@@ -2,42 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from slime_like.local_cluster import stop_cluster
+from slime_like.local_cluster import start_cluster, stop_cluster
 from slime_like.ray_job import run
 
 
 @pytest.fixture(scope="module")
 def dashboard():
-    """A one-node Ray cluster on free ports; its dashboard address."""
-    socks = [socket.socket() for _ in range(7)]
-    for s in socks:
-        s.bind(("", 0))
-    gcs, dash, agent, agent_grpc, client, metrics, env_agent = (s.getsockname()[1] for s in socks)
-    for s in socks:
-        s.close()
+    """A one-node private Ray cluster; its dashboard address."""
     temp_dir = tempfile.mkdtemp(prefix="slr.")  # not tmp_path: Ray's socket paths are short
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    cluster = None
     try:
-        subprocess.run([ray_bin, "start", "--head", "--temp-dir", temp_dir, "--port", str(gcs),
-                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                        "--include-dashboard", "true", "--dashboard-agent-listen-port", str(agent),
-                        "--dashboard-agent-grpc-port", str(agent_grpc),
-                        "--ray-client-server-port", str(client),
-                        "--metrics-export-port", str(metrics),
-                        "--runtime-env-agent-port", str(env_agent), "--num-cpus", "1",
-                        "--disable-usage-stats"], check=True, capture_output=True, timeout=180)
-        yield f"http://127.0.0.1:{dash}"
+        cluster = start_cluster(temp_dir, num_cpus=1, num_gpus=0)
+        yield cluster.dashboard_url
     finally:
-        stop_cluster(temp_dir, gcs)
+        stop_cluster(temp_dir, cluster.gcs_port if cluster else None)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from slime_like.ray_job import NO_AGENT, JobSubmitError, wait_and_submit
+from tests.scripts.port_helpers import RAY_FIXED_DEFAULT_PORTS, hold
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,22 +37,10 @@ def test_a_bad_flag_is_the_clis_one_line_error_and_exit_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def _hold(port: int) -> socket.socket | None:
-    """Bind `port` as another Ray cluster on the machine would; None if one already does."""
-    s = socket.socket()
-    try:
-        s.bind(("", port))
-        s.listen()
-        return s
-    except OSError:
-        s.close()
-        return None
-
-
 def test_a_job_runs_while_another_cluster_holds_rays_default_ports(tmp_path):
     # 52365: the dashboard agent's default port, 10001: the client server's. A private
     # cluster that took the defaults would get no job agent and never accept the job.
-    held = [_hold(52365), _hold(10001)]
+    held = [hold(p) for p in RAY_FIXED_DEFAULT_PORTS]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     try:
         r = subprocess.run(["bash", "scripts/run_job.sh", "--config", "configs/quickstart.yaml",
