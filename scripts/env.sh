@@ -3,6 +3,7 @@
 # Sourced by scripts/quickstart.sh and scripts/test.sh; safe to re-run.
 #   SLIME_LIKE_VENV    where the environment lives (default: .venv in the repo)
 #   SLIME_LIKE_SGLANG  1 = also install sglang 0.5.23 --no-deps for the contract tests
+#   SLIME_LIKE_RAY_VERSION  install exactly this Ray (e.g. the oldest supported, 2.52.1)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SLIME_LIKE_VENV:-$repo/.venv}"
@@ -16,7 +17,7 @@ fi
 source "$venv/bin/activate"
 
 stamp="$venv/.slime_like_stamp"
-want="$(cat "$repo/pyproject.toml" "$repo/scripts/env.sh" | sha256sum | cut -c1-16)-sglang${SLIME_LIKE_SGLANG:-0}"
+want="$(cat "$repo/pyproject.toml" "$repo/scripts/env.sh" | sha256sum | cut -c1-16)-sglang${SLIME_LIKE_SGLANG:-0}-ray${SLIME_LIKE_RAY_VERSION:-}"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip
   if ! python -c "import torch" 2>/dev/null; then
@@ -38,6 +39,10 @@ PY
     fi
   fi
   python -m pip install -q -e "$repo[test]"
+  if [ -n "${SLIME_LIKE_RAY_VERSION:-}" ]; then
+    # e.g. 2.52.1, the oldest supported Ray: run the tests against it instead of the newest.
+    python -m pip install -q "ray[default]==${SLIME_LIKE_RAY_VERSION}"
+  fi
   if [ "${SLIME_LIKE_SGLANG:-0}" = "1" ]; then
     # sglang's own weight-sync and server-args code imports on a CPU without its CUDA stack;
     # the contract tests use it as the other side. Failure here only skips those tests.

@@ -1,16 +1,33 @@
-"""The `slime-like` console script."""
+"""The `slime-like` console script: one subcommand per task, each with its own flags.
+
+The top-level parser only lists the commands (with descriptions) and answers `--help` and
+`--version`; everything after the command name goes to that command's own parser, so
+`slime-like train --help` shows the job's flags.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+PROG = "slime-like"
+
+
+def package_version() -> str:
+    """This package's version from its installed metadata ("unknown" when not installed)."""
+    from slime_like.run_info import package_version as installed
+
+    return installed("slime_like") or "unknown"
 
 
 def _make_tiny_model(argv: list[str]) -> int:
     from slime_like.models.tiny import make_tiny_model
 
-    p = argparse.ArgumentParser(prog="slime-like make-tiny-model",
-                                description="Write a tiny HF-layout Llama checkpoint to DIR.")
+    p = argparse.ArgumentParser(prog=f"{PROG} make-tiny-model",
+                                description=COMMANDS["make-tiny-model"].help)
     p.add_argument("dir")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
@@ -32,18 +49,71 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)
 
 
-COMMANDS = {
-    "make-tiny-model": _make_tiny_model,
-    "train": _train,
+def _report(argv: list[str]) -> int:
+    from slime_like.report import RunReport
+
+    p = argparse.ArgumentParser(prog=f"{PROG} report", description=COMMANDS["report"].help)
+    p.add_argument("run_dir", help="A run folder (holds metrics.jsonl and engine_timeline.jsonl).")
+    p.add_argument("--title", default="slime_like run")
+    a = p.parse_args(argv)
+    report = RunReport(a.run_dir)
+    if not report.metrics_path.is_file() and not report.timeline_path.is_file():
+        print(f"{PROG} report: error: {a.run_dir}: no metrics.jsonl or engine_timeline.jsonl "
+              "(not a run folder?)", file=sys.stderr)
+        return 2
+    print(report.render(title=a.title))
+    return 0
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: what `--help` says about it, and what runs it."""
+
+    help: str
+    run: Callable[[list[str]], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("Run an RL job (or validate its flags with --dry-run): trainer, rollout "
+                     "engines behind sglang-router, weight sync and recovery.", _train),
+    "make-tiny-model": Command("Write a tiny HF-layout Llama checkpoint (for the reference "
+                               "engine and tests).", _make_tiny_model),
+    "report": Command("Re-render report.md and the plots of a run folder.", _report),
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: commands with descriptions, --version."""
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Ray-orchestrated SGLang rollout engines for RL.",
+        epilog=f"Run '{PROG} COMMAND --help' for a command's flags.")
+    p.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    for name, command in COMMANDS.items():
+        sub.add_parser(name, help=command.help, description=command.help, add_help=False)
+    return p
+
+
+def unknown_command(word: str) -> str:
+    """The one-line error for a command we do not have, with the closest one if any."""
+    close = difflib.get_close_matches(word, list(COMMANDS), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f" (commands: {', '.join(COMMANDS)})"
+    return f"{PROG}: error: unknown command {word!r}{hint}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: slime-like {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]].run(argv[1:])
+    if argv and not argv[0].startswith("-"):
+        print(unknown_command(argv[0]), file=sys.stderr)
+        return 2
+    parser = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    parser.parse_args(argv)  # --help, --version, or an error for an unknown option: exits
+    return 2
 
 
 if __name__ == "__main__":

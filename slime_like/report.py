@@ -1,12 +1,107 @@
-"""The run's report folder: metrics.jsonl, engine timeline, plots and report.md."""
+"""The run's report folder: metrics.jsonl, engine timeline, plots and report.md.
+
+report.md is for an operator skimming a finished run: a summary first (steps, reward,
+weight sync, each engine death and how long its recovery took), the metrics endpoints,
+the plots (deaths and recoveries marked on them), then only the engine events that are not
+routine. Everything else stays in the JSONL files beside it.
+"""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from slime_like.endpoints import MetricsEndpoint
+from slime_like.incidents import ROUTINE_STATES, Incident, IncidentLog
+from slime_like.run_info import write_run_info
+
+MAX_EVENT_ROWS = 30  # report.md stays short; engine_timeline.jsonl has every event
+
+
+def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, float]:
+    """sync_s, and sync_gbps where the transport reported the bytes it moved."""
+    if not sync_report:
+        return {}
+    seconds = float(sync_report.get("total_s", 0.0))
+    out = {"sync_s": round(seconds, 4)}
+    moved = (sync_report.get("transfer") or {}).get("bytes")
+    if moved and seconds > 0:
+        out["sync_gbps"] = round(moved / seconds / 1e9, 4)
+    return out
+
+
+def step_at(t: float, steps: list[dict]) -> int | None:
+    """The step running at time `t`: the first whose end (`time_s`) is not before `t`."""
+    for row in steps:
+        if row["time_s"] >= t:
+            return int(row["step"])
+    return None
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def summary_lines(steps: list[dict], incidents: list[Incident]) -> list[str]:
+    """The summary bullets: what happened in a few lines."""
+    lines = []
+    if steps:
+        lines.append(f"- steps: {len(steps)} ({steps[0]['step']}..{steps[-1]['step']}), "
+                     f"wall time {steps[-1]['time_s']:.1f} s")
+        rewards = [(r["step"], r["reward_mean"]) for r in steps if "reward_mean" in r]
+        if rewards:
+            best = max(rewards, key=lambda sr: sr[1])
+            lines.append(f"- reward: {_fmt(rewards[0][1])} (step {rewards[0][0]}) → "
+                         f"{_fmt(rewards[-1][1])} (step {rewards[-1][0]}); best {_fmt(best[1])} "
+                         f"at step {best[0]}")
+        syncs = [r["sync_s"] for r in steps if r.get("sync_s")]
+        if syncs:
+            line = f"- weight sync: {len(syncs)} syncs, median {_fmt(statistics.median(syncs))} s"
+            rates = [r["sync_gbps"] for r in steps if r.get("sync_gbps")]
+            if rates:
+                line += f", median {_fmt(statistics.median(rates))} GB/s"
+            lines.append(line)
+        diffs = [r["logprob_max_abs_diff"] for r in steps
+                 if isinstance(r.get("logprob_max_abs_diff"), int | float)
+                 and r["logprob_max_abs_diff"] == r["logprob_max_abs_diff"]]
+        if diffs:
+            lines.append(f"- log-probability check: largest |engine - trainer| {max(diffs):.2g}")
+    lines.append(f"- engine deaths: {len(incidents)}")
+    for i in incidents:
+        at = step_at(i.died_at, steps)
+        where = f"at step {at} " if at is not None else ""
+        why = f": {i.reason}" if i.reason else ""
+        if i.recovery_s is not None:
+            outcome = (f"recovered in {i.recovery_s:.1f} s"
+                       + (f" (serving version {i.version})" if i.version else ""))
+        else:
+            outcome = f"NOT recovered ({i.failure})" if i.failure else "NOT recovered"
+        lines.append(f"  - {i.engine} seen dead {where}(t {i.died_at:.1f} s{why}); {outcome}")
+    return lines
+
+
+def notable_events(events: list[dict]) -> list[tuple[dict, str]]:
+    """Events that are not routine, with a note; a REGISTERED that ends a recovery counts."""
+    log = IncidentLog()
+    out = []
+    for e in events:
+        recovery = log.is_recovery(e)
+        outcome = log.feed(e)
+        if recovery and outcome is not None:
+            out.append((e, f"recovered {outcome[1].recovery_s:.1f} s after the death"))
+        elif e["state"] not in ROUTINE_STATES:
+            out.append((e, ""))
+    return out
+
+
+def _details(e: dict, note: str) -> str:
+    details = {k: v for k, v in e.items() if k not in ("time_s", "engine", "state")}
+    text = ", ".join(f"{k}={v}" for k, v in details.items())
+    return "; ".join(x for x in (note, text) if x).replace("|", "\\|")
 
 
 @dataclass
@@ -15,6 +110,7 @@ class RunReport:
 
     out_dir: Path
     started: float = field(default_factory=time.time)
+    endpoints: list[MetricsEndpoint] = field(default_factory=list)
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
@@ -22,16 +118,24 @@ class RunReport:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.timeline_path = self.out_dir / "engine_timeline.jsonl"
 
-    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, "time_s": round(time.time() - self.started, 3), **metrics}
+    def _now(self) -> float:
+        return round(time.time() - self.started, 3)
+
+    def log_step(self, step: int, metrics: dict[str, Any], *, time_s: float | None = None) -> None:
+        row = {"step": step, "time_s": self._now() if time_s is None else time_s, **metrics}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def log_event(self, engine: str, state: str, **details: Any) -> None:
-        row = {"time_s": round(time.time() - self.started, 3), "engine": engine, "state": state,
-               **details}
+    def log_event(self, engine: str, state: str, *, time_s: float | None = None,
+                  **details: Any) -> None:
+        row = {"time_s": self._now() if time_s is None else time_s, "engine": engine,
+               "state": state, **details}
         with self.timeline_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def save_run_info(self, args: Any) -> None:
+        """config.json (resolved flags) and versions.json (with the git revision) beside it."""
+        write_run_info(self.out_dir, args)
 
     def _read(self, path: Path) -> list[dict]:
         if not path.is_file():
@@ -40,73 +144,45 @@ class RunReport:
 
     def render(self, title: str = "slime_like run", notes: list[str] | None = None) -> Path:
         """Plots (PNG) and report.md from what was logged; returns the report path."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from slime_like.report_plots import plot_run
 
         steps = self._read(self.metrics_path)
         events = self._read(self.timeline_path)
-        figures = []
-        series = [("reward_mean", "reward", "reward.png"),
-                  ("sync_s", "weight sync (s)", "weight_sync.png")]
-        for key, label, name in series:
-            xs = [r["step"] for r in steps if key in r]
-            ys = [r[key] for r in steps if key in r]
-            if not xs:
-                continue
-            fig, ax = plt.subplots(figsize=(6, 3.2))
-            ax.plot(xs, ys, marker="o", ms=3)
-            ax.set_xlabel("step")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(self.out_dir / name, dpi=110)
-            plt.close(fig)
-            figures.append((label, name))
-        if events:
-            figures.append(("engine timeline", self._plot_timeline(events, plt)))
+        log = IncidentLog()
+        for e in events:
+            log.feed(e)
+        figures = plot_run(self.out_dir, steps, events, log.incidents)
 
-        lines = [f"# {title}", ""]
-        if steps:
-            first, last = steps[0], steps[-1]
-            lines += [f"- steps: {len(steps)}, wall time {last['time_s']:.1f} s"]
-            for key in ("reward_mean", "sync_s", "logprob_max_abs_diff"):
-                if key in first and key in last:
-                    lines.append(f"- {key}: first {first[key]:.4g}, last {last[key]:.4g}")
-        for note in notes or []:
-            lines.append(f"- {note}")
-        lines += [""] + [f"![{label}]({name})" for label, name in figures]
+        lines = [f"# {title}", "", "## Summary", ""]
+        lines += summary_lines(steps, log.incidents)
+        lines += [f"- {note}" for note in notes or []]
+        files = [n for n in ("config.json", "versions.json") if (self.out_dir / n).is_file()]
+        if files:
+            revision = ""
+            if "versions.json" in files:
+                revision = json.loads((self.out_dir / "versions.json").read_text()).get(
+                    "git_revision", "")
+            lines.append(f"- run info: {', '.join(files)}"
+                         + (f" (git revision {revision})" if revision else ""))
+        if self.endpoints:
+            lines += ["", "## Endpoints", "", "Prometheus `/metrics` addresses:", ""]
+            lines += [f"- {ep.line()}" for ep in self.endpoints]
+        if figures:
+            lines += ["", "## Plots", ""]
+            lines += [f"![{label}]({name})" for label, name in figures]
+        notable = notable_events(events)
         if events:
-            lines += ["", "## Engine timeline", "", "| t (s) | engine | state | details |",
-                      "|---|---|---|---|"]
-            for e in events:
-                details = {k: v for k, v in e.items() if k not in ("time_s", "engine", "state")}
+            lines += ["", "## Engine events (not routine)", ""]
+            routine = len(events) - len(notable)
+            lines.append(f"{len(events)} events, {routine} routine ones left out "
+                         f"(all in engine_timeline.jsonl).")
+        if notable:
+            lines += ["", "| t (s) | engine | state | details |", "|---|---|---|---|"]
+            for e, note in notable[:MAX_EVENT_ROWS]:
                 lines.append(f"| {e['time_s']:.1f} | {e['engine']} | {e['state']} | "
-                             f"{json.dumps(details) if details else ''} |")
+                             f"{_details(e, note)} |")
+            if len(notable) > MAX_EVENT_ROWS:
+                lines.append(f"\n{len(notable) - MAX_EVENT_ROWS} more in engine_timeline.jsonl.")
         path = self.out_dir / "report.md"
         path.write_text("\n".join(lines) + "\n")
         return path
-
-    def _plot_timeline(self, events: list[dict], plt) -> str:
-        engines = sorted({e["engine"] for e in events})
-        colors = {"REGISTERED": "tab:green", "UPDATING": "tab:blue", "DEAD": "tab:red",
-                  "RELAUNCHING": "tab:orange", "STALE": "tab:olive", "LAUNCHING": "tab:gray",
-                  "LOADED": "tab:cyan"}
-        end = max(e["time_s"] for e in events) + 1.0
-        fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(engines)))
-        for row, engine in enumerate(engines):
-            mine = [e for e in events if e["engine"] == engine]
-            for cur, nxt in zip(mine, mine[1:] + [None], strict=True):
-                stop = nxt["time_s"] if nxt else end
-                ax.barh(row, stop - cur["time_s"], left=cur["time_s"],
-                        color=colors.get(cur["state"], "tab:purple"), edgecolor="none")
-        ax.set_yticks(range(len(engines)), engines)
-        ax.set_xlabel("time (s)")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        ax.legend(handles, colors.keys(), fontsize=6, ncol=4, loc="upper center",
-                  bbox_to_anchor=(0.5, -0.35), frameon=False)
-        fig.tight_layout()
-        fig.savefig(self.out_dir / "engine_timeline.png", dpi=110)
-        plt.close(fig)
-        return "engine_timeline.png"

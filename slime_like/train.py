@@ -30,7 +30,8 @@ from slime_like.config.slices import fleet_settings, make_keys, sync_settings
 from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.models.tiny import make_tiny_model
-from slime_like.report import RunReport
+from slime_like.observe import RunObservers
+from slime_like.report import sync_metrics
 from slime_like.rollout.fleet import Fleet
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.task import SayTheLetterTask
@@ -112,7 +113,7 @@ def train(args: argparse.Namespace) -> int:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    report = RunReport(out)
+    obs = RunObservers.from_args(args, out)  # report folder, tracking, progress
     init_ray(args)
     model_path = args.hf_checkpoint or str(make_tiny_model(
         out / "model", layers=args.tiny_model_layers, hidden=args.tiny_model_hidden, seed=args.seed))
@@ -121,7 +122,7 @@ def train(args: argparse.Namespace) -> int:
     updatable = [m.name for m in args.topology.models if m.update_weights]
     fleet = Fleet(fleet_settings(args, log_dir=str(out / "logs"), keys=keys,
                                  model_paths={m: model_path for m in updatable}),
-                  placement, on_event=report.log_event)
+                  placement, on_event=obs.on_event)
     trainer: TrainerGroup | None = None
     task = SayTheLetterTask(seed=args.seed)
     n = args.n_samples_per_prompt
@@ -130,10 +131,13 @@ def train(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
         fleet.start()
+        for model, router in fleet.routers.items():
+            obs.add_router(model, router.prometheus_url)
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
                                sync=sync_settings(args, model_path))
         fleet.set_weight_source(trainer.push_weights)
-        first = fleet.sync(trainer.push_weights)
+        with obs.progress.syncing("first weight sync"):
+            first = fleet.sync(trainer.push_weights)
         monkey = sampler = None
         if args.chaos_seed is not None:
             updatable_engines = [e for e in fleet.engines if e.update_weights]
@@ -164,8 +168,9 @@ def train(args: argparse.Namespace) -> int:
             if (step + 1) % args.update_weights_interval == 0:
                 if monkey is not None:
                     monkey.arm_sync(step)
-                sync = fleet.sync(trainer.push_weights)
-            report.log_step(step, {
+                with obs.progress.syncing():
+                    sync = fleet.sync(trainer.push_weights)
+            obs.log_step(step, {
                 "reward_mean": sum(rewards) / len(rewards),
                 "rollout_s": round(rollout_s, 3),
                 "sync_s": round(sync.get("total_s", 0.0), 4),
@@ -177,6 +182,7 @@ def train(args: argparse.Namespace) -> int:
                 "retried_requests": sum(s.attempts > 1 for s in samples),
                 "engines": fleet.states(),
                 **train_metrics,
+                **sync_metrics(sync),
             })
             logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                         "engines %s", step, sum(rewards) / len(rewards), rollout_s,
@@ -203,7 +209,7 @@ def train(args: argparse.Namespace) -> int:
             trainer.shutdown()
         fleet.shutdown()
         placement.release()
-        path = report.render(title="slime_like quickstart run", notes=notes)
+        path = obs.close(title="slime_like quickstart run", notes=notes)
         logger.info("report: %s", path)
 
 
@@ -220,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(describe(args))
         return 0
-    return int(train(args) or 0)
+    try:
+        return int(train(args) or 0)
+    except ConfigError as e:  # e.g. --use-wandb without wandb: found when the job starts
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

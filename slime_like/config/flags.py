@@ -188,7 +188,30 @@ def _ours(p: argparse.ArgumentParser) -> None:
                    help="Hidden size of the tiny model made when --hf-checkpoint is not given.")
 
 
-GROUP_BUILDERS = (_cluster, _rollout, _topology, _router, _weights, _fault_tolerance, _ours)
+def _tracking(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tracking", "Experiment tracking and the job's metrics endpoint "
+                                         "(slime's wandb flag names).")
+    g.add_argument("--use-wandb", action="store_true", default=False,
+                   help="Log every step's metrics to wandb (pip install wandb).")
+    g.add_argument("--wandb-project", default="slime_like", help="wandb project.")
+    g.add_argument("--wandb-group", default=None, help="wandb group of this run.")
+    g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"), default=None,
+                   help="wandb mode; offline writes the run locally (wandb sync uploads it "
+                        "later) and needs no network. Default: WANDB_MODE, else online.")
+    g.add_argument("--wandb-dir", default=None, metavar="DIR",
+                   help="Where wandb writes its files; default the run's --output-dir.")
+    g.add_argument("--use-tensorboard", action="store_true", default=False,
+                   help="Write TensorBoard event files (pip install tensorboard).")
+    g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="TensorBoard log directory; default <output-dir>/tensorboard.")
+    g.add_argument("--job-metrics-port", type=t.non_negative_int, default=None, metavar="PORT",
+                   help="Serve the job's Prometheus metrics (step, reward, sync seconds and "
+                        "GB/s, engine states, recoveries) on this port; 0 picks a free one. "
+                        "The URL is printed at start and written into report.md.")
+
+
+GROUP_BUILDERS = (_cluster, _rollout, _topology, _router, _weights, _fault_tolerance, _ours,
+                  _tracking)
 
 
 def build_parser(prog: str = "slime-like train") -> argparse.ArgumentParser:

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Starts (or stops) a multi-node Ray cluster over ssh, with one shared Ray auth token.
+#
+#   bash scripts/run_cluster.sh start --hostfile hosts.txt [OPTION ...] [-- RAY_START_ARG ...]
+#   bash scripts/run_cluster.sh stop  --hostfile hosts.txt [OPTION ...]
+#
+# hostfile: one node per line, the head first; `#` starts a comment. A line is
+# `[user@]host [gpus=N]` (gpus: what `ray start --num-gpus` declares; default: detected).
+#
+# Options:
+#   --token-file PATH   token shared by every node (created if missing; default
+#                       ~/.slime_like/ray_token). Copied with scp to the same path on each node.
+#   --port N            GCS port of the head (default 6379)
+#   --dashboard-port N  dashboard / job API port of the head (default 8265)
+#   --ray PATH          the `ray` executable on the nodes (default: ray on their PATH)
+#   --env NAME=VALUE    set for `ray start` on every node, so the job's processes inherit it
+#                       (repeatable). NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME are passed on
+#                       when they are set here.
+#   --dry-run           print the commands instead of running them
+#
+# Requires passwordless ssh from this machine to every node, and the same Python
+# environment (slime_like, ray) on each. `stop` runs `ray stop` on each node: it stops every
+# Ray process there, so use dedicated nodes.
+set -euo pipefail
+
+die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
+
+[ $# -ge 1 ] || die "expected a command: start or stop (see the header of this script)"
+command="$1"; shift
+case "$command" in
+  start|stop) ;;
+  -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) die "unknown command '$command' (expected start or stop)" ;;
+esac
+
+hostfile=""; token_file="${HOME}/.slime_like/ray_token"; port=6379; dash_port=8265
+ray_bin=ray; dry_run=0; envs=(); extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --hostfile|--token-file|--port|--dashboard-port|--ray|--env)
+      [ $# -ge 2 ] || die "$1: expected a value"
+      case "$1" in
+        --hostfile) hostfile="$2" ;;
+        --token-file) token_file="$2" ;;
+        --port) port="$2" ;;
+        --dashboard-port) dash_port="$2" ;;
+        --ray) ray_bin="$2" ;;
+        --env) [[ "$2" =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || die "--env: expected NAME=VALUE, got '$2'"
+               envs+=("$2") ;;
+      esac
+      shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
+    --) shift; extra=("$@"); break ;;
+    *) die "unknown option '$1'" ;;
+  esac
+done
+[ -n "$hostfile" ] || die "--hostfile is required"
+[ -f "$hostfile" ] || die "--hostfile: no such file: $hostfile"
+for n in "$port" "$dash_port"; do
+  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -gt 0 ] && [ "$n" -lt 65536 ] || die "not a port: '$n'"
+done
+for name in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
+  if [ -n "${!name:-}" ]; then envs+=("$name=${!name}"); fi
+done
+
+# ---- hostfile ------------------------------------------------------------------------------
+hosts=(); gpus=(); lineno=0
+while IFS= read -r line || [ -n "$line" ]; do
+  lineno=$((lineno + 1))
+  line="${line%%#*}"
+  read -r -a fields <<<"$line" || true
+  [ ${#fields[@]} -gt 0 ] || continue
+  g=""
+  for f in "${fields[@]:1}"; do
+    case "$f" in
+      gpus=*) g="${f#gpus=}"; [[ "$g" =~ ^[0-9]+$ ]] || die "$hostfile:$lineno: gpus must be a number, got '$g'" ;;
+      *) die "$hostfile:$lineno: unexpected '$f' (expected '[user@]host [gpus=N]')" ;;
+    esac
+  done
+  hosts+=("${fields[0]}"); gpus+=("$g")
+done <"$hostfile"
+[ ${#hosts[@]} -gt 0 ] || die "$hostfile: no hosts (one per line, the head first)"
+head_addr="${hosts[0]#*@}"
+
+# ---- running commands ----------------------------------------------------------------------
+run() {  # run (or print) a local command
+  if [ "$dry_run" = 1 ]; then printf '%q ' "$@" | sed 's/ $//'; echo; else "$@"; fi
+}
+on() {  # on HOST COMMAND-STRING: run it in HOST's shell through ssh (or print it)
+  if [ "$dry_run" = 1 ]; then echo "ssh -o BatchMode=yes $1 '$2'"
+  else ssh -o BatchMode=yes "$1" "$2"; fi
+}
+env_words() {  # the env(1) words for a node's `ray start`
+  printf '%s\n' env RAY_AUTH_MODE=token "RAY_AUTH_TOKEN_PATH=$remote_token" "${envs[@]}"
+}
+# The token lives at the same path on every node; ~ is expanded by each node's shell.
+remote_token='$HOME/.slime_like/ray_token'
+
+if [ "$command" = stop ]; then
+  for ((i = ${#hosts[@]} - 1; i >= 0; i--)); do  # workers first, the head last
+    on "${hosts[$i]}" "$(printf '%q' "$ray_bin") stop" || echo "run_cluster.sh: ray stop failed on ${hosts[$i]}" >&2
+  done
+  exit 0
+fi
+
+if [ ! -f "$token_file" ]; then
+  if [ "$dry_run" = 1 ]; then
+    echo "# would create a new token in $token_file"
+  else
+    mkdir -p "$(dirname "$token_file")"
+    (umask 077; python3 -c 'import secrets; print(secrets.token_hex(32))' >"$token_file")
+  fi
+fi
+
+for i in "${!hosts[@]}"; do
+  host="${hosts[$i]}"
+  on "$host" 'mkdir -p "$HOME/.slime_like" && chmod 700 "$HOME/.slime_like"'
+  run scp -q -o BatchMode=yes "$token_file" "$host:.slime_like/ray_token"
+  mapfile -t words < <(env_words)
+  words+=("$ray_bin" start --disable-usage-stats)
+  if [ "$i" = 0 ]; then
+    words+=(--head --port "$port" --dashboard-host 0.0.0.0 --dashboard-port "$dash_port")
+  else
+    words+=(--address "$head_addr:$port")
+  fi
+  [ -z "${gpus[$i]}" ] || words+=(--num-gpus "${gpus[$i]}")
+  words+=("${extra[@]}")
+  # The token path must reach the node's shell unquoted so that $HOME expands there.
+  cmd="$(printf '%q ' "${words[@]}" | sed 's/ $//')"
+  cmd="${cmd//\\\$HOME/\$HOME}"
+  on "$host" "$cmd"
+done
+
+cat <<EOF
+# Cluster of ${#hosts[@]} node(s); head $head_addr. Submit jobs from this machine with:
+#   export RAY_ADDRESS=http://$head_addr:$dash_port RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token_file
+#   bash scripts/run_job.sh --engine sglang --hf-checkpoint /shared/models/... [FLAG ...]
+# Stop it with: bash scripts/run_cluster.sh stop --hostfile $hostfile
+EOF

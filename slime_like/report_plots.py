@@ -1,0 +1,83 @@
+"""The report's PNG plots; engine deaths and recoveries drawn where they happened.
+
+Events carry wall-clock offsets and steps carry the offset at which they ended, so an
+event's position on a per-step axis is interpolated between the two steps around it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from slime_like.incidents import Incident
+
+STATE_COLORS = {"REGISTERED": "tab:green", "UPDATING": "tab:blue", "DEAD": "tab:red",
+                "RELAUNCHING": "tab:orange", "STALE": "tab:olive", "LAUNCHING": "tab:gray",
+                "LOADED": "tab:cyan"}
+SERIES = (("reward_mean", "reward", "reward.png"), ("sync_s", "weight sync (s)", "weight_sync.png"))
+
+
+def step_position(t: float, steps: list[dict]) -> float:
+    """Where time `t` falls on the step axis (fractional: between two step ends)."""
+    return float(np.interp(t, [r["time_s"] for r in steps], [r["step"] for r in steps]))
+
+
+def _mark_incidents(ax, steps: list[dict], incidents: list[Incident]) -> None:
+    for n, i in enumerate(incidents):
+        ax.axvline(step_position(i.died_at, steps), color="tab:red", ls="--", lw=1,
+                   label="engine death" if n == 0 else None)
+        if i.recovered_at is not None:
+            ax.axvline(step_position(i.recovered_at, steps), color="tab:green", ls=":", lw=1.2,
+                       label="recovered" if n == 0 else None)
+    if incidents:
+        ax.legend(fontsize=7, loc="best")
+
+
+def plot_run(out_dir: Path, steps: list[dict], events: list[dict],
+             incidents: list[Incident]) -> list[tuple[str, str]]:
+    """Write the plots into `out_dir`; (label, file name) of each written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    for key, label, name in SERIES:
+        rows = [r for r in steps if key in r]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o", ms=3)
+        _mark_incidents(ax, steps, incidents)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        figures.append((label, name))
+    if events:
+        figures.append(("engine timeline", _plot_timeline(out_dir, events, plt)))
+    return figures
+
+
+def _plot_timeline(out_dir: Path, events: list[dict], plt) -> str:
+    engines = sorted({e["engine"] for e in events})
+    end = max(e["time_s"] for e in events) + 1.0
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(engines)))
+    for row, engine in enumerate(engines):
+        mine = [e for e in events if e["engine"] == engine]
+        for cur, nxt in zip(mine, mine[1:] + [None], strict=True):
+            stop = nxt["time_s"] if nxt else end
+            ax.barh(row, stop - cur["time_s"], left=cur["time_s"],
+                    color=STATE_COLORS.get(cur["state"], "tab:purple"), edgecolor="none")
+    ax.set_yticks(range(len(engines)), engines)
+    ax.set_xlabel("time (s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
+    ax.legend(handles, STATE_COLORS.keys(), fontsize=6, ncol=4, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35), frameon=False)
+    fig.tight_layout()
+    fig.savefig(out_dir / "engine_timeline.png", dpi=110)
+    plt.close(fig)
+    return "engine_timeline.png"

@@ -1,0 +1,161 @@
+"""report.md reads summary-first and stays short; run info is saved beside it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from slime_like.endpoints import metrics_endpoints  # noqa: E402
+from slime_like.incidents import incidents_of  # noqa: E402
+from slime_like.report import RunReport, sync_metrics  # noqa: E402
+from slime_like.report_plots import _mark_incidents  # noqa: E402
+from slime_like.run_info import git_revision, json_safe  # noqa: E402
+
+E0, E1 = "default/g0/e0", "default/g0/e1"
+STEPS, DEATH_STEP = 150, 10
+
+
+def _quickstart_like_run(report: RunReport) -> None:
+    """What the quickstart logs: two engines, a sync per step, e0 killed during step 10."""
+    t = 0.0
+
+    def event(engine: str, state: str, **details) -> None:
+        report.log_event(engine, state, time_s=round(t, 3), **details)
+
+    event("router", "READY", url="http://127.0.0.1:30000", pid=100)
+    for e in (E0, E1):
+        event(e, "LAUNCHING")
+    t = 8.0
+    for n, e in enumerate((E0, E1)):
+        event(e, "LOADED", url=f"http://127.0.0.1:3100{n}", version="0", pid=200 + n)
+    recovering = False
+    for step in range(-1, STEPS):  # -1: the first sync before step 0
+        t += 1.5
+        if step == DEATH_STEP:
+            event(E0, "DEAD", reason="server process exited (-9)")
+            recovering = True
+            t += 0.5
+            event(E0, "RELAUNCHING")
+        if step == DEATH_STEP + 3:
+            event(E0, "STALE", url="http://127.0.0.1:31002", version=str(step), pid=300)
+        live = [E1] if recovering else [E0, E1]
+        for e in live:
+            event(e, "UPDATING")
+        t += 0.2
+        for e in live:
+            event(e, "REGISTERED", version=str(step + 2))
+        if step == DEATH_STEP + 3:
+            event(E0, "REGISTERED", version=str(step + 2))
+            recovering = False
+        if step >= 0:
+            report.log_step(step, {"reward_mean": min(1.0, 0.1 + step / 160), "sync_s": 0.2,
+                                   "sync_gbps": 1.25, "logprob_max_abs_diff": 2e-6,
+                                   "engines": {E0: "REGISTERED", E1: "REGISTERED"}},
+                            time_s=round(t, 3))
+
+
+def test_quickstart_report_is_short_summary_first_and_without_routine_rows(tmp_path):
+    report = RunReport(tmp_path)
+    _quickstart_like_run(report)
+    report.endpoints = metrics_endpoints({E0: "http://127.0.0.1:31002", E1: "http://127.0.0.1:31001"},
+                                         {"default": "http://127.0.0.1:29000/metrics"})
+    events = [json.loads(x) for x in (tmp_path / "engine_timeline.jsonl").read_text().splitlines()]
+    assert len(events) > 500  # hundreds of routine events went in
+
+    text = report.render().read_text()
+    lines = text.splitlines()
+    assert len(lines) < 80, text
+
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    assert "- steps: 150 (0..149)" in summary
+    assert "- reward: 0.1 (step 0) → 1 (step 149)" in summary
+    assert "median 0.2 s, median 1.25 GB/s" in summary
+    assert "- engine deaths: 1" in summary
+    death = next(x for x in summary.splitlines() if E0 in x)
+    # seen dead at t=28.2 (during step 10), served again at t=34.0 (step 13's sync)
+    assert "seen dead at step 10" in death and "server process exited" in death
+    assert "recovered in 5.8 s (serving version 15)" in death
+
+    table = [x for x in lines if x.startswith("| ") and not x.startswith("| t (s)")]
+    states = [row.split("|")[3].strip() for row in table]
+    assert states == ["READY", "DEAD", "RELAUNCHING", "STALE", "REGISTERED"]
+    assert "recovered 5.8 s after the death" in table[-1]
+    assert not any(s in ("UPDATING", "LOADED", "LAUNCHING") for s in states)
+    assert "## Endpoints" in text and f"engine {E0}: http://127.0.0.1:31002/metrics" in text
+    assert "router default: http://127.0.0.1:29000/metrics" in text
+    for png in ("reward.png", "weight_sync.png", "engine_timeline.png"):
+        assert (tmp_path / png).stat().st_size > 0
+        assert f"]({png})" in text
+
+
+def test_reward_plot_marks_death_and_recovery_at_their_steps(tmp_path):
+    report = RunReport(tmp_path)
+    _quickstart_like_run(report)
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (tmp_path / "engine_timeline.jsonl").read_text().splitlines()]
+    fig, ax = plt.subplots()
+    _mark_incidents(ax, steps, incidents_of(events))
+    xs = sorted(float(line.get_xdata()[0]) for line in ax.lines)
+    plt.close(fig)
+    assert len(xs) == 2
+    death, recovery = xs
+    assert DEATH_STEP - 1 < death <= DEATH_STEP  # during step 10
+    assert DEATH_STEP + 2 < recovery <= DEATH_STEP + 3  # registered in step 13's sync
+
+
+def test_a_failed_recovery_is_reported_as_not_recovered(tmp_path):
+    report = RunReport(tmp_path)
+    report.log_step(0, {"reward_mean": 0.5}, time_s=1.0)
+    report.log_event(E0, "DEAD", time_s=0.5, reason="3 failed probes")
+    report.log_event(E0, "RELAUNCHING", time_s=0.6)
+    report.log_event(E0, "DEAD", time_s=0.9, reason="recovery failed: no bundle")
+    text = report.render().read_text()
+    assert "- engine deaths: 1" in text
+    assert "NOT recovered (recovery failed: no bundle)" in text
+
+
+def test_sync_metrics_derive_gbps_from_the_bytes_moved():
+    assert sync_metrics({"total_s": 0.5, "transfer": {"bytes": 2_000_000_000}}) == {
+        "sync_s": 0.5, "sync_gbps": 4.0}
+    assert sync_metrics({"total_s": 0.5, "transfer": {}}) == {"sync_s": 0.5}
+    assert sync_metrics({}) == {}
+
+
+def test_run_info_saves_resolved_flags_versions_and_git_revision(tmp_path):
+    class Plan:
+        def __repr__(self) -> str:
+            return "Plan(2 engines)"
+
+    args = argparse.Namespace(output_dir=Path("/runs/x"), lr=1e-6, plan=Plan(),
+                              sglang_flags={"tp_size": 2}, choices={"b", "a"})
+    report = RunReport(tmp_path / "run")
+    report.save_run_info(args)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config == {"output_dir": "/runs/x", "lr": 1e-6, "plan": "Plan(2 engines)",
+                      "sglang_flags": {"tp_size": 2}, "choices": ["a", "b"]}
+    versions = json.loads((tmp_path / "run" / "versions.json").read_text())
+    assert {"python", "torch", "ray", "sglang-router", "slime_like"} <= set(versions)
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", versions["git_revision"])
+    assert git_revision(tmp_path) == "unknown"  # not a git checkout
+    other = tmp_path / "other-project"
+    (other / "venv" / "slime_like").mkdir(parents=True)
+    (other / "pyproject.toml").write_text("[project]\nname = 'other'\n")
+    git = ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    subprocess.run(git + ["add", "pyproject.toml"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    assert git_revision(other / "venv" / "slime_like") == "unknown"  # someone else's repo
+    report.log_step(0, {"reward_mean": 0.5})
+    assert "- run info: config.json, versions.json (git revision " in report.render().read_text()
+
+
+def test_json_safe_keeps_plain_values_and_names_the_rest():
+    assert json_safe({"a": (1, 2.5, None, True)}) == {"a": [1, 2.5, None, True]}
