@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.generate_io import GenerateJob, build_output, parse_generate
 from slime_like.reference_engine.scheduler import Req, Scheduler, finish_abort_waiting
@@ -93,11 +94,12 @@ class Frontend:
     """Request admission, pause/continue, aborts and the update lock, on the event loop."""
 
     def __init__(self, scheduler: Scheduler, *, context_len: int, skip_tokenizer_init: bool,
-                 incremental_streaming: bool, vocab_size: int, prefill_only: bool = False):
+                 incremental_streaming: bool, vocab_size: int, prefill_only: bool = False,
+                 tokenizer: Tokenizer | None = None):
         self.scheduler = scheduler
         self.context_len = context_len
         self.vocab_size = vocab_size
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.out_tokenizer = None if skip_tokenizer_init else self.tokenizer
         self.incremental_streaming = incremental_streaming
         self.prefill_only = prefill_only
