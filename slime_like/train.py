@@ -2,11 +2,12 @@
 
     python -m slime_like.train --config configs/quickstart.yaml
 
-Each step samples prompts of the toy task, generates through the router, scores the
-completions, checks that the trainer's log-probabilities of the sampled tokens equal the
+Each step takes prompts (the toy task's, or `--prompt-data`), generates through the router
+(or `--rollout-function-path`), scores the completions (`--custom-rm-path`), checks that the trainer's log-probabilities of the sampled tokens equal the
 engines' at the same weight version (a stale or corrupt sync shows at once), takes one GRPO
-step and pushes the new weights into every engine. Engine deaths are handled by the
-rollout manager in the background (see `rollout/manager.py`).
+step and pushes the new weights into every engine; with `--save` it checkpoints, and with
+`--load` it resumes after the saved step with the engines serving the loaded weights.
+Engine deaths are handled by the rollout manager in the background (see `rollout/manager.py`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,21 @@ from slime_like.config.layout import layout_from_args
 from slime_like.config.parse import parse_args
 from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
+from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
+from slime_like.models.hf_tokenizer import load_tokenizer
 from slime_like.models.tiny import make_tiny_model
 from slime_like.report import RunReport
+from slime_like.rollout.data import PromptSource, prompt_source
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.manager import RolloutManager
-from slime_like.rollout.task import SayTheLetterTask
+from slime_like.rollout.plugins import Plugins
+from slime_like.trainer.checkpoint import (
+    Checkpoint,
+    JobState,
+    begin_save,
+    commit_save,
+    latest_checkpoint,
+)
 from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
 
@@ -74,20 +85,21 @@ def sync_config(args: argparse.Namespace, model_path: str) -> dict:
             "http_timeout_s": 120.0, "group_timeout_s": 120.0}
 
 
-def sync_weights(rollout: RolloutManager, trainer: TrainerGroup) -> dict:
+def sync_weights(rollout: RolloutManager, trainer: TrainerGroup, bump: bool = True) -> dict:
     """One full sync; engines pause for it and are routed again at the new version.
 
     A sync that fails because an engine died is retried once for the living engines (the
-    weight group is rebuilt without the dead one, which recovery brings back).
+    weight group is rebuilt without the dead one, which recovery brings back). `bump=False`
+    serves the trainer's weights under its current version (the first sync after --load).
     """
     rollout.begin_update()
     report: dict = {}
     try:
         try:
-            report = trainer.sync_weights()
+            report = trainer.sync_weights(bump)
         except Exception as e:  # noqa: BLE001 - WeightSyncError, possibly wrapped by Ray
             logger.warning("weight sync failed (%s); retrying for the living engines", e)
-            report = trainer.sync_weights()
+            report = trainer.sync_weights(bump)
     finally:
         version = int(report["weight_version"]) if report else rollout.trainer_version
         rollout.end_update(version, report.get("engines") if report else [])
@@ -121,18 +133,61 @@ def crash_midway(rollout: RolloutManager, total: int):
     return on_sample
 
 
+def preflight(args: argparse.Namespace) -> Plugins:
+    """Checks that read files or import code, before anything starts (also for --dry-run):
+    the checkpoint, the prompt file, the plug-ins, the checkpoint to resume from."""
+    if args.hf_checkpoint:
+        check_checkpoint(args.hf_checkpoint)
+    if args.prompt_data and not Path(args.prompt_data).is_file():
+        raise ConfigError("--prompt-data", f"no such file: {args.prompt_data}")
+    if args.load:
+        latest_checkpoint(args.load)
+    return Plugins.from_args(args)
+
+
+def save_checkpoint(root: str, step: int, trainer: TrainerGroup, version: int, synced: bool,
+                    source: PromptSource) -> Path:
+    """Trainer ranks write into a temporary directory; the driver adds the job state and
+    renames it into place (see trainer/checkpoint.py)."""
+    tmp = begin_save(root, step)
+    trainer.save_checkpoint(str(tmp))
+    path = commit_save(tmp, JobState(step, version, synced, source.state_dict()))
+    logger.info("saved step %d (weight version %d) to %s", step, version, path)
+    return path
+
+
+def resume_point(args: argparse.Namespace) -> Checkpoint | None:
+    """The checkpoint `--load` resumes from; None (start afresh) if DIR has none yet."""
+    if not args.load:
+        return None
+    found = latest_checkpoint(args.load)
+    if found is None:
+        logger.warning("--load %s: no checkpoint there yet; starting from step 0", args.load)
+    return found
+
+
 def train(args: argparse.Namespace) -> int:
     """Run the job described by parsed flags; 0 on success."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     report = RunReport(out)
+    plugins = preflight(args)
+    if args.hf_checkpoint:
+        # the reference engine reads a local directory; sglang and transformers resolve hub ids
+        model_path = (local_checkpoint(args.hf_checkpoint) if args.engine == "reference"
+                      else args.hf_checkpoint)
+    else:
+        model_path = str(make_tiny_model(out / "model", layers=args.tiny_model_layers,
+                                         hidden=args.tiny_model_hidden, seed=args.seed))
+    tokenizer = load_tokenizer(model_path, add_special_tokens=False)
+    source = prompt_source(args, tokenizer)
+    resume = resume_point(args)
+    if resume is not None:
+        source.load_state_dict(resume.state.data)
     init_ray(args)
-    model_path = args.hf_checkpoint or str(make_tiny_model(
-        out / "model", layers=args.tiny_model_layers, hidden=args.tiny_model_hidden, seed=args.seed))
     placement = place_job(args, timeout_s=300)
     rollout = RolloutManager(args, placement, model_path, out / "logs", on_event=report.log_event)
     trainer: TrainerGroup | None = None
-    task = SayTheLetterTask(seed=args.seed)
     n = args.n_samples_per_prompt
     sampling = {"temperature": args.rollout_temperature,
                 "max_new_tokens": args.rollout_max_response_len or 16, "ignore_eos": True}
@@ -140,20 +195,33 @@ def train(args: argparse.Namespace) -> int:
     try:
         rollout.start()
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
-                               sync_config=sync_config(args, model_path))
+                               sync_config=sync_config(args, model_path),
+                               use_transformers=bool(args.hf_checkpoint))
         trainer.attach_engines(rollout.sync_targets())
         rollout.attach_trainer(trainer.rank0)
-        first = sync_weights(rollout, trainer)
+        start = 0
+        if resume is not None:
+            trainer.load_checkpoint(str(resume.path), resume.state.weight_version)
+            start = resume.state.step + 1
+            notes.append(f"resumed from {resume.path.name} (step {resume.state.step}, weight "
+                         f"version {resume.state.weight_version})")
+        # After --load the engines get the loaded weights as the loaded version before
+        # serving (a new version only if they were trained after their last sync).
+        first = sync_weights(rollout, trainer,
+                             bump=resume is None or not resume.state.weights_synced)
         logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
 
-        for step in range(args.num_rollout or 10):
+        num_rollout = args.num_rollout or 10
+        for step in range(start, num_rollout):
             t0 = time.time()
-            prompts = task.sample_prompts(args.rollout_batch_size or 8)
+            prompts = source.next_batch(args.rollout_batch_size or 8)
             hook = (crash_midway(rollout, len(prompts) * n)
                     if step == args.simulate_engine_crash_at else None)
-            samples = rollout.generate([p.input_ids for p in prompts], n, sampling, hook)
+            samples = plugins.rollout(args, step, prompts, router_url=rollout.router.url,
+                                      sampling_params=sampling, n=n, tokenizer=tokenizer,
+                                      on_sample=hook)
             rollout_s = time.time() - t0
-            rewards = [task.reward(prompts[s.prompt_index], s.output_ids) for s in samples]
+            rewards = plugins.rewards(args, samples)
             advantages = group_advantages(rewards, n)
             worst = check_logprobs(samples, trainer, rollout.trainer_version,
                                    args.logprob_check_tolerance)
@@ -169,9 +237,14 @@ def train(args: argparse.Namespace) -> int:
                 "weight_version": rollout.trainer_version,
                 "logprob_max_abs_diff": worst,
                 "retried_requests": sum(s.attempts > 1 for s in samples),
+                "sample_weight_versions": sorted({int(s.weight_version) for s in samples}),
                 "engines": rollout.states(),
                 **train_metrics,
             })
+            if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0)
+                              or step == num_rollout - 1):
+                save_checkpoint(args.save, step, trainer, rollout.trainer_version, bool(sync),
+                                source)
             logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                         "engines %s", step, sum(rewards) / len(rewards), rollout_s,
                         sync.get("total_s", 0.0), worst, rollout.states())
@@ -202,9 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        try:
+            preflight(args)
+        except ConfigError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
         print(describe(args))
         return 0
-    return int(train(args) or 0)
+    try:
+        return int(train(args) or 0)
+    except ConfigError as e:  # a bad prompt file, plug-in or checkpoint, found before the loop
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

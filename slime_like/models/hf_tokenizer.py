@@ -83,8 +83,9 @@ def has_tokenizer(model_dir: str | Path) -> bool:
 
 def load_tokenizer(model_dir: str | Path, *, add_special_tokens: bool = True,
                    where: str = "--hf-checkpoint") -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of a checkpoint directory; the byte tokenizer if it has none."""
-    if not has_tokenizer(model_dir) or is_byte_tokenizer(model_dir):
+    """The tokenizer of a checkpoint directory (or hub id); the byte tokenizer if it has none."""
+    local = Path(model_dir).is_dir()
+    if local and (not has_tokenizer(model_dir) or is_byte_tokenizer(model_dir)):
         return ByteTokenizer()
     try:
         from transformers import AutoTokenizer

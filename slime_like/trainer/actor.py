@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from slime_like.engine.handle import EngineHandle
+from slime_like.trainer.checkpoint import load_rank_state, save_rank_state
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
@@ -36,8 +37,9 @@ class TrainerRank:
     """One trainer rank: model + optimiser; rank 0 additionally syncs weights to engines."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any] | None = None):
+                 sync_config: dict[str, Any] | None = None, use_transformers: bool = False):
         self.rank = rank
+        self.use_transformers = use_transformers
         self.world_size = world_size
         self.model_path = model_path
         self.lr = lr
@@ -68,7 +70,8 @@ class TrainerRank:
                                     timeout=timedelta(minutes=10))
             self.group = dist.group.WORLD
         self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
-                                    seed=self.seed, group=self.group)
+                                    seed=self.seed, group=self.group,
+                                    use_transformers=self.use_transformers)
 
     def attach_engines(self, engines: list[tuple[str, int]]) -> None:
         """Rank 0: the engines every full sync pushes to (URL, TP size)."""
@@ -94,14 +97,19 @@ class TrainerRank:
 
     # ---- weight sync (rank 0) ------------------------------------------------------------------
 
-    def sync_weights(self) -> dict:
-        """Push the current weights into every attached engine as version `version + 1`."""
+    def sync_weights(self, bump: bool = True) -> dict:
+        """Push the current weights into every attached engine as version `version + 1`.
+
+        `bump=False` pushes them as the current version: the first sync after a resume,
+        so the engines serve the loaded weights under the loaded version.
+        """
         if self.rank != 0:
             return {}
         assert self.policy is not None and self.weight_sync is not None
         with self._weights_lock:
-            report = self.weight_sync.update(self.policy.model, str(self.version + 1))
-            self.version += 1
+            new_version = self.version + 1 if bump else self.version
+            report = self.weight_sync.update(self.policy.model, str(new_version))
+            self.version = new_version
             self._dirty = False
             self._weights_lock.notify_all()
         out = report.as_dict()
@@ -129,6 +137,23 @@ class TrainerRank:
             self.weight_sync.remove_engine(url)
             self.weight_sync.add_engine(EngineHandle(url, tp_size))
             return report.as_dict()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Write this rank's part of a checkpoint (see trainer/checkpoint.py)."""
+        assert self.policy is not None
+        with self._weights_lock:
+            save_rank_state(self.policy.model, self.policy.optimizer, self.rank, out_dir)
+
+    def load_checkpoint(self, ckpt_dir: str, version: int) -> None:
+        """Restore model, optimizer and RNG; the weights are `version` (not yet served)."""
+        assert self.policy is not None
+        with self._weights_lock:
+            load_rank_state(self.policy.model, self.policy.optimizer, self.rank, ckpt_dir,
+                            device=self.device)
+            self.version = version
+            self._dirty = True  # engines serve other weights until the next full sync
 
     def remove_engine(self, url: str) -> None:
         if self.rank == 0 and self.weight_sync is not None:

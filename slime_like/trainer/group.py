@@ -15,12 +15,13 @@ class TrainerGroup:
     """N data-parallel trainer ranks; rank 0 drives weight syncs."""
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any]):
+                 sync_config: dict[str, Any], use_transformers: bool = False):
         world = len(placement.plan.trainer)
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
-                rank, world, model_path, lr=lr, seed=seed, sync_config=sync_config)
+                rank, world, model_path, lr=lr, seed=seed, sync_config=sync_config,
+                use_transformers=use_transformers)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -45,8 +46,15 @@ class TrainerGroup:
     def completion_logprobs(self, samples: list) -> list[list[float]]:
         return ray.get(self.rank0.completion_logprobs.remote(samples))
 
-    def sync_weights(self) -> dict:
-        return ray.get(self.rank0.sync_weights.remote())
+    def sync_weights(self, bump: bool = True) -> dict:
+        return ray.get(self.rank0.sync_weights.remote(bump))
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Every rank writes its part into `out_dir` (a directory all ranks can reach)."""
+        ray.get([a.save_checkpoint.remote(out_dir) for a in self.actors])
+
+    def load_checkpoint(self, ckpt_dir: str, version: int) -> None:
+        ray.get([a.load_checkpoint.remote(ckpt_dir, version) for a in self.actors])
 
     def shutdown(self) -> None:
         try:
