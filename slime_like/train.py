@@ -29,6 +29,7 @@ from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
 from slime_like.models.hf_tokenizer import load_tokenizer
+from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.models.tiny import make_tiny_model
 from slime_like.report import RunReport
 from slime_like.rollout.data import PromptSource, prompt_source
@@ -136,10 +137,12 @@ def crash_midway(rollout: RolloutManager, total: int):
 def preflight(args: argparse.Namespace) -> Plugins:
     """Checks that read files or import code, before anything starts (also for --dry-run):
     the checkpoint, the prompt file, the plug-ins, the checkpoint to resume from."""
-    if args.hf_checkpoint:
-        check_checkpoint(args.hf_checkpoint)
+    kind = check_checkpoint(args.hf_checkpoint) if args.hf_checkpoint else "tiny"
     if args.prompt_data and not Path(args.prompt_data).is_file():
         raise ConfigError("--prompt-data", f"no such file: {args.prompt_data}")
+    if args.prompt_data and kind != "hub":  # read it: a bad line fails now, with its number
+        prompt_source(args, load_tokenizer(args.hf_checkpoint) if args.hf_checkpoint
+                      else ByteTokenizer())
     if args.load:
         latest_checkpoint(args.load)
     return Plugins.from_args(args)

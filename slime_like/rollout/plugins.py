@@ -60,7 +60,7 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
     if fn is None:
         raise ConfigError(flag, f"module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
-        raise ConfigError(flag, f"{path} is a {type(fn).__name__}, not a function")
+        raise ConfigError(flag, f"{path} is not callable ({type(fn).__name__})")
     return fn
 
 
