@@ -29,8 +29,8 @@ from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
 from slime_like.models.hf_tokenizer import load_tokenizer
-from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.models.tiny import make_tiny_model
+from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.report import RunReport
 from slime_like.rollout.data import PromptSource, prompt_source
 from slime_like.rollout.generate import Sample
