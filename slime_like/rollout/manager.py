@@ -29,6 +29,7 @@ from slime_like.cluster.placement import JobPlacement
 from slime_like.config.layout import EnginePlacement
 from slime_like.engine.actor import EngineActor
 from slime_like.engine.from_placement import engine_config
+from slime_like.engine.handle import EngineHandle
 from slime_like.rollout.generate import RouterGenerator, Sample
 from slime_like.rollout.health import HealthMonitor, HealthPolicy
 from slime_like.router.client import RouterClient
@@ -61,6 +62,7 @@ class ManagedEngine:
     dead_at: float | None = None
 
     tp_size: int = 1
+    handle: EngineHandle | None = None  # HTTP verbs of node 0, read from its actor once serving
 
     @property
     def head(self) -> Any:
@@ -130,7 +132,8 @@ class RolloutManager:
             refs[e.engine_id] = self._launch(e)
         for e in self.engines:
             e.url = ray.get(refs[e.engine_id])
-            e.version = ray.get(e.head.get_weight_version.remote())
+            e.handle = ray.get(e.head.handle.remote(e.tp_size))
+            e.version = e.handle.weight_version()
             self._set(e, EngineState.LOADED, url=e.url, version=e.version,
                       pid=ray.get(e.head.server_pid.remote()))
         if self.args.use_fault_tolerance:
@@ -182,8 +185,10 @@ class RolloutManager:
             self._updating.clear()
 
     def _register(self, e: ManagedEngine) -> None:
-        assert self.router is not None
-        ray.get(e.head.register.remote(self.router.url))
+        assert self.router is not None and e.handle is not None
+        RouterClient(self.router.url).add_worker(e.handle.url, worker_type=e.handle.worker_type,
+                                                 bootstrap_port=e.handle.bootstrap_port,
+                                                 api_key=e.handle.api_key)
         self._set(e, EngineState.REGISTERED, version=e.version)
 
     # ---- generation --------------------------------------------------------------------------
@@ -202,7 +207,8 @@ class RolloutManager:
 
     def _probe(self, engine_id: str, timeout: float) -> None:
         e = self._find(engine_id)
-        ray.get(e.head.health_generate.remote(timeout), timeout=timeout + 5)
+        assert e.handle is not None
+        e.handle.health_generate(timeout)
 
     def _alive(self, engine_id: str) -> bool:
         e = self._find(engine_id)
@@ -248,7 +254,8 @@ class RolloutManager:
                 self._set(e, EngineState.RELAUNCHING)
             e.restarts += 1
             e.url = ray.get(self._launch(e))
-            e.version = ray.get(e.head.get_weight_version.remote())
+            e.handle = ray.get(e.head.handle.remote(e.tp_size))
+            e.version = e.handle.weight_version()
             with self._lock:
                 self._set(e, EngineState.STALE, url=e.url, version=e.version,
                           pid=ray.get(e.head.server_pid.remote()))
@@ -260,7 +267,7 @@ class RolloutManager:
             while True:
                 with self._lock:
                     if not self._updating.is_set():
-                        served = ray.get(e.head.get_weight_version.remote())
+                        served = e.handle.weight_version()
                         if served != str(self.trainer_version):
                             raise RuntimeError(f"replacement serves version {served}, the others "
                                                f"serve {self.trainer_version}")
