@@ -95,12 +95,14 @@ class PromptDataset:
                 if label_key is not None and label_key not in obj:
                     raise ConfigError("--label-key", f"{where}: no key {label_key!r} "
                                                      f"(keys: {sorted(obj)})")
+                if not self.apply_chat_template:
+                    _render(obj[input_key], self.tokenizer, False, where)
                 meta = obj.get(metadata_key) or {}
                 rows.append((obj[input_key], obj.get(label_key) if label_key else None,
                              dict(meta) if isinstance(meta, dict) else {"value": meta}, where))
         if not rows:
             raise ConfigError("--prompt-data", f"{self.path} holds no prompts")
-        # Render the first prompt now: a bad template or message list fails before engines start.
+        # Render the first prompt now: a template that fails fails before engines start.
         _render(rows[0][0], self.tokenizer, self.apply_chat_template, rows[0][3])
         return rows
 
