@@ -125,6 +125,12 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     return worst
 
 
+def weight_versions(samples: list[Sample]) -> list[int | str]:
+    """The distinct weight versions the samples were generated at (ints where they are)."""
+    found = {s.weight_version for s in samples}
+    return sorted(int(v) for v in found) if all(v.isdigit() for v in found) else sorted(found)
+
+
 def crash_midway(rollout: RolloutManager, total: int):
     """An `on_sample` hook that kills engine 0 once a quarter of the samples are back."""
     def on_sample(done: int) -> None:
@@ -240,7 +246,7 @@ def train(args: argparse.Namespace) -> int:
                 "weight_version": rollout.trainer_version,
                 "logprob_max_abs_diff": worst,
                 "retried_requests": sum(s.attempts > 1 for s in samples),
-                "sample_weight_versions": sorted({int(s.weight_version) for s in samples}),
+                "sample_weight_versions": weight_versions(samples),
                 "engines": rollout.states(),
                 **train_metrics,
             })

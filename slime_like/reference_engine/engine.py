@@ -12,6 +12,7 @@ import torch
 from slime_like.models.config import ModelConfig
 from slime_like.models.hf_tokenizer import load_tokenizer
 from slime_like.models.loading import load_pretrained
+from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.args import SGLANG_VERSION, EngineArgs
 from slime_like.reference_engine.frontend import Frontend
 from slime_like.reference_engine.metrics import EngineMetrics
@@ -60,9 +61,9 @@ class ReferenceEngine:
         self.context_len = min(args.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
         # The checkpoint's own tokenizer for `text` inputs and output text (byte-level for
-        # the tiny model: no transformers import).
-        self.tokenizer = load_tokenizer(args.all_args.get("tokenizer_path") or args.model_path,
-                                        where="--tokenizer-path")
+        # the tiny model: no transformers import); none to load with --skip-tokenizer-init.
+        self.tokenizer = ByteTokenizer() if args.skip_tokenizer_init else load_tokenizer(
+            args.all_args.get("tokenizer_path") or args.model_path, where="--tokenizer-path")
         per_token = kv_bytes_per_token(self.config, self.dtype)
         budget_tokens = args.max_total_tokens or (_KV_BUDGET_BYTES[args.device] // per_token)
         max_running = args.max_running_requests or max(1, min(_DEFAULT_MAX_RUNNING,
