@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -28,7 +29,7 @@ from slime_like.config.parse import parse_args
 from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
-from slime_like.models.hf_tokenizer import load_tokenizer
+from slime_like.models.hf_tokenizer import Tokenizer, load_tokenizer
 from slime_like.models.tiny import make_tiny_model
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.report import RunReport
@@ -165,6 +166,43 @@ def save_checkpoint(root: str, step: int, trainer: TrainerGroup, version: int, s
     return path
 
 
+def save_due(args: argparse.Namespace, step: int, num_rollout: int) -> bool:
+    """Every --save-interval steps, and after the last step (slime's rule)."""
+    if not args.save:
+        return False
+    return bool(args.save_interval and (step + 1) % args.save_interval == 0) \
+        or step == num_rollout - 1
+
+
+@dataclass
+class JobInputs:
+    """What the job reads before anything starts: plug-ins, model, tokenizer, prompts, resume."""
+
+    plugins: Plugins
+    model_path: str
+    tokenizer: Tokenizer
+    source: PromptSource
+    resume: Checkpoint | None
+
+
+def prepare_inputs(args: argparse.Namespace, out: Path) -> JobInputs:
+    """Check and load the job's inputs; the prompt source is at the resumed position."""
+    plugins = preflight(args)
+    if args.hf_checkpoint:
+        # the reference engine reads a local directory; sglang and transformers resolve hub ids
+        model_path = (local_checkpoint(args.hf_checkpoint) if args.engine == "reference"
+                      else args.hf_checkpoint)
+    else:
+        model_path = str(make_tiny_model(out / "model", layers=args.tiny_model_layers,
+                                         hidden=args.tiny_model_hidden, seed=args.seed))
+    tokenizer = load_tokenizer(model_path, add_special_tokens=False)
+    source = prompt_source(args, tokenizer)
+    resume = resume_point(args)
+    if resume is not None:
+        source.load_state_dict(resume.state.data)
+    return JobInputs(plugins, model_path, tokenizer, source, resume)
+
+
 def resume_point(args: argparse.Namespace) -> Checkpoint | None:
     """The checkpoint `--load` resumes from; None (start afresh) if DIR has none yet."""
     if not args.load:
@@ -180,19 +218,9 @@ def train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     report = RunReport(out)
-    plugins = preflight(args)
-    if args.hf_checkpoint:
-        # the reference engine reads a local directory; sglang and transformers resolve hub ids
-        model_path = (local_checkpoint(args.hf_checkpoint) if args.engine == "reference"
-                      else args.hf_checkpoint)
-    else:
-        model_path = str(make_tiny_model(out / "model", layers=args.tiny_model_layers,
-                                         hidden=args.tiny_model_hidden, seed=args.seed))
-    tokenizer = load_tokenizer(model_path, add_special_tokens=False)
-    source = prompt_source(args, tokenizer)
-    resume = resume_point(args)
-    if resume is not None:
-        source.load_state_dict(resume.state.data)
+    inputs = prepare_inputs(args, out)
+    plugins, model_path, source, resume = (inputs.plugins, inputs.model_path, inputs.source,
+                                           inputs.resume)
     init_ray(args)
     placement = place_job(args, timeout_s=300)
     rollout = RolloutManager(args, placement, model_path, out / "logs", on_event=report.log_event)
@@ -227,7 +255,7 @@ def train(args: argparse.Namespace) -> int:
             hook = (crash_midway(rollout, len(prompts) * n)
                     if step == args.simulate_engine_crash_at else None)
             samples = plugins.rollout(args, step, prompts, router_url=rollout.router.url,
-                                      sampling_params=sampling, n=n, tokenizer=tokenizer,
+                                      sampling_params=sampling, n=n, tokenizer=inputs.tokenizer,
                                       on_sample=hook)
             rollout_s = time.time() - t0
             rewards = plugins.rewards(args, samples)
@@ -250,8 +278,7 @@ def train(args: argparse.Namespace) -> int:
                 "engines": rollout.states(),
                 **train_metrics,
             })
-            if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0)
-                              or step == num_rollout - 1):
+            if save_due(args, step, num_rollout):
                 save_checkpoint(args.save, step, trainer, rollout.trainer_version, bool(sync),
                                 source)
             logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
