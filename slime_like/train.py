@@ -233,7 +233,8 @@ def train(args: argparse.Namespace) -> int:
         rollout.start()
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
                                sync_config=sync_config(args, model_path),
-                               use_transformers=bool(args.hf_checkpoint))
+                               use_transformers=bool(args.hf_checkpoint),
+                               engine_dtype=args.sglang_flags.get("dtype"))
         trainer.attach_engines(rollout.sync_targets())
         rollout.attach_trainer(trainer.rank0)
         start = 0

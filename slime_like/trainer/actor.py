@@ -37,9 +37,11 @@ class TrainerRank:
     """One trainer rank: model + optimiser; rank 0 additionally syncs weights to engines."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any] | None = None, use_transformers: bool = False):
+                 sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
+                 engine_dtype: str | None = None):
         self.rank = rank
         self.use_transformers = use_transformers
+        self.engine_dtype = engine_dtype
         self.world_size = world_size
         self.model_path = model_path
         self.lr = lr
@@ -71,7 +73,8 @@ class TrainerRank:
             self.group = dist.group.WORLD
         self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
                                     seed=self.seed, group=self.group,
-                                    use_transformers=self.use_transformers)
+                                    use_transformers=self.use_transformers,
+                                    engine_dtype=self.engine_dtype)
 
     def attach_engines(self, engines: list[tuple[str, int]]) -> None:
         """Rank 0: the engines every full sync pushes to (URL, TP size)."""
@@ -108,7 +111,7 @@ class TrainerRank:
         assert self.policy is not None and self.weight_sync is not None
         with self._weights_lock:
             new_version = self.version + 1 if bump else self.version
-            report = self.weight_sync.update(self.policy.model, str(new_version))
+            report = self.weight_sync.update(self.policy.sync_source(), str(new_version))
             self.version = new_version
             self._dirty = False
             self._weights_lock.notify_all()
@@ -131,7 +134,7 @@ class TrainerRank:
             cfg = WeightSyncConfig(**self.sync_config)
             one = WeightSync([EngineHandle(url, tp_size)], cfg)
             try:
-                report = one.update(self.policy.model, str(self.version))
+                report = one.update(self.policy.sync_source(), str(self.version))
             finally:
                 one.close()
             self.weight_sync.remove_engine(url)

@@ -15,13 +15,14 @@ class TrainerGroup:
     """N data-parallel trainer ranks; rank 0 drives weight syncs."""
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any], use_transformers: bool = False):
+                 sync_config: dict[str, Any], use_transformers: bool = False,
+                 engine_dtype: str | None = None):
         world = len(placement.plan.trainer)
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
                 rank, world, model_path, lr=lr, seed=seed, sync_config=sync_config,
-                use_transformers=use_transformers)
+                use_transformers=use_transformers, engine_dtype=engine_dtype)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from slime_like.models import load_pretrained
 from slime_like.models.hf_checkpoint import load_transformers_model
 from slime_like.models.transformer import hf_named_parameters
 from slime_like.trainer.grpo import PackedBatch, pack, policy_gradient_loss, token_logprobs
+from slime_like.trainer.serve_dtype import CastWeights, serve_dtype
 
 
 class PolicyTrainer:
@@ -24,12 +26,14 @@ class PolicyTrainer:
 
     `use_transformers` trains an HF checkpoint as `transformers`' AutoModelForCausalLM; the
     default is the pure-torch model (the tiny model, no transformers needed). Both name
-    their parameters as the checkpoint does, so the weight sync needs no mapping.
+    their parameters as the checkpoint does, so the weight sync needs no mapping. Weights
+    stay fp32; syncs send them in the engines' dtype (`engine_dtype`, sglang's --dtype, or
+    the checkpoint's).
     """
 
     def __init__(self, model_path: str | Path, *, lr: float = 1e-3, device: str = "cpu",
                  seed: int = 0, group: dist.ProcessGroup | None = None,
-                 use_transformers: bool = False):
+                 use_transformers: bool = False, engine_dtype: str | None = None):
         torch.manual_seed(seed)
         if use_transformers:
             self.model = load_transformers_model(model_path, device=device, dtype=torch.float32)
@@ -39,6 +43,9 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
         self.use_transformers = use_transformers
+        dtype = serve_dtype(model_path, engine_dtype)
+        self._sync_source = self.model if dtype == torch.float32 else CastWeights(self.model,
+                                                                                  dtype)
         self.group = group
         self.device = device
         self.steps = 0
@@ -86,6 +93,10 @@ class PolicyTrainer:
         for i, (prompt, output) in enumerate(samples):
             out.append(lp[i, len(prompt): len(prompt) + len(output)].tolist())
         return out
+
+    def sync_source(self) -> Any:
+        """What a weight sync sends: the model, or its weights cast to the engines' dtype."""
+        return self._sync_source
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named parameters to sync (tied lm_head left out, as in the checkpoint)."""
