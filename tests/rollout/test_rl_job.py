@@ -90,11 +90,12 @@ def _kill_leftovers(procs: list[psutil.Process], grace: float = 30.0) -> list[st
 
 
 def _job(out: Path, *flags: str) -> subprocess.Popen:
-    """`python -m slime_like.train` as its own process: the job's driver."""
-    log = open(out.with_suffix(".log"), "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "slime_like.train", *MATH, "--output-dir",
-                             str(out), *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """`python -m slime_like.train` as its own process: the job's driver (log: out.log)."""
+    with open(out.with_suffix(".log"), "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "slime_like.train", *MATH,
+                                 "--output-dir", str(out), *flags], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_a_killed_job_resumes_after_its_last_checkpoint_serving_only_the_loaded_weights(
