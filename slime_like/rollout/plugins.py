@@ -35,6 +35,7 @@ from slime_like.errors import ConfigError, PluginError
 from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.rollout.data import PromptItem
 from slime_like.rollout.generate import RouterGenerator, Sample
+from slime_like.rollout.task import letter_credit
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +90,7 @@ def toy_reward(args: argparse.Namespace, sample: Sample, **kwargs: Any) -> float
 
     Mean over the generated tokens, 0 for an empty answer (see `rollout/task.py`).
     """
-    if not sample.output_ids:
-        return 0.0
-    score = 0.0
-    for ch in sample.response:
-        if ch == sample.label:
-            score += 1.0
-        elif ch.isascii() and ch.isalpha():
-            score += 0.25
-    return score / len(sample.output_ids)
+    return letter_credit(sample.response, str(sample.label), len(sample.output_ids))
 
 
 # ---- the default rollout: through the router ----------------------------------------------------
