@@ -89,3 +89,11 @@ class UnsafePayloadError(SlimeLikeError, pickle.UnpicklingError):
 
 class PlacementError(SlimeLikeError):
     """The placement group could not be created or probed (e.g. not enough GPUs in time)."""
+
+
+class PluginError(SlimeLikeError):
+    """A user plug-in (`--custom-rm-path`, ...) returned something the job cannot use."""
+
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")

@@ -2,11 +2,13 @@
 
     python -m slime_like.train --config configs/quickstart.yaml
 
-Each step samples prompts of the toy task, generates through the router, scores the
-completions, checks that the trainer's log-probabilities of the sampled tokens equal the
-engines' at the same weight version (a stale or corrupt sync shows at once), takes one GRPO
-step and pushes the new weights into every engine. Engine deaths are handled by the
-fleet in the background (see `rollout/fleet.py`).
+Each step takes prompts (the toy task's, or `--prompt-data`), generates through the router
+(or `--rollout-function-path`), scores the completions (`--custom-rm-path`), checks that
+the trainer's log-probabilities of the sampled tokens equal the engines' at the same weight
+version (a stale or corrupt sync shows at once), takes one GRPO step and pushes the new
+weights into every engine; with `--save` it checkpoints, and with `--load` it resumes after
+the saved step with the engines serving the loaded weights. Engine deaths are handled by
+the fleet in the background (see `rollout/fleet.py`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ from slime_like.config.parse import parse_args
 from slime_like.config.slices import fleet_settings, make_keys, sync_settings
 from slime_like.dry_run import describe
 from slime_like.errors import ConfigError, SlimeLikeError
-from slime_like.models.tiny import make_tiny_model
+from slime_like.job_inputs import (
+    preflight,
+    prepare_inputs,
+    save_checkpoint,
+    save_due,
+    weight_versions,
+)
 from slime_like.observe import RunObservers
+from slime_like.protocol.weight_version import WeightVersion
 from slime_like.report import sync_metrics
 from slime_like.rollout.fleet import Fleet
 from slime_like.rollout.generate import Sample
-from slime_like.rollout.task import SayTheLetterTask
 from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
 
@@ -109,14 +117,16 @@ def crash_midway(fleet: Fleet, total: int):
 def train(args: argparse.Namespace) -> int:
     """Run the job described by parsed flags; 0 on success.
 
-    placement -> fleet -> trainer group -> first sync -> {rollout, check, train, sync}.
+    inputs -> placement -> fleet -> trainer group -> first sync -> {rollout, check, train,
+    sync, save}.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    inputs = prepare_inputs(args, out)  # a bad prompt file or plug-in fails before anything
+    plugins, model_path, source, resume = (inputs.plugins, inputs.model_path, inputs.source,
+                                           inputs.resume)
     obs = RunObservers.from_args(args, out)  # report folder, tracking, progress
     init_ray(args)
-    model_path = args.hf_checkpoint or str(make_tiny_model(
-        out / "model", layers=args.tiny_model_layers, hidden=args.tiny_model_hidden, seed=args.seed))
     placement = place_job(args, timeout_s=300)
     keys = make_keys(args)
     updatable = [m.name for m in args.topology.models if m.update_weights]
@@ -124,7 +134,6 @@ def train(args: argparse.Namespace) -> int:
                                  model_paths={m: model_path for m in updatable}),
                   placement, on_event=obs.on_event)
     trainer: TrainerGroup | None = None
-    task = SayTheLetterTask(seed=args.seed)
     n = args.n_samples_per_prompt
     sampling = {"temperature": args.rollout_temperature,
                 "max_new_tokens": args.rollout_max_response_len or 16, "ignore_eos": True}
@@ -134,10 +143,23 @@ def train(args: argparse.Namespace) -> int:
         for model, router in fleet.routers.items():
             obs.add_router(model, router.prometheus_url)
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
-                               sync=sync_settings(args, model_path))
+                               sync=sync_settings(args, model_path),
+                               use_transformers=bool(args.hf_checkpoint),
+                               engine_dtype=args.sglang_flags.get("dtype"))
         fleet.set_weight_source(trainer.push_weights)
+        start, first_version = 0, None
+        if resume is not None:
+            trainer.load_checkpoint(str(resume.path), resume.state.weight_version)
+            start = resume.state.step + 1
+            # The engines get the loaded weights as the loaded version before serving (a
+            # new version only if they were trained after their last sync).
+            first_version = WeightVersion(resume.state.weight_version
+                                          + (0 if resume.state.weights_synced else 1))
+            notes.append(f"resumed from {resume.path.name} (step {resume.state.step}, weight "
+                         f"version {resume.state.weight_version})")
         with obs.progress.syncing("first weight sync"):
-            first = fleet.sync(trainer.push_weights)
+            first = fleet.sync(trainer.push_weights, version=first_version)
+        logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
         monkey = sampler = None
         if args.chaos_seed is not None:
             updatable_engines = [e for e in fleet.engines if e.update_weights]
@@ -147,18 +169,21 @@ def train(args: argparse.Namespace) -> int:
             sampler = InvariantSampler(fleet, unreachable_grace_s=(
                 args.rollout_health_check_interval + args.rollout_health_check_timeout + 1.5)
             ).start()
-        logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
 
-        for step in range(args.num_rollout or 10):
+        num_rollout = args.num_rollout or 10
+        for step in range(start, num_rollout):
             t0 = time.time()
-            prompts = task.sample_prompts(args.rollout_batch_size or 8)
+            prompts = source.next_batch(args.rollout_batch_size or 8)
             hook = (crash_midway(fleet, len(prompts) * n)
                     if step == args.simulate_engine_crash_at else None)
             if monkey is not None:
                 hook = monkey.rollout_hook(step, len(prompts) * n) or hook
-            samples = fleet.generate([p.input_ids for p in prompts], n, sampling, hook)
+            samples = plugins.rollout(args, step, prompts, router_url=fleet.router_url(),
+                                      sampling_params=sampling, n=n, tokenizer=inputs.tokenizer,
+                                      on_sample=hook, api_key=fleet.settings.router.api_key,
+                                      generate=fleet.generate)
             rollout_s = time.time() - t0
-            rewards = [task.reward(prompts[s.prompt_index], s.output_ids) for s in samples]
+            rewards = plugins.rewards(args, samples)
             advantages = group_advantages(rewards, n)
             worst = check_logprobs(samples, trainer, int(fleet.version),
                                    args.logprob_check_tolerance)
@@ -180,10 +205,13 @@ def train(args: argparse.Namespace) -> int:
                 "samples_returned": len(samples),
                 "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
                 "retried_requests": sum(s.attempts > 1 for s in samples),
+                "sample_weight_versions": weight_versions(samples),
                 "engines": fleet.states(),
                 **train_metrics,
                 **sync_metrics(sync),
             })
+            if save_due(args, step, num_rollout):
+                save_checkpoint(args.save, step, trainer, int(fleet.version), bool(sync), source)
             logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                         "engines %s", step, sum(rewards) / len(rewards), rollout_s,
                         sync.get("total_s", 0.0), worst, fleet.states())
@@ -209,7 +237,7 @@ def train(args: argparse.Namespace) -> int:
             trainer.shutdown()
         fleet.shutdown()
         placement.release()
-        path = obs.close(title="slime_like quickstart run", notes=notes)
+        path = obs.close(title="slime_like run", notes=notes)
         logger.info("report: %s", path)
 
 
@@ -224,11 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        try:
+            preflight(args)
+        except ConfigError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
         print(describe(args))
         return 0
     try:
         return int(train(args) or 0)
-    except ConfigError as e:  # e.g. --use-wandb without wandb: found when the job starts
+    except ConfigError as e:  # a bad prompt file, plug-in, checkpoint, or a missing tracker
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,7 @@ Keys are flag names without the leading dashes (`rollout_num_gpus: 4`,
 `sglang_mem_fraction_static: 0.7`, `router_policy: round_robin`). Each value is checked
 with the flag's own type and choices, so a mistake in the file reads like a mistake on
 the command line, with `FILE:key` as its path. `sglang_config` may be a path (relative to
-the file) or the server-group YAML itself, inline.
+the file) or the server-group YAML itself, inline; `prompt_data` is relative to the file too.
 """
 
 from __future__ import annotations
@@ -126,6 +126,10 @@ def convert_value(action: argparse.Action, value: Any, where: str) -> Any:
     return _scalar(action, value, where, json_text)
 
 
+# Keys naming files that belong with the config file: relative paths are read from its folder.
+FILE_RELATIVE = frozenset({"sglang_config", "prompt_data"})
+
+
 def load_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """{dest: value} from a flags YAML file, to install with `parser.set_defaults`."""
     data = read_yaml(path, "--config")
@@ -151,7 +155,7 @@ def load_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
         if dest not in actions:
             raise ConfigError(where, "unknown flag" + did_you_mean(dest, actions))
         converted = convert_value(actions[dest], value, where)
-        if dest == "sglang_config" and converted is not None:
+        if dest in FILE_RELATIVE and converted is not None:
             converted = str(Path(path).parent / converted)
         out[dest] = converted
     return out

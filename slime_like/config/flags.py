@@ -62,8 +62,10 @@ def _cluster(p: argparse.ArgumentParser) -> None:
 def _rollout(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("rollout", "What the engines serve and how the job drives them.")
     g.add_argument("--hf-checkpoint", default=None,
-                   help="HF checkpoint the engines load and the trainer updates. With "
-                        "--engine reference and no checkpoint, the job makes a tiny model.")
+                   help="HF checkpoint the engines load and the trainer updates (through "
+                        "transformers): a local directory with a config.json, or a hub id. "
+                        "With --engine reference and no checkpoint, the job makes a tiny "
+                        "model.")
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
                    help="Attach engines started elsewhere instead of launching them; they take "
                         "no slots of the placement group and are never killed.")
@@ -83,6 +85,57 @@ def _rollout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-temperature", type=t.positive_float, default=1.0,
                    help="Sampling temperature of rollouts (> 0: greedy is not a policy).")
     g.add_argument("--lr", type=t.positive_float, default=1e-6, help="Trainer learning rate.")
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and plug-ins", "Prompts, reward and generation (slime's names); "
+                                                  "the toy task is the default of each.")
+    g.add_argument("--prompt-data", default=None, metavar="FILE.jsonl",
+                   help="JSONL prompt set, one JSON object per line; default: the toy task's "
+                        "prompts.")
+    g.add_argument("--input-key", default="prompt",
+                   help="Key of the prompt in each JSONL line: a string, or a list of chat "
+                        "messages with --apply-chat-template.")
+    g.add_argument("--label-key", default=None,
+                   help="Key of the label (e.g. the reference answer) handed to the reward "
+                        "function as sample.label.")
+    g.add_argument("--metadata-key", default="metadata",
+                   help="Key of an optional object handed to the reward function as "
+                        "sample.metadata.")
+    g.add_argument("--apply-chat-template", action="store_true", default=False,
+                   help="Render each prompt with the checkpoint's HF tokenizer chat template "
+                        "(a user message, generation prompt added).")
+    g.add_argument("--rollout-shuffle", action="store_true", default=False,
+                   help="Shuffle the prompt set, anew each epoch (seeded by --rollout-seed).")
+    g.add_argument("--rollout-seed", type=int, default=42, help="Seed of the prompt shuffle.")
+    g.add_argument("--custom-rm-path", default=None, metavar="MODULE.FUNC",
+                   help="Reward function, called per sample: [async] def reward_func(args, "
+                        "sample, **kwargs) -> float. Default: "
+                        "slime_like.rollout.plugins.toy_reward (the toy task's).")
+    g.add_argument("--rollout-function-path", default=None, metavar="MODULE.FUNC",
+                   help="Rollout of one step: [async] def generate_rollout(args, rollout_id, "
+                        "prompts, *, router_url, sampling_params, n_samples_per_prompt, "
+                        "**kwargs) -> list[Sample]. Default: "
+                        "slime_like.rollout.plugins.generate_rollout (the router).")
+    g.add_argument("--custom-generate-function-path", default=None, metavar="MODULE.FUNC",
+                   help="Generation of one sample by the default rollout: async def "
+                        "generate(args, sample, sampling_params, *, router_url, **kwargs) -> "
+                        "Sample, with output_ids, output_logprobs and weight_version filled.")
+
+
+def _checkpoint(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoint", "Save and resume the trainer and the job's position "
+                                           "(slime's names).")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="Directory of checkpoints (iter_NNNNNNN/ and "
+                        "latest_checkpointed_iteration.txt); shared by every trainer node.")
+    g.add_argument("--save-interval", type=t.positive_int, default=None, metavar="N",
+                   help="Save every N rollout steps; with --save, a checkpoint is also written "
+                        "after the last step.")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="Resume from the latest checkpoint in DIR: model, optimizer, step, "
+                        "weight version, RNG and data position; the engines serve the loaded "
+                        "weights from the first step. A DIR without checkpoints starts afresh.")
 
 
 def _topology(p: argparse.ArgumentParser) -> None:
@@ -210,8 +263,8 @@ def _tracking(p: argparse.ArgumentParser) -> None:
                         "The URL is printed at start and written into report.md.")
 
 
-GROUP_BUILDERS = (_cluster, _rollout, _topology, _router, _weights, _fault_tolerance, _ours,
-                  _tracking)
+GROUP_BUILDERS = (_cluster, _rollout, _data, _checkpoint, _topology, _router, _weights,
+                  _fault_tolerance, _ours, _tracking)
 
 
 def build_parser(prog: str = "slime-like train") -> argparse.ArgumentParser:

@@ -85,6 +85,11 @@ def _resolve_transport(args: argparse.Namespace) -> None:
                           "trainer and every engine can read)")
 
 
+def _check_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and not args.save:
+        raise ConfigError("--save-interval", "needs --save (the directory to save into)")
+
+
 def _check_router_flags(args: argparse.Namespace) -> None:
     for name, why in OWNED_ROUTER_FIELDS.items():
         if name in args.router_flags:
@@ -99,6 +104,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _check_router_flags(args)
     _check_addresses(args)
     _resolve_transport(args)
+    _check_checkpointing(args)
     _resolve_rollout_gpus(args)
     if args.engine == "sglang" and args.hf_checkpoint is None and \
             not args.rollout_external_engine_addrs and args.sglang_config is None:

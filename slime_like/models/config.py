@@ -1,4 +1,4 @@
-"""Model configuration read from an HF `config.json` (Llama and Qwen3-MoE layouts)."""
+"""Model configuration read from an HF `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE layouts)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import torch
 
 from slime_like.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM",
+                           "Qwen3ForCausalLM")
+# RoPE variants the pure-torch model implements (anything else would silently differ from HF)
+_ROPE_TYPES = (None, "default")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,6 +36,7 @@ class ModelConfig:
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on q/k/v but not o
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 0
@@ -76,6 +80,13 @@ class ModelConfig:
         if isinstance(eos, list):
             eos = eos[0]
         is_qwen3 = arch.startswith("Qwen3")
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type not in _ROPE_TYPES:
+            raise ConfigError(f"{where}: rope_scaling",
+                              f"RoPE type {rope_type!r} is not implemented by the reference "
+                              "engine (only the default RoPE)")
+        attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             model_type=raw.get("model_type", "llama"),
@@ -90,7 +101,8 @@ class ModelConfig:
             rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            attention_bias=attention_bias,
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             bos_token_id=int(raw.get("bos_token_id") if raw.get("bos_token_id") is not None else 1),
             eos_token_id=int(eos if eos is not None else 2),
             pad_token_id=int(raw.get("pad_token_id") if raw.get("pad_token_id") is not None else 0),
@@ -116,6 +128,7 @@ class ModelConfig:
         d = asdict(self)
         arch = d.pop("architecture")
         d.pop("qk_norm")
+        d.pop("qkv_bias")
         if arch != "Qwen3MoeForCausalLM":
             for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):

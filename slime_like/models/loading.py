@@ -72,6 +72,9 @@ def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tenso
     later in the list is copied; the message names the tensor.
     """
     params = dict(model.named_parameters())
+    # Some checkpoints store a tied lm_head anyway; it is the embedding parameter here.
+    if model.config.tie_word_embeddings:
+        params.setdefault("lm_head.weight", model.lm_head.weight)
     loaded = []
     for name, tensor in named_tensors:
         param = params.get(name)

@@ -1,4 +1,4 @@
-"""A pure-torch causal LM with HF parameter names (Llama, Qwen3, Qwen3-MoE layouts).
+"""A pure-torch causal LM with HF parameter names (Llama, Qwen2, Qwen3, Qwen3-MoE layouts).
 
 Used by both sides of a weight sync: the trainer trains it, the reference engine serves it,
 and `named_parameters()` yields exactly the names of the HF checkpoint, so buckets,
@@ -64,9 +64,10 @@ class Attention(nn.Module):
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
+        qkv_bias = c.attention_bias or c.qkv_bias
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from slime_like.models.config import ModelConfig
+from slime_like.models.hf_tokenizer import load_tokenizer
 from slime_like.models.loading import load_pretrained
+from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.args import SGLANG_VERSION, EngineArgs
 from slime_like.reference_engine.disaggregation import (
     BOOTSTRAP_TIMEOUT_ENV,
@@ -64,6 +66,10 @@ class ReferenceEngine:
                                      seed=args.random_seed)
         self.context_len = min(args.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
+        # The checkpoint's own tokenizer for `text` inputs and output text (byte-level for
+        # the tiny model: no transformers import); none to load with --skip-tokenizer-init.
+        self.tokenizer = ByteTokenizer() if args.skip_tokenizer_init else load_tokenizer(
+            args.all_args.get("tokenizer_path") or args.model_path, where="--tokenizer-path")
         per_token = kv_bytes_per_token(self.config, self.dtype)
         budget_tokens = args.max_total_tokens or (_KV_BUDGET_BYTES[args.device] // per_token)
         max_running = args.max_running_requests or max(1, min(_DEFAULT_MAX_RUNNING,
@@ -73,7 +79,7 @@ class ReferenceEngine:
         self.scheduler = Scheduler(
             self.model, device=self.device, context_len=self.context_len, max_running=max_running,
             prefix_cache_tokens=max_running * self.context_len, weight_version=args.weight_version,
-            seed=args.random_seed, metrics=self.metrics)
+            seed=args.random_seed, metrics=self.metrics, tokenizer=self.tokenizer)
         # PD prefill: hand-offs by bootstrap room, served on --disaggregation-bootstrap-port.
         self.handoffs: HandoffStore | None = None
         self.bootstrap_server: BootstrapServer | None = None
@@ -86,7 +92,7 @@ class ReferenceEngine:
                                  incremental_streaming=args.incremental_streaming_output,
                                  vocab_size=self.config.vocab_size,
                                  disaggregation_mode=args.disaggregation_mode,
-                                 handoffs=self.handoffs)
+                                 handoffs=self.handoffs, tokenizer=self.tokenizer)
         self.receiver = WeightReceiver(self.model, tp_rank=0, tp_size=args.tp_size, device=self.device,
                                        model_path=args.model_path, load_format=args.load_format,
                                        seed=args.random_seed, cpu_backup=args.enable_weights_cpu_backup)

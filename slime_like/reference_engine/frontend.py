@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.disaggregation import (
     BOOTSTRAP_TIMEOUT_ENV,
@@ -117,11 +118,12 @@ class Frontend:
 
     def __init__(self, scheduler: Scheduler, *, context_len: int, skip_tokenizer_init: bool,
                  incremental_streaming: bool, vocab_size: int, disaggregation_mode: str = "null",
-                 handoffs: HandoffStore | None = None):
+                 handoffs: HandoffStore | None = None,
+                 tokenizer: Tokenizer | None = None):
         self.scheduler = scheduler
         self.context_len = context_len
         self.vocab_size = vocab_size
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.out_tokenizer = None if skip_tokenizer_init else self.tokenizer
         self.incremental_streaming = incremental_streaming
         self.disaggregation_mode = disaggregation_mode

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.reference_engine.disaggregation import Bootstrap, bootstrap_items
 from slime_like.reference_engine.sampling import (
     SamplingSpec,
@@ -106,7 +106,7 @@ def _per_item(value: Any, n_prompts: int, name: str, default: Any) -> list:
     return [value] * n_prompts
 
 
-def parse_generate(body: dict, *, tokenizer: ByteTokenizer, vocab_size: int, context_len: int,
+def parse_generate(body: dict, *, tokenizer: Tokenizer, vocab_size: int, context_len: int,
                    internal: bool = False, prefill_only: bool = False) -> GenerateJob:
     """A /generate body -> items; raises SchemaError (contract) or ValueError (bad values)."""
     if not internal:
@@ -210,7 +210,7 @@ def _trim_at_stop(text: str, stop: str | None) -> str:
 
 
 def build_output(req: Req, n_out: int, finished: bool, version: str, *, job: GenerateJob,
-                 tokenizer: ByteTokenizer | None, start: int = 0) -> dict:
+                 tokenizer: Tokenizer | None, start: int = 0) -> dict:
     """sglang's /generate output for `req` after n_out tokens; `start` > 0 gives a delta chunk."""
     out_ids = req.ids[len(req.prompt_ids):len(req.prompt_ids) + n_out]
     spans = weight_version_spans(req.version_events, version, n_out)

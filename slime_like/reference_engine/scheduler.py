@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.kv_cache import BatchKV, KVPool, PrefixCache, extend_mask
 from slime_like.reference_engine.metrics import EngineMetrics
@@ -106,7 +107,7 @@ class Scheduler:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str, context_len: int,
                  max_running: int, prefix_cache_tokens: int, weight_version: str, seed: int,
-                 metrics: EngineMetrics, tokenizer: ByteTokenizer | None = None):
+                 metrics: EngineMetrics, tokenizer: Tokenizer | None = None):
         self.model = model
         self.config = model.config
         self.device = torch.device(device)

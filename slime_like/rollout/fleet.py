@@ -316,8 +316,8 @@ class Fleet:
                  version: WeightVersion | None = None) -> Iterator[Update]:
         """A weight update of the updatable engines (all syncable ones, or `engine_ids`).
 
-        A full update installs the next version; a resync (`engine_ids` given, no version)
-        installs the current one. See the module docstring for what happens on exit.
+        A full update installs the next version (or `version`, e.g. the loaded one after a
+        resume); a resync (`engine_ids` given, no version) installs the current one. See the module docstring for what happens on exit.
         """
         full = engine_ids is None
         with self._lock:
@@ -404,7 +404,7 @@ class Fleet:
                 self._on_dead(e.engine_id, "server gone after a failed weight update")
 
     def sync(self, push: Callable[[Update], dict | None], retries: int = 3,
-             wait_for_engines_s: float = 600.0) -> dict:
+             wait_for_engines_s: float = 600.0, version: WeightVersion | None = None) -> dict:
         """A full update through `push`, retried for the living engines after a failure.
 
         With every engine dead or relaunching it waits (bounded) for one to come back
@@ -416,7 +416,7 @@ class Fleet:
             for attempt in range(retries + 1):
                 self._wait_for_syncable(wait_for_engines_s)
                 try:
-                    with self.updating() as update:
+                    with self.updating(version=version) as update:
                         update.report = push(update) or {}
                     return update.report
                 except (WeightSyncError, FleetError) as err:

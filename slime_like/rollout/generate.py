@@ -28,7 +28,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Sample:
-    """One completion of one prompt, as the engine produced it."""
+    """One completion of one prompt, as the engine produced it.
+
+    The job fills `prompt`, `response`, `label` and `metadata` (slime's names) before the
+    reward function sees the sample; `reward` holds its score.
+    """
 
     prompt_index: int
     prompt_ids: list[int]
@@ -38,6 +42,11 @@ class Sample:
     finish_reason: str
     attempts: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
+    prompt: str = ""
+    response: str = ""
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
 
 
 class GenerationError(RuntimeError):

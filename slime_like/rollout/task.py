@@ -42,13 +42,17 @@ class SayTheLetterTask:
 
     def reward(self, prompt: Prompt, output_ids: list[int]) -> float:
         """Mean per-byte credit over the generated tokens (0 for an empty answer)."""
-        if not output_ids:
-            return 0.0
-        text = self.tokenizer.decode(output_ids)
-        score = 0.0
-        for ch in text:
-            if ch == prompt.target:
-                score += 1.0
-            elif ch.isascii() and ch.isalpha():
-                score += 0.25
-        return score / len(output_ids)
+        return letter_credit(self.tokenizer.decode(output_ids), prompt.target, len(output_ids))
+
+
+def letter_credit(text: str, target: str, n_tokens: int) -> float:
+    """1 per character equal to `target`, 0.25 per other letter, over `n_tokens` (0 if none)."""
+    if not n_tokens:
+        return 0.0
+    score = 0.0
+    for ch in text:
+        if ch == target:
+            score += 1.0
+        elif ch.isascii() and ch.isalpha():
+            score += 0.25
+    return score / n_tokens

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from slime_like.engine.handle import EngineHandle
+from slime_like.trainer.checkpoint import load_rank_state, save_rank_state
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
@@ -36,8 +37,11 @@ class TrainerRank:
     """One trainer rank: model + optimiser; rank 0 additionally syncs weights to engines."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any] | None = None):
+                 sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
+                 engine_dtype: str | None = None):
         self.rank = rank
+        self.use_transformers = use_transformers
+        self.engine_dtype = engine_dtype
         self.world_size = world_size
         self.model_path = model_path
         self.lr = lr
@@ -68,7 +72,9 @@ class TrainerRank:
                                     timeout=timedelta(minutes=10))
             self.group = dist.group.WORLD
         self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
-                                    seed=self.seed, group=self.group)
+                                    seed=self.seed, group=self.group,
+                                    use_transformers=self.use_transformers,
+                                    engine_dtype=self.engine_dtype)
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -116,7 +122,7 @@ class TrainerRank:
         assert self.policy is not None
         with self._weights_lock:
             if full:
-                report = self._weight_sync().update(self.policy.model, str(version),
+                report = self._weight_sync().update(self.policy.sync_source(), str(version),
                                                     engines=targets)
                 self.version = version
                 self._dirty = False
@@ -126,9 +132,26 @@ class TrainerRank:
                 raise TimeoutError("weights stayed ahead of the served version for 600s")
             one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
             try:
-                return one.update(self.policy.model, str(self.version)).as_dict()
+                return one.update(self.policy.sync_source(), str(self.version)).as_dict()
             finally:
                 one.close()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Write this rank's part of a checkpoint (see trainer/checkpoint.py)."""
+        assert self.policy is not None
+        with self._weights_lock:
+            save_rank_state(self.policy.model, self.policy.optimizer, self.rank, out_dir)
+
+    def load_checkpoint(self, ckpt_dir: str, version: int) -> None:
+        """Restore model, optimizer and RNG; the weights are `version` (not yet served)."""
+        assert self.policy is not None
+        with self._weights_lock:
+            load_rank_state(self.policy.model, self.policy.optimizer, self.rank, ckpt_dir,
+                            device=self.device)
+            self.version = version
+            self._dirty = True  # engines serve other weights until the next full sync
 
     def current_version(self) -> int:
         return self.version

@@ -13,13 +13,15 @@ class TrainerGroup:
     """N data-parallel trainer ranks; rank 0 drives weight syncs."""
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
-                 sync: SyncSettings):
+                 sync: SyncSettings, use_transformers: bool = False,
+                 engine_dtype: str | None = None):
         world = len(placement.plan.trainer)
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
                 rank, world, model_path, lr=lr, seed=seed,
-                sync_config=sync.weight_sync_kwargs())
+                sync_config=sync.weight_sync_kwargs(), use_transformers=use_transformers,
+                engine_dtype=engine_dtype)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -59,6 +61,13 @@ class TrainerGroup:
     def arm_fault(self, step: str, engine_actor) -> None:
         """Chaos runs: kill an engine when rank 0's next full sync reaches `step`."""
         ray.get(self.rank0.arm_fault.remote(step, engine_actor))
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Every rank writes its part into `out_dir` (a directory all ranks can reach)."""
+        ray.get([a.save_checkpoint.remote(out_dir) for a in self.actors])
+
+    def load_checkpoint(self, ckpt_dir: str, version: int) -> None:
+        ray.get([a.load_checkpoint.remote(ckpt_dir, version) for a in self.actors])
 
     def shutdown(self) -> None:
         try:

@@ -9,27 +9,51 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from slime_like.models import CausalLM, load_pretrained
+from slime_like.models import load_pretrained
+from slime_like.models.hf_checkpoint import load_transformers_model
+from slime_like.models.transformer import hf_named_parameters
 from slime_like.trainer.grpo import PackedBatch, pack, policy_gradient_loss, token_logprobs
+from slime_like.trainer.serve_dtype import CastWeights, serve_dtype
 
 
 class PolicyTrainer:
-    """One rank's copy of the policy: train steps and log-probability recomputation."""
+    """One rank's copy of the policy: train steps and log-probability recomputation.
+
+    `use_transformers` trains an HF checkpoint as `transformers`' AutoModelForCausalLM; the
+    default is the pure-torch model (the tiny model, no transformers needed). Both name
+    their parameters as the checkpoint does, so the weight sync needs no mapping. Weights
+    stay fp32; syncs send them in the engines' dtype (`engine_dtype`, sglang's --dtype, or
+    the checkpoint's).
+    """
 
     def __init__(self, model_path: str | Path, *, lr: float = 1e-3, device: str = "cpu",
-                 seed: int = 0, group: dist.ProcessGroup | None = None):
+                 seed: int = 0, group: dist.ProcessGroup | None = None,
+                 use_transformers: bool = False, engine_dtype: str | None = None):
         torch.manual_seed(seed)
-        self.model: CausalLM = load_pretrained(model_path, device=device, dtype=torch.float32)
+        if use_transformers:
+            self.model = load_transformers_model(model_path, device=device, dtype=torch.float32)
+        else:
+            self.model = load_pretrained(model_path, device=device, dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
+        self.use_transformers = use_transformers
+        dtype = serve_dtype(model_path, engine_dtype)
+        self._sync_source = self.model if dtype == torch.float32 else CastWeights(self.model,
+                                                                                  dtype)
         self.group = group
         self.device = device
         self.steps = 0
+
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.use_transformers:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+        return self.model(input_ids)
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if self.group is not None else 1
@@ -40,7 +64,7 @@ class PolicyTrainer:
         batch: PackedBatch = pack(samples, advantages)
         batch.input_ids = batch.input_ids.to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
-        logits = self.model(batch.input_ids)
+        logits = self._logits(batch.input_ids)
         logprobs = token_logprobs(logits, batch.input_ids)
         loss = policy_gradient_loss(logprobs, batch)
         loss.backward()
@@ -61,7 +85,7 @@ class PolicyTrainer:
         self.model.eval()
         try:
             batch = pack(samples, [0.0] * len(samples))
-            logits = self.model(batch.input_ids.to(self.device))
+            logits = self._logits(batch.input_ids.to(self.device))
             lp = token_logprobs(logits, batch.input_ids.to(self.device)).cpu()
         finally:
             self.model.train(was_training)
@@ -70,6 +94,10 @@ class PolicyTrainer:
             out.append(lp[i, len(prompt): len(prompt) + len(output)].tolist())
         return out
 
+    def sync_source(self) -> Any:
+        """What a weight sync sends: the model, or its weights cast to the engines' dtype."""
+        return self._sync_source
+
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named parameters to sync (tied lm_head left out, as in the checkpoint)."""
-        return list(self.model.hf_state_dict().items())
+        return list(hf_named_parameters(self.model))

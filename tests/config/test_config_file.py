@@ -67,6 +67,15 @@ def test_sglang_config_path_is_relative_to_the_config_file(tmp_path):
     assert a.topology.models[0].name == "m" and a.rollout_num_gpus == 3
 
 
+def test_prompt_data_path_is_relative_to_the_config_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    cfg = _write(tmp_path / "sub", "engine: reference\nactor_num_gpus_per_node: 1\n"
+                                   "rollout_num_gpus: 1\nprompt_data: data.jsonl\n")
+    assert parse_args(["--config", str(cfg)]).prompt_data == str(tmp_path / "sub" / "data.jsonl")
+    cli = parse_args(["--config", str(cfg), "--prompt-data", "here.jsonl"])
+    assert cli.prompt_data == "here.jsonl"  # the command line is relative to where it runs
+
+
 @pytest.mark.parametrize(("text", "path", "message"), [
     ("rollout_num_gpu: 4\n", "rollout_num_gpu", "unknown flag; did you mean 'rollout_num_gpus'?"),
     ("rollout_num_gpus: four\n", "rollout_num_gpus", "must be an integer, got 'four'"),
