@@ -31,7 +31,16 @@ def _argvs(args, model_path: str | None = None) -> list[dict]:
 
 def test_every_config_is_exercised():
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
-        "colocate.yaml", "multi_model.yaml", "pd.yaml", "quickstart.yaml"]
+        "chaos.yaml", "colocate.yaml", "multi_model.yaml", "pd.yaml", "quickstart.yaml"]
+
+
+def test_chaos_is_the_quickstart_with_four_engines_and_every_fault():
+    args = _args("chaos.yaml")
+    assert args.engine == "reference" and len(args.nominal_plan.engines) == 4
+    assert args.chaos_seed is not None and len(args.chaos_faults) == 7
+    # detection well inside the request timeout: a hang never holds a step for long
+    assert args.rollout_health_check_interval + args.rollout_health_check_timeout \
+        < args.rollout_request_timeout
 
 
 def test_quickstart_is_one_trainer_and_two_reference_engines():
