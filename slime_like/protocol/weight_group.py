@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import ipaddress
+import socket
 from datetime import timedelta
 
 import torch
@@ -76,12 +77,28 @@ def init_custom_process_group(
     return pg
 
 
-def host_store(world_size: int, timeout: timedelta | float, port: int = 0) -> dist.TCPStore:
-    """A TCPStore for rank 0 (port 0: a free one, read back from `.port`), not waiting for peers."""
+def host_store(world_size: int, timeout: timedelta | float, port: int = 0,
+               host: str | None = None) -> dist.TCPStore:
+    """A TCPStore for rank 0 (port 0: a free one, read back from `.port`), not waiting for peers.
+
+    With `host` it listens on that address only (the trainer's, as the engines reach it),
+    not on every interface of the machine.
+    """
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=float(timeout))
-    return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, timeout=timeout,
-                         wait_for_workers=False)
+    if host is None:
+        return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((bare, port))
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    # The store takes the listening socket over (it serves on that descriptor).
+    return dist.TCPStore(bare, bound, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def abort_process_group(pg: dist.ProcessGroup | None) -> None:

@@ -121,8 +121,9 @@ class DistributedTransport(Transport):
         self.attempt += 1
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
-        store = host_store(world_size, self.group_timeout_s, port=self.master_port or 0)
         address = self.master_address or master_address_for(engines)
+        store = host_store(world_size, self.group_timeout_s, port=self.master_port or 0,
+                           host=address)
         watch = Watch(self.group_timeout_s + 10)
         step = "init_weights_update_group"
         http = []

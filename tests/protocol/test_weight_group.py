@@ -51,3 +51,17 @@ def test_two_processes_broadcast_and_rebuild_under_a_new_group_name():
 def test_ipv6_hosts_are_bracketed():
     assert tcp_init_method("::1", 5) == "tcp://[::1]:5"
     assert tcp_init_method("10.0.0.1", 5) == "tcp://10.0.0.1:5"
+
+
+def test_the_weight_groups_store_listens_on_the_trainers_address_only():
+    import os
+
+    import psutil
+
+    from slime_like.protocol.weight_group import host_store
+
+    store = host_store(2, 5.0, host="127.0.0.1")
+    listening = [c.laddr for c in psutil.Process(os.getpid()).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+    del store
