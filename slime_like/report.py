@@ -122,16 +122,18 @@ class RunReport:
         return round(time.time() - self.started, 3)
 
     def log_step(self, step: int, metrics: dict[str, Any], *, time_s: float | None = None) -> None:
+        """One row of metrics.jsonl; `time_s` (seconds since start) defaults to now."""
         row = {"step": step, "time_s": self._now() if time_s is None else time_s, **metrics}
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, default=str) + "\n")
 
     def log_event(self, engine: str, state: str, *, time_s: float | None = None,
                   **details: Any) -> None:
+        """One row of engine_timeline.jsonl (a state change of an engine or router)."""
         row = {"time_s": self._now() if time_s is None else time_s, "engine": engine,
                "state": state, **details}
         with self.timeline_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, default=str) + "\n")
 
     def save_run_info(self, args: Any) -> None:
         """config.json (resolved flags) and versions.json (with the git revision) beside it."""
