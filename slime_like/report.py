@@ -139,6 +139,14 @@ class RunReport:
         """config.json (resolved flags) and versions.json (with the git revision) beside it."""
         write_run_info(self.out_dir, args)
 
+    def _keep_endpoints(self) -> None:
+        """Save the endpoints beside the report, or read them back when re-rendering."""
+        path = self.out_dir / "endpoints.json"
+        if self.endpoints:
+            path.write_text(json.dumps([vars(e) for e in self.endpoints], indent=2) + "\n")
+        elif path.is_file():
+            self.endpoints = [MetricsEndpoint(**e) for e in json.loads(path.read_text())]
+
     def _read(self, path: Path) -> list[dict]:
         if not path.is_file():
             return []
@@ -150,6 +158,7 @@ class RunReport:
 
         steps = self._read(self.metrics_path)
         events = self._read(self.timeline_path)
+        self._keep_endpoints()
         log = IncidentLog()
         for e in events:
             log.feed(e)
