@@ -102,6 +102,7 @@ def unknown_command(word: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`slime-like [--help | --version | COMMAND ...]`; the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]].run(argv[1:])

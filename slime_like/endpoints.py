@@ -19,6 +19,7 @@ class MetricsEndpoint:
     url: str
 
     def line(self) -> str:
+        """`name: url`, as printed at start and listed in report.md."""
         return f"{self.name}: {self.url}"
 
 

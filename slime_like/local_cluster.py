@@ -47,6 +47,7 @@ class PrivateCluster:
 
     @property
     def dashboard_url(self) -> str:
+        """Where `ray job` and the job SDK reach it."""
         return f"http://127.0.0.1:{self.dashboard_port}"
 
 
@@ -130,6 +131,7 @@ def stop_cluster(temp_dir: str, gcs_port: int | None = None, grace_s: float = 5.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`start` / `stop` from the command line (scripts/run_job.sh); the exit status."""
     p = argparse.ArgumentParser(prog="python -m slime_like.local_cluster",
                                 description="Start or stop one private Ray cluster of this "
                                             "machine.")

@@ -9,7 +9,6 @@ so `train.py` only says: an engine event happened (`on_event`), a step finished
 from __future__ import annotations
 
 import argparse
-import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,6 @@ from slime_like.progress import RunProgress
 from slime_like.report import RunReport
 from slime_like.run_info import json_safe
 from slime_like.tracking import Tracker, build_tracker
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 10  # train.py's default when --num-rollout is not given
 
@@ -66,12 +63,14 @@ class RunObservers:
 
     @property
     def endpoints(self) -> list[MetricsEndpoint]:
+        """Every `/metrics` address known so far (job, routers, engines)."""
         return self.report.endpoints
 
     def add_router(self, model: str, metrics_url: str) -> None:
         """The router's Prometheus address (it serves metrics on a port of its own)."""
-        self._router_urls[model] = metrics_url
-        self._refresh_endpoints()
+        with self._lock:
+            self._router_urls[model] = metrics_url
+            self._refresh_endpoints()
         self.progress.say(f"router {model} metrics: {metrics_url}")
 
     def on_event(self, engine: str, state: str, **details: Any) -> None:
@@ -90,6 +89,7 @@ class RunObservers:
             self.progress.engine_ready(engine, f"{url}/metrics" if url else "")
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """A step finished: metrics.jsonl, tracking backends, the step display."""
         with self._lock:
             self.report.log_step(step, metrics)
             self.tracker.log_step(step, metrics)

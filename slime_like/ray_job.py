@@ -107,6 +107,7 @@ def _final_status(client: Any, sid: str, timeout_s: float = 60.0) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line of this module (what scripts/run_job.sh calls); the exit status."""
     p = argparse.ArgumentParser(prog="python -m slime_like.ray_job", description=__doc__.split(
         "\n")[0])
     p.add_argument("--address", required=True, help="The dashboard, e.g. http://head:8265.")

@@ -122,20 +122,30 @@ class RunReport:
         return round(time.time() - self.started, 3)
 
     def log_step(self, step: int, metrics: dict[str, Any], *, time_s: float | None = None) -> None:
+        """One row of metrics.jsonl; `time_s` (seconds since start) defaults to now."""
         row = {"step": step, "time_s": self._now() if time_s is None else time_s, **metrics}
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, default=str) + "\n")
 
     def log_event(self, engine: str, state: str, *, time_s: float | None = None,
                   **details: Any) -> None:
+        """One row of engine_timeline.jsonl (a state change of an engine or router)."""
         row = {"time_s": self._now() if time_s is None else time_s, "engine": engine,
                "state": state, **details}
         with self.timeline_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, default=str) + "\n")
 
     def save_run_info(self, args: Any) -> None:
         """config.json (resolved flags) and versions.json (with the git revision) beside it."""
         write_run_info(self.out_dir, args)
+
+    def _keep_endpoints(self) -> None:
+        """Save the endpoints beside the report, or read them back when re-rendering."""
+        path = self.out_dir / "endpoints.json"
+        if self.endpoints:
+            path.write_text(json.dumps([vars(e) for e in self.endpoints], indent=2) + "\n")
+        elif path.is_file():
+            self.endpoints = [MetricsEndpoint(**e) for e in json.loads(path.read_text())]
 
     def _read(self, path: Path) -> list[dict]:
         if not path.is_file():
@@ -148,6 +158,7 @@ class RunReport:
 
         steps = self._read(self.metrics_path)
         events = self._read(self.timeline_path)
+        self._keep_endpoints()
         log = IncidentLog()
         for e in events:
             log.feed(e)

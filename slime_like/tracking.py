@@ -47,11 +47,14 @@ class Backend(Protocol):
 
     name: str
 
-    def log_step(self, step: int, values: dict[str, float]) -> None: ...
+    def log_step(self, step: int, values: dict[str, float]) -> None:
+        """Record one step's scalars."""
 
-    def log_event(self, event: dict[str, Any]) -> None: ...
+    def log_event(self, event: dict[str, Any]) -> None:
+        """Record one engine state change (`engine`, `state`, `time_s`, details)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Flush and release what the backend holds (files, a server, a run)."""
 
 
 class TensorBoardBackend:
@@ -215,6 +218,7 @@ class Tracker:
 
     @property
     def enabled(self) -> bool:
+        """Whether any backend is on; with none, every call returns at once."""
         return bool(self.backends)
 
     @property
@@ -232,16 +236,19 @@ class Tracker:
                 self.backends.remove(b)
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """The step's numeric metrics to every backend."""
         if self.backends:
             self._each("log_step", step, scalars(metrics))
 
     def log_event(self, engine: str, state: str, **details: Any) -> None:
+        """An engine state change to every backend (the RolloutManager's event sink)."""
         if self.backends:
             event = {"engine": engine, "state": state,
                      "time_s": round(time.time() - self._started, 3), **details}
             self._each("log_event", event)
 
     def close(self) -> None:
+        """Close every backend; later calls are no-ops."""
         backends, self.backends = self.backends, []
         for b in backends:
             try:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+from slime_like.endpoints import MetricsEndpoint
 from slime_like.report import RunReport
 
 
@@ -54,10 +55,13 @@ def test_train_flag_errors_are_one_line_without_traceback():
 
 
 def test_report_rerenders_a_run_folder(tmp_path):
-    run = RunReport(tmp_path / "run")
+    run = RunReport(tmp_path / "run", endpoints=[MetricsEndpoint("engine e0", "http://h:1/metrics")])
     run.log_step(0, {"reward_mean": 0.5})
+    run.render()
     r = _cli("report", str(tmp_path / "run"), "--title", "again")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "run" / "report.md").read_text().startswith("# again\n")
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert text.startswith("# again\n")
+    assert "- engine e0: http://h:1/metrics" in text  # the endpoints were kept
     r = _cli("report", str(tmp_path))
     assert r.returncode == 2 and "not a run folder" in r.stderr
