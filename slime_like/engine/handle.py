@@ -73,15 +73,15 @@ class EngineHandle:
     def probe(self) -> None:
         """Read /server_info once: the sglang version and the TP size the engine really runs."""
         self.server_info = self.client.server_info() or {}
-        self.version = try_parse_version(self.server_info.get("version"))
-        tp = self.server_info.get("tp_size")
-        if tp is not None and int(tp) != self.tp_size:
-            raise WeightSyncError("attach", f"the engine runs tp_size={tp} but the sync was "
-                                  f"configured with tp_size={self.tp_size}", self.url)
-        if int(self.server_info.get("dp_size") or 1) > 1:
+        info = p.ServerInfo.model_validate(self.server_info)
+        self.version = try_parse_version(info.version)
+        if info.tp_size is not None and info.tp_size != self.tp_size:
+            raise WeightSyncError("attach", f"the engine runs tp_size={info.tp_size} but the "
+                                  f"sync was configured with tp_size={self.tp_size}", self.url)
+        if (info.dp_size or 1) > 1:
             raise WeightSyncError("attach", "weight updates need dp_size == 1 per engine "
                                   "(sglang asserts it); run one server per DP replica", self.url)
-        if int(self.server_info.get("pp_size") or 1) > 1:
+        if (info.pp_size or 1) > 1:
             raise WeightSyncError("attach", "weight groups place ranks at rank_offset + "
                                   "tp_rank only, so pp_size must be 1", self.url)
 

@@ -91,9 +91,32 @@ class FinishReason(BaseModel):
 
 
 class WeightVersionSpan(BaseModel):
+    """meta_info.weight_versions: which output tokens were made at which weight version."""
+
     version: str
     start: int
     end: int
+
+
+class MetaInfo(BaseModel):
+    """meta_info of a /generate answer: the fields the orchestrator reads (others kept)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    finish_reason: FinishReason | None = None
+    weight_version: str | None = None
+    weight_versions: list[WeightVersionSpan] = Field(default_factory=list)
+    output_token_logprobs: list[list[Any]] = Field(default_factory=list)
+    cached_tokens: int | None = None
+
+
+class GenerateResponse(BaseModel):
+    """One /generate answer (a batch answers a list of these)."""
+
+    model_config = ConfigDict(extra="allow")
+    output_ids: list[int] = Field(default_factory=list)
+    text: str | None = None
+    meta_info: MetaInfo
 
 
 # ---- control -----------------------------------------------------------------------------
@@ -229,6 +252,17 @@ def error_response_body(message: str) -> dict:
 
 TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16",
                      "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
+
+
+class ServerInfo(BaseModel):
+    """GET /server_info: the sglang version and the sizes the sender must match."""
+
+    model_config = ConfigDict(extra="allow")
+    version: str | None = None
+    tp_size: int | None = None
+    dp_size: int | None = None
+    pp_size: int | None = None
+    disaggregation_mode: str | None = None
 
 
 class ModelInfo(BaseModel):

@@ -161,17 +161,17 @@ class RouterGenerator:
     def _parse(index: int, prompt_ids: list[int], out: Any) -> Sample | None:
         if isinstance(out, list):
             out = out[0]
-        meta = out["meta_info"]
-        finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "unknown"
+        answer = p.GenerateResponse.model_validate(out)
+        meta = answer.meta_info
+        finish = meta.finish_reason.type if meta.finish_reason else "unknown"
         if finish == "abort":
             return None
-        spans = [p.WeightVersionSpan.model_validate(s) for s in meta.get("weight_versions") or []]
-        if len({s.version for s in spans}) > 1:
+        if len({s.version for s in meta.weight_versions}) > 1:
             return None
-        logprobs = [float(lp) for lp, _tok, _text in meta.get("output_token_logprobs", [])]
-        return Sample(index, list(prompt_ids), list(out["output_ids"]), logprobs,
-                      str(meta.get("weight_version")), finish,
-                      meta={"id": meta.get("id"), "cached_tokens": meta.get("cached_tokens")})
+        logprobs = [float(entry[0]) for entry in meta.output_token_logprobs]
+        return Sample(index, list(prompt_ids), list(answer.output_ids), logprobs,
+                      str(meta.weight_version), finish,
+                      meta={"id": meta.id, "cached_tokens": meta.cached_tokens})
 
 
 def _cancelling(task: asyncio.Task | None) -> int:
