@@ -82,9 +82,10 @@ class JobInputs:
     resume: Checkpoint | None
 
 
-def prepare_inputs(args: argparse.Namespace, out: Path) -> JobInputs:
+def prepare_inputs(args: argparse.Namespace, out: Path,
+                   plugins: Plugins | None = None) -> JobInputs:
     """Check and load the job's inputs; the prompt source is at the resumed position."""
-    plugins = preflight(args)
+    plugins = plugins or preflight(args)
     if args.hf_checkpoint:
         # the reference engine reads a local directory; sglang and transformers resolve hub ids
         model_path = (local_checkpoint(args.hf_checkpoint) if args.engine == "reference"

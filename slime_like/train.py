@@ -122,10 +122,10 @@ def train(args: argparse.Namespace) -> int:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    inputs = prepare_inputs(args, out)  # a bad prompt file or plug-in fails before anything
-    plugins, model_path, source, resume = (inputs.plugins, inputs.model_path, inputs.source,
-                                           inputs.resume)
+    plugins = preflight(args)  # a bad prompt file or plug-in fails before anything
     obs = RunObservers.from_args(args, out)  # report folder, tracking, progress
+    inputs = prepare_inputs(args, out, plugins)
+    model_path, source, resume = inputs.model_path, inputs.source, inputs.resume
     init_ray(args)
     placement = place_job(args, timeout_s=300)
     keys = make_keys(args)

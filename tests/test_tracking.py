@@ -179,7 +179,7 @@ def test_a_job_asking_for_a_missing_package_stops_with_one_line_before_starting(
         tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    from slime_like.config.cli import main
+    from slime_like.train import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
