@@ -69,7 +69,7 @@ class TensorTransport(Transport):
                     weight_version=ctx.weight_version if last else None)
                 call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
-                    engine, call, req, ctx.http_timeout_s, gate=gate))))
+                    engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
             slot_calls[slot] = calls
             all_calls += calls
             del obj, buf  # CUDA: the block sits in torch's IPC limbo until engines let go

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -188,6 +189,7 @@ class EngineCall:
     future: Future
     started: float = field(default_factory=time.monotonic)
     done_at: float | None = None
+    timer: Any = None  # what measured the call's round trip, if anything
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._mark)
