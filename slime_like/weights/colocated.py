@@ -5,10 +5,11 @@ Each bucket is packed into a flat buffer and posted as `update_weights_from_tens
 GPU, named shared memory on CPU), so no tensor bytes cross HTTP. Bucket k+1 is packed while
 the engines load bucket k; at most two buckets are in flight.
 
-On CPU two shared buffers rotate: a CPU engine has copied out when it answers. On GPU an
-answer only proves the engine *queued* its copy (sglang does not synchronize), so every
-bucket gets a fresh buffer from the caching allocator and is dropped after the answer;
-torch keeps a dropped IPC block out of reuse until every consumer released it.
+Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
+it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
+A buffer is rewritten only after the engines answered the bucket it held: the reference
+engine finishes its copy before answering, and sglang frees the received storage before it
+answers, which synchronizes its stream (torch's IPC deleter does).
 """
 
 from __future__ import annotations
@@ -48,13 +49,12 @@ class TensorTransport(Transport):
             # At most two buckets in flight: the engines answered the one before the last.
             watch.wait_calls(slot_calls[slot])
             stats.wait_s += time.perf_counter() - t0
+            # The slot's last bucket was answered, so the engines are done reading it (the
+            # reference engine finishes its copy before answering; sglang drops the received
+            # storage first, and torch synchronizes the stream when an IPC storage is freed).
+            buf = packer.pack(slot, tensors, bucket.nbytes)
             if cuda:
-                # Never a buffer the engine may still be copying from (see pack_fresh), and
-                # never a parameter itself (the trainer would overwrite it next step).
-                buf = packer.pack_fresh(tensors, bucket.nbytes)
-            else:
-                # A CPU engine's copy is done when it answers: the shared buffers rotate.
-                buf = packer.pack(slot, tensors, bucket.nbytes)
+                packer.wait_packed()  # the engine reads it from another process, off our streams
             obj = {"flattened_tensor": buf, "metadata": layout(bucket.metas)}
             step = f"update_weights_from_tensor (bucket {k + 1}/{n})"
             # Each bucket carries its own handles and layout, so buckets may reach an engine
@@ -72,7 +72,7 @@ class TensorTransport(Transport):
                     engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
             slot_calls[slot] = calls
             all_calls += calls
-            del obj, buf  # CUDA: the block sits in torch's IPC limbo until engines let go
+            del obj, buf
             stats.bytes += bucket.nbytes
             stats.buckets += 1
         t0 = time.perf_counter()
@@ -80,11 +80,14 @@ class TensorTransport(Transport):
         stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
-        if cuda:
-            torch.cuda.ipc_collect()  # give back blocks every engine has released
+
+    def prepare(self, buckets) -> None:
+        self.packer.reserve(max(b.nbytes for b in buckets))
 
     def close(self, engines) -> None:
         self.packer.release()
+        if self.packer.is_cuda:
+            torch.cuda.ipc_collect()  # give back buffers every engine has let go of
 
 
 def _always() -> bool:

@@ -117,6 +117,11 @@ class DistributedTransport(Transport):
         self._teardown()
         self._create(engines, calls)
 
+    def prepare(self, buckets) -> None:
+        packed = [b.nbytes for b in buckets if len(b.metas) > 1]
+        if packed:
+            self.packer.reserve(max(packed))
+
     def _create(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
         self.attempt += 1
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"

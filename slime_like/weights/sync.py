@@ -265,8 +265,9 @@ class WeightSync:
             self._verified[0] is metas or self._verified[0] == metas)
         if self.config.check_engine_metadata and (not same or self.config.transport == "disk"):
             on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
-            self._verified = (metas, urls)
+        self._verified = (metas, urls)  # equal or checked: the next sync compares identities
         self._transport().attach(self.engines, self._engine_calls())
+        self._transport().prepare(self._buckets(metas))
 
     def _check_engine(self, engine: EngineHandle, metas: list[TensorMeta]) -> None:
         path = str(engine.client.model_info().get("model_path") or "")
@@ -286,6 +287,8 @@ class WeightSync:
     def _buckets(self, metas: list[TensorMeta]) -> list[Bucket]:
         if self._plan is None or (self._plan[0] is not metas and self._plan[0] != metas):
             self._plan = (metas, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
+        elif self._plan[0] is not metas:
+            self._plan = (metas, self._plan[1])  # equal: the next sync compares identities
         return self._plan[1]
 
     # ---- engines coming and going ---------------------------------------------------------------

@@ -101,6 +101,12 @@ class BucketPacker:
     def slots(self) -> int:
         return len(self._buffers)
 
+    def reserve(self, nbytes: int) -> None:
+        """Allocate every slot now (at attach), sized for the largest planned bucket."""
+        self.capacity = min(self.capacity, max(1, nbytes))
+        for slot in range(self.slots):
+            self._buffer(slot, self.capacity)
+
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes:
@@ -135,25 +141,10 @@ class BucketPacker:
             self._events.append((ev0, ev1))
         return dst
 
-    def pack_fresh(self, tensors: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor:
-        """Pack into a new buffer from the caching allocator (GPU), ready when this returns.
-
-        For buffers another process reads through CUDA IPC: an engine's answer does not
-        prove its copy out of the buffer finished (sglang answers once the copy is queued),
-        so a buffer is never rewritten; dropped, it waits in torch's IPC limbo until every
-        consumer released it.
-        """
-        if self.stream is None:
-            raise ValueError("pack_fresh is for CUDA buffers")
-        with torch.cuda.stream(self.stream):
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
-            _copy_into(dst, [flat_bytes(t) for t in tensors])
-            ev1.record()
-            self._events.append((ev0, ev1))
-        ev1.synchronize()  # the engine reads it from another process, outside our streams
-        return dst
+    def wait_packed(self) -> None:
+        """Block until every pack issued so far has landed (for readers outside our streams)."""
+        if self._events:
+            self._events[-1][1].synchronize()
 
     def pack_seconds(self) -> float:
         """Total packing time of this sync (synchronizes the GPU events it reads)."""

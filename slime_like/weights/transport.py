@@ -87,6 +87,9 @@ class Transport(ABC):
     def attach(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:  # noqa: B027
         """Prepare before the engines are paused (e.g. build a weight group)."""
 
+    def prepare(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027
+        """Allocate what the planned buckets need (at attach, not in the first sync)."""
+
     @abstractmethod
     def transfer(self, ctx: TransferContext) -> None:
         """Send every bucket; the last update to each engine carries `weight_version`."""
