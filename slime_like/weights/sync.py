@@ -376,8 +376,7 @@ class WeightSync:
             with steps("pause"):
                 # Sent, not awaited: each engine's lane sends pause, then begin, then bucket
                 # 1, each once the one before was answered, while the trainer packs bucket 1.
-                control = self._pause_and_begin(engines, paused, begun, report, calls)
-                sent += control
+                control = self._pause_and_begin(engines, paused, begun, report, calls, sent)
                 for c in control:
                     watch.add(c)
             with steps("transfer"):
@@ -443,9 +442,10 @@ class WeightSync:
         return report
 
     def _pause_and_begin(self, engines: list[EngineHandle], paused: list[EngineHandle],
-                         begun: list[EngineHandle], report: SyncReport,
-                         calls: EngineCalls) -> list[EngineCall]:
-        """Queue pause (and begin, where gated) in every engine's lane; the last call of each."""
+                         begun: list[EngineHandle], report: SyncReport, calls: EngineCalls,
+                         sent: list[EngineCall]) -> list[EngineCall]:
+        """Queue pause (and begin, where gated) in every engine's lane; the last call of each
+        is returned, every call is added to `sent`."""
         mode = self.config.pause_mode
         lock = threading.Lock()
         gated = self._transport().gated
@@ -480,8 +480,10 @@ class WeightSync:
         for engine in engines:
             paused.append(engine)  # even a pause that times out may have paused it
             call = _call(calls, engine, "pause_generation", pause)
+            sent.append(call)
             if gated and engine.has_begin_end:
                 call = _call(calls, engine, "begin_weight_update", begin)
+                sent.append(call)
             out.append(call)
         return out
 
