@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.weight_sync import layout_config  # noqa: E402
-from slime_like.models.transformer import CausalLM  # noqa: E402
+from slime_like.models.loading import build_model, init_dummy_weights  # noqa: E402
 from slime_like.protocol.buckets import (  # noqa: E402
     TensorMeta,
     dtype_from_name,
@@ -99,8 +99,8 @@ def fingerprint(receiver: WeightReceiver) -> float:
 
 def bench(layout_name: str, device: torch.device, bucket_mb: int, repeats: int) -> dict:
     config = layout_config(layout_name)
-    with torch.device(device):
-        model = CausalLM(config).to(config.dtype)
+    model = build_model(config, device=device)
+    init_dummy_weights(model, seed=0)
     receiver = WeightReceiver(model, tp_rank=0, tp_size=1, device=device, model_path="",
                               load_format="dummy")
     metas = [TensorMeta(n, p.dtype, tuple(p.shape)) for n, p in receiver.params.items()]

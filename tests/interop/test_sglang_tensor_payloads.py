@@ -17,8 +17,8 @@ import torch
 from slime_like.errors import UnsafePayloadError
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.transformer import hf_named_parameters
-from slime_like.protocol.buckets import FlattenedTensorMetadata, flatten, unflatten
 from slime_like.protocol import tensor_payload as serialization
+from slime_like.protocol.buckets import FlattenedTensorMetadata, flatten, unflatten
 from tests.weights.weight_sync_helpers import start_engine
 
 pytestmark = pytest.mark.sglang
