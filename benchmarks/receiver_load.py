@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     for layout_name in args.layout.split(","):
         for mb in (int(x) for x in args.bucket_mb.split(",")):
