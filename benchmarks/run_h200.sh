@@ -3,7 +3,7 @@
 # Ray). dense7b/moe30b need 2 GPUs (trainer GPU 0, engine GPU 1); tensor and receiver run on
 # one. Each step has its own time limit so a slow one cannot eat the rest; JSON lines go to
 # $OUT (default ./bench-out).
-#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|gputests ...]
+#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench-out}"
@@ -19,8 +19,13 @@ for step in ${steps[*]}; do
                 --engines 1 --verify "${MOE_VERIFY:-ends}" --repeats 2 \
                 --modes raw,per_tensor,ours,facade,sglang_per_tensor \
                 --json-out "$out/weight_sync.jsonl" 2>&1 | tee "$out/moe30b.log" ;;
-    tensor)   timeout -k 10 "${TENSOR_LIMIT:-200}" python3 benchmarks/weight_sync.py --layout dense7b \
-                --modes tensor --json-out "$out/weight_sync.jsonl" 2>&1 | tee "$out/tensor.log" ;;
+    tensor)   for params in separate flat; do
+                timeout -k 10 "${TENSOR_LIMIT:-200}" python3 benchmarks/weight_sync.py --layout dense7b \
+                  --modes tensor --trainer-params $params --json-out "$out/weight_sync.jsonl" 2>&1 \
+                  | tee -a "$out/tensor.log"
+              done ;;
+    control)  timeout -k 10 "${CONTROL_LIMIT:-120}" python3 benchmarks/control_plane.py --device cuda \
+                --json-out "$out/control_plane.jsonl" 2>&1 | tee "$out/control.log" ;;
     receiver) timeout -k 10 "${RECEIVER_LIMIT:-200}" python3 benchmarks/receiver_load.py \
                 --layout dense7b,moe30b --bucket-mb 512,1024 \
                 --json-out "$out/receiver_load.jsonl" 2>&1 | tee "$out/receiver.log" ;;

@@ -142,12 +142,26 @@ def parse_engines(text: str, cuda: bool, check_gpus: bool = True) -> list[Engine
 
 # ---- trainer-side tensors and checksums ----------------------------------------------------
 
-def make_params(metas: list[TensorMeta], device: torch.device, seed: int) -> list[torch.Tensor]:
-    """One separate allocation per tensor, like a real model's parameters."""
+def make_params(metas: list[TensorMeta], device: torch.device, seed: int,
+                flat: bool = False) -> list[torch.Tensor]:
+    """One allocation per tensor, like a plain model's parameters; with `flat`, views of one
+    buffer per dtype in parameter order, like a Megatron-style trainer's parameter buffers."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    offsets: dict[torch.dtype, int] = {}
+    if flat:
+        for m in metas:
+            offsets[m.dtype] = offsets.get(m.dtype, 0) + m.nbytes
+        buffers = {dt: torch.empty(n, dtype=torch.uint8, device=device) for dt, n in offsets.items()}
+        offsets = dict.fromkeys(buffers, 0)
     out = []
     for m in metas:
-        t = torch.empty(m.shape, dtype=m.dtype, device=device)
+        if flat:
+            start = offsets[m.dtype]
+            offsets[m.dtype] = start + m.nbytes
+            t = buffers[m.dtype][start:start + m.nbytes].view(m.dtype).view(m.shape)
+        else:
+            t = torch.empty(m.shape, dtype=m.dtype, device=device)
         t.normal_(generator=gen)
         out.append(t)
     return out
@@ -492,9 +506,9 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
     model_dir = write_model_dir(config, work)
     log(f"[{layout}] {len(metas)} tensors, {total / 1e9:.2f} GB, engines {args.engines}, "
         f"device {device}")
-    params = make_params(metas, device, seed=0)
+    params = make_params(metas, device, seed=0, flat=args.trainer_params == "flat")
     base = {"layout": layout, "engines": args.engines, "tensors": len(metas), "bytes": total,
-            "device": str(device)}
+            "device": str(device), "trainer_params": args.trainer_params}
     names = [f"{e.name}(tp{e.tp_size})" for e in specs]
 
     def gbps(seconds: float) -> dict:
@@ -592,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", default="ends", choices=["ends", "each", "none"],
                     help="compare engine checksums with the trainer's after the first and last "
                          "sync (ends), after every sync (each), or never")
+    ap.add_argument("--trainer-params", default="separate", choices=["separate", "flat"],
+                    help="the trainer's tensors: one allocation each (a plain model), or views "
+                         "of one buffer per dtype (Megatron-style); buckets that lie back to "
+                         "back in the trainer's memory go out without packing")
     ap.add_argument("--json-out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -21,7 +21,7 @@ import torch
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
 from slime_like.protocol.tensor_payload import serialize
-from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors
+from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors, direct_view
 from slime_like.weights.transport import TransferContext, Transport
 
 
@@ -52,9 +52,14 @@ class TensorTransport(Transport):
             # The slot's last bucket was answered, so the engines are done reading it (the
             # reference engine finishes its copy before answering; sglang drops the received
             # storage first, and torch synchronizes the stream when an IPC storage is freed).
-            buf = packer.pack(slot, tensors, bucket.nbytes)
-            if cuda:
-                packer.wait_packed()  # the engine reads it from another process, off our streams
+            buf = direct_view(tensors, self.device) if cuda else None
+            if buf is not None:
+                # Already back to back in the trainer's storage: the engines copy from it.
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                buf = packer.pack(slot, tensors, bucket.nbytes)
+                if cuda:
+                    packer.wait_packed()  # the engine reads it from another process, off our streams
             obj = {"flattened_tensor": buf, "metadata": layout(bucket.metas)}
             step = f"update_weights_from_tensor (bucket {k + 1}/{n})"
             # Each bucket carries its own handles and layout, so buckets may reach an engine

@@ -77,10 +77,27 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-    """A one-tensor bucket already on `device` and contiguous goes out of its own storage."""
-    if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
-        return flat_bytes(tensors[0])
-    return None
+    """The bucket's bytes without packing, when they already lie back to back in one storage.
+
+    True of a one-tensor bucket, and of a trainer whose parameters live in flat buffers
+    (Megatron-style) when the bucket follows their order: the bucket then goes out of the
+    trainer's own storage, with no copy. Returns None when a pack is needed.
+    """
+    first = tensors[0]
+    if first.device != device or not first.is_contiguous():
+        return None
+    if len(tensors) == 1:
+        return flat_bytes(first)
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    start = first.data_ptr()
+    end = start + first.numel() * first.element_size()
+    for t in tensors[1:]:
+        if t.data_ptr() != end or not t.is_contiguous() or t.untyped_storage().data_ptr() != base:
+            return None
+        end += t.numel() * t.element_size()
+    whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    return whole[start - base:end - base]
 
 
 class BucketPacker:
