@@ -22,6 +22,7 @@ from slime_like.protocol.buckets import TensorMeta, dtype_from_name, layout
 ALIGN = 256  # arena offsets: kernels reading a weight want aligned pointers
 DEFAULT_SEGMENT_BYTES = 2 << 30  # re-homing peaks at model + one segment of memory
 MAX_PLANS = 4096
+MANY_RUNS = 32  # above this, one foreach launch rather than a copy per run
 
 
 def _round_up(n: int, to: int) -> int:
@@ -92,11 +93,17 @@ class LoadPlan:
     tensors: int = 0
 
     def apply(self, buffer: torch.Tensor) -> None:
-        """Copy the bucket's bytes (a uint8 buffer in the planned layout) into the parameters."""
-        if len(self.runs) == 1:
-            dst, start, end = self.runs[0]
-            dst.copy_(buffer[start:end], non_blocking=True)
-        elif self.runs:
+        """Copy the bucket's bytes (a uint8 buffer in the planned layout) into the parameters.
+
+        A few runs go one `copy_` each: a contiguous byte copy is a device memcpy, measured
+        at about twice the bandwidth of `_foreach_copy_` on an H200 (2.1 against 0.98 TB/s,
+        also out of CUDA IPC memory). Only a bucket scattered into many runs (an order other
+        than the parameters') takes one foreach launch instead of a Python loop.
+        """
+        if len(self.runs) <= MANY_RUNS:
+            for dst, start, end in self.runs:
+                dst.copy_(buffer[start:end], non_blocking=True)
+        else:
             torch._foreach_copy_([d for d, _, _ in self.runs],
                                  [buffer[s:e] for _, s, e in self.runs], non_blocking=True)
         for param, start, end, dtype, shape in self.converts:
