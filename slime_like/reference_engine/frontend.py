@@ -271,13 +271,15 @@ class Frontend:
                         break
                     await asyncio.sleep(0.005)
             else:
-                await asyncio.wrap_future(self.scheduler.pause(mode))
+                # Forwarded, not awaited, as sglang does: the scheduler applies it before any
+                # later command (updates, flushes and admissions queue behind it).
+                _report_failure(self.scheduler.pause(mode), "pause")
 
     async def continue_generation(self) -> None:
-        """/continue_generation: resume the scheduler, then open the gate."""
+        """/continue_generation: resume the scheduler (forwarded, as in sglang), open the gate."""
         async with self._pause_cond:
             self.paused = False
-            await asyncio.wrap_future(self.scheduler.resume())
+            _report_failure(self.scheduler.resume(), "resume")
             self._pause_cond.notify_all()
 
     async def abort_request(self, rid: str, abort_all: bool) -> None:
@@ -322,3 +324,11 @@ class Frontend:
     def snapshot(self) -> dict[str, Any]:
         """Frontend state for diagnostics."""
         return {"paused": self.paused, "live_requests": len(self.live)}
+
+
+def _report_failure(future: Any, what: str) -> None:
+    """Log a forwarded scheduler command that failed (nobody awaits its future)."""
+    def done(f: Any) -> None:
+        if f.exception() is not None:
+            logger.error("scheduler %s failed: %s", what, f.exception())
+    future.add_done_callback(done)
