@@ -271,9 +271,9 @@ class Frontend:
                         break
                     await asyncio.sleep(0.005)
             else:
-                # Forwarded, not awaited, as sglang does: the scheduler applies it before any
-                # later command (updates, flushes and admissions queue behind it).
-                _report_failure(self.scheduler.pause(mode), "pause")
+                # Awaited (sglang forwards it and answers at once): readers that do not queue
+                # behind the scheduler here, such as /v1/loads, must already see it paused.
+                await asyncio.wrap_future(self.scheduler.pause(mode))
 
     async def continue_generation(self) -> None:
         """/continue_generation: resume the scheduler (forwarded, as in sglang), open the gate."""

@@ -398,7 +398,10 @@ class WeightSync:
                     sent += ends
                     resumed = self._submit_continue(paused, ends, calls)
                     sent += resumed
-                    watch.wait_calls(ends)
+                    closing = Watch(cfg.http_timeout_s)  # its own deadline, like any step
+                    for c in ends:
+                        closing.add(c)
+                    closing.wait_calls(ends)  # a failure names the engine and the step
                     begun = []
                 with steps("flush"):
                     self._flush(engines, folded, ctx.flush_refused, report)
