@@ -114,6 +114,7 @@ class WeightReceiver:
         # Storages opened from CUDA IPC handles, kept so a buffer the sender reuses is not
         # reopened every sync (torch's rebuild finds a live storage in its cache).
         self._ipc_storages: collections.OrderedDict = collections.OrderedDict()
+        self._ipc_used: set[tuple[int, int]] = set()  # opened or reused in this session
         self._refresh_params()
         self.arena: ParamArena | None = None
         self._rehome(copy=True)
@@ -336,8 +337,19 @@ class WeightReceiver:
         key = (storage.data_ptr(), storage.nbytes())
         self._ipc_storages[key] = storage
         self._ipc_storages.move_to_end(key)
+        self._ipc_used.add(key)
         while len(self._ipc_storages) > IPC_STORAGES_KEPT:
             self._ipc_storages.popitem(last=False)
+
+    def end_session(self) -> None:
+        """At end_weight_update: let go of IPC storages this session did not use.
+
+        A sender that replaced a buffer gets the old one back (torch keeps an exported block
+        until every importer released it); buffers it keeps reusing stay open.
+        """
+        for key in [k for k in self._ipc_storages if k not in self._ipc_used]:
+            del self._ipc_storages[key]
+        self._ipc_used.clear()
 
     # ---- disk ------------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ from slime_like.protocol.tensor_payload import serialize
 from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors, direct_view
 from slime_like.weights.transport import TransferContext, Transport
 
+RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
+
 
 class TensorTransport(Transport):
     """CUDA IPC handles on GPU, shared-memory tensors on CPU; engines on the same host."""
@@ -33,10 +35,13 @@ class TensorTransport(Transport):
     def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int):
         self.device = torch.device(device)
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
+        self._syncs = 0
 
     def transfer(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
         cuda = packer.stream is not None
+        if cuda:
+            self._renew_buffers()
         packer.begin()
         src = iter(ctx.source.tensors())
         slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
@@ -85,6 +90,19 @@ class TensorTransport(Transport):
         stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
+
+    def _renew_buffers(self) -> None:
+        """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.
+
+        torch wraps a storage in one more reference-counting layer (an interprocess event
+        and a counter slot) every time it is shared, released only with the storage; fresh
+        buffers now and then keep that chain short. The engines drop the old buffers at
+        the next end_weight_update (unused in that session), then torch frees them.
+        """
+        torch.cuda.ipc_collect()
+        self._syncs += 1
+        if self._syncs % RENEW_EVERY == 0:
+            self.packer.release()
 
     def prepare(self, buckets) -> None:
         self.packer.reserve(max(b.nbytes for b in buckets))

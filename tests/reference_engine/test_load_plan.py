@@ -98,3 +98,20 @@ def test_engine_receiver_reuses_plans_and_rebuilds_them_after_release(tiny_model
     assert receiver.plans.misses == 2  # the old plan pointed at the released storage
     for n, t in named:
         assert torch.equal(receiver.params[n], t), n
+
+
+def test_ipc_storages_unused_for_a_whole_session_are_let_go(tiny_model_dir):
+    from slime_like.models.loading import load_pretrained
+    from slime_like.reference_engine.weight_receiver import WeightReceiver
+
+    receiver = WeightReceiver(load_pretrained(tiny_model_dir), tp_rank=0, tp_size=1,
+                              device=torch.device("cpu"), model_path=str(tiny_model_dir),
+                              load_format="dummy")
+    reused, replaced = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    receiver._keep_ipc_storage(reused)
+    receiver._keep_ipc_storage(replaced)
+    receiver.end_session()
+    assert len(receiver._ipc_storages) == 2  # both used in that session
+    receiver._keep_ipc_storage(reused)      # the sender replaced the other buffer
+    receiver.end_session()
+    assert list(receiver._ipc_storages) == [(reused.data_ptr(), 64)]
