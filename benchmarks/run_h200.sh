@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU weight-sync measurements of docs/WEIGHT_SYNC.md in one go, on a 2xH200 host
-# (plain processes, no Ray). Each step has its own time limit so a slow one cannot eat the
-# rest; JSON lines go to $OUT (default ./bench-out).
-#   bash benchmarks/run_h200.sh [dense7b|moe30b|gputests ...]
+# The GPU weight-sync measurements of docs/WEIGHT_SYNC.md in one go (plain processes, no
+# Ray). dense7b/moe30b need 2 GPUs (trainer GPU 0, engine GPU 1); tensor and receiver run on
+# one. Each step has its own time limit so a slow one cannot eat the rest; JSON lines go to
+# $OUT (default ./bench-out).
+#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench-out}"
@@ -16,7 +17,18 @@ for step in ${steps[*]}; do
                 --engines 1 --json-out "$out/weight_sync.jsonl" 2>&1 | tee "$out/dense7b.log" ;;
     moe30b)   timeout -k 10 "${MOE_LIMIT:-300}" python3 benchmarks/weight_sync.py --layout moe30b \
                 --engines 1 --verify "${MOE_VERIFY:-ends}" --repeats 2 \
+                --modes raw,per_tensor,ours,facade,sglang_per_tensor \
                 --json-out "$out/weight_sync.jsonl" 2>&1 | tee "$out/moe30b.log" ;;
+    tensor)   for params in separate flat; do
+                timeout -k 10 "${TENSOR_LIMIT:-200}" python3 benchmarks/weight_sync.py --layout dense7b \
+                  --modes tensor --trainer-params $params --json-out "$out/weight_sync.jsonl" 2>&1 \
+                  | tee -a "$out/tensor.log"
+              done ;;
+    control)  timeout -k 10 "${CONTROL_LIMIT:-120}" python3 benchmarks/control_plane.py --device cuda \
+                --json-out "$out/control_plane.jsonl" 2>&1 | tee "$out/control.log" ;;
+    receiver) timeout -k 10 "${RECEIVER_LIMIT:-200}" python3 benchmarks/receiver_load.py \
+                --layout dense7b,moe30b --bucket-mb 512,1024 \
+                --json-out "$out/receiver_load.jsonl" 2>&1 | tee "$out/receiver.log" ;;
     gputests) timeout -k 10 "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -x -s \
                 tests/reference_engine/test_gpu.py 2>&1 | tee "$out/gputests.log" ;;
     *) echo "unknown step $step" ;;

@@ -2,10 +2,16 @@
 
 Modes, all measured in one run over the same ranks and GPUs:
   raw         one broadcast of every byte in one buffer (the link's practical limit)
-  per_tensor  one broadcast per tensor (the seed's design, torchrl / OpenRLHF)
+  per_tensor  one broadcast per tensor (the seed's design, torchrl / OpenRLHF), wire only
   ours        WeightSync into reference engines (`--load-format dummy`): HTTP, pause, begin,
               bucketed broadcast, load into the engines' parameters, end, flush, version
               check, continue
+  facade      the seed's API (`SGLangWeightSyncScheme(...).create_sender().update_weights()`)
+              into the same engine, same bucket size, timed around the whole call
+  sglang_per_tensor
+              WeightSync with sglang's per-tensor format into the same engine: one broadcast
+              per tensor, each received into a fresh tensor and then loaded (the seed's
+              design end to end)
   tensor      WeightSync's colocated `tensor` transport (CUDA IPC) into an engine on the
               trainer's own GPU, next to `d2d`: a device-to-device copy of the same bytes
 
@@ -17,8 +23,9 @@ engines' ranks on the engines' GPUs, before the engines start (so memory is free
 
 Prints one JSON line per (layout, mode) on stdout: seconds (median), GB/s per receiving
 engine, ratio_to_raw (ratio_to_d2d for tensor), and for `ours`/`tensor` where the time
-went; engine checksums are compared with the trainer's after the first and the last sync
-(`--verify each`: after every sync).
+went (with every control round trip) and the first sync's seconds; engine checksums are
+compared with the trainer's after the first and the last sync (`--verify each`: after
+every sync).
 
     python benchmarks/weight_sync.py --layout dense7b,moe30b --engines 1
     python benchmarks/weight_sync.py --layout dense7b,moe30b --engines 1,2tp2   # 4 GPUs
@@ -114,7 +121,7 @@ class EngineSpec:
     base_gpu: int  # first GPU (GPU runs); ranks take base_gpu .. base_gpu + tp - 1
 
 
-def parse_engines(text: str, cuda: bool) -> list[EngineSpec]:
+def parse_engines(text: str, cuda: bool, check_gpus: bool = True) -> list[EngineSpec]:
     """One engine per comma item: `1` (1 GPU, TP=1) or `2tp2` (2 GPUs, TP=2), e.g. `1,2tp2`."""
     specs, gpu = [], 1
     for item in (x.strip() for x in text.split(",")):
@@ -127,7 +134,7 @@ def parse_engines(text: str, cuda: bool) -> list[EngineSpec]:
             raise SystemExit(f"--engines: {item!r}: an engine's GPU count must equal its TP size")
         specs.append(EngineSpec(chr(ord("A") + len(specs)), tp_n, gpu if cuda else 0))
         gpu += tp_n
-    if cuda and gpu > torch.cuda.device_count():
+    if check_gpus and cuda and gpu > torch.cuda.device_count():
         raise SystemExit(f"--engines {text}: needs {gpu} GPUs (trainer on GPU 0), "
                          f"{torch.cuda.device_count()} visible")
     return specs
@@ -135,12 +142,26 @@ def parse_engines(text: str, cuda: bool) -> list[EngineSpec]:
 
 # ---- trainer-side tensors and checksums ----------------------------------------------------
 
-def make_params(metas: list[TensorMeta], device: torch.device, seed: int) -> list[torch.Tensor]:
-    """One separate allocation per tensor, like a real model's parameters."""
+def make_params(metas: list[TensorMeta], device: torch.device, seed: int,
+                flat: bool = False) -> list[torch.Tensor]:
+    """One allocation per tensor, like a plain model's parameters; with `flat`, views of one
+    buffer per dtype in parameter order, like a Megatron-style trainer's parameter buffers."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    offsets: dict[torch.dtype, int] = {}
+    if flat:
+        for m in metas:
+            offsets[m.dtype] = offsets.get(m.dtype, 0) + m.nbytes
+        buffers = {dt: torch.empty(n, dtype=torch.uint8, device=device) for dt, n in offsets.items()}
+        offsets = dict.fromkeys(buffers, 0)
     out = []
     for m in metas:
-        t = torch.empty(m.shape, dtype=m.dtype, device=device)
+        if flat:
+            start = offsets[m.dtype]
+            offsets[m.dtype] = start + m.nbytes
+            t = buffers[m.dtype][start:start + m.nbytes].view(m.dtype).view(m.shape)
+        else:
+            t = torch.empty(m.shape, dtype=m.dtype, device=device)
         t.normal_(generator=gen)
         out.append(t)
     return out
@@ -359,30 +380,81 @@ def _healthy(url: str) -> bool:
 
 
 def run_sync(args, metas, params, urls_tp, transport: str, device, bucket_bytes: int,
-             engine_urls: list[str]) -> tuple[list[float], list[dict], bool]:
-    """Timed WeightSync updates; returns seconds, reports, and whether checksums matched."""
+             engine_urls: list[str], load_format: str = "flattened_bucket",
+             ) -> tuple[list[float], list[dict], bool | None, float]:
+    """Timed WeightSync updates: seconds, reports, checksums matched?, first sync's seconds."""
     from slime_like.weights import NamedTensors, WeightSync
 
     source = NamedTensors([(m.name, t) for m, t in zip(metas, params, strict=True)])
     sync = WeightSync(urls_tp, transport=transport, device=str(device),
                       update_weight_buffer_size=bucket_bytes, pause_mode=args.pause_mode,
-                      master_address="127.0.0.1", http_timeout_s=900, group_timeout_s=900)
+                      load_format=load_format, master_address="127.0.0.1", http_timeout_s=900,
+                      group_timeout_s=900)
+    try:
+        sync.attach(source)
+        return _timed_updates(args, metas, params, engine_urls, lambda: sync.update(source))
+    finally:
+        sync.close()
+
+
+def run_facade(args, metas, params, url: str, tp_size: int, device, bucket_bytes: int,
+               ) -> tuple[list[float], list[dict], bool | None, float]:
+    """The seed's API (`SGLangWeightSyncScheme`) against the same engine, timed from outside."""
+    from slime_like.weights import SGLangWeightSyncScheme, get_model_metadata
+
+    model = _ParamsModule(metas, params)
+    scheme = SGLangWeightSyncScheme(url, master_address="127.0.0.1", num_gpus=tp_size,
+                                    device=device, pause_mode=args.pause_mode,
+                                    update_weight_buffer_size=bucket_bytes)
+    sender = scheme.create_sender()
+    try:
+        sender.register_model(model)
+        sender.init_all_workers_group(get_model_metadata(model))
+
+        def update() -> dict:
+            t0 = time.perf_counter()
+            report = sender.update_weights()
+            report.total_s = time.perf_counter() - t0  # the whole façade call, not WeightSync's
+            return report
+        return _timed_updates(args, metas, params, [url], update)
+    finally:
+        sender.shutdown()
+
+
+class _ParamsModule(torch.nn.Module):
+    """The benchmark's tensors as a module whose parameters carry the HF names."""
+
+    def __init__(self, metas, params):
+        super().__init__()
+        self.names = [m.name for m in metas]
+        for m, t in zip(metas, params, strict=True):
+            owner = self
+            *path, leaf = m.name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+
+
+def _timed_updates(args, metas, params, engine_urls, update) -> tuple[list[float], list[dict],
+                                                                     bool | None, float]:
     times: list[float] = []
     reports: list[dict] = []
     ok: bool | None = None  # None: not checked (--verify none)
-    try:
-        for i in range(args.warmup + args.repeats):
-            perturb(params)
-            report = sync.update(source)
-            if i >= args.warmup:
-                times.append(report.total_s)
-                reports.append(report.as_dict())
-            last = i == args.warmup + args.repeats - 1
-            if args.verify == "each" or (args.verify == "ends" and (i == 0 or last)):
-                ok = verify(engine_urls, metas, params) and ok is not False
-    finally:
-        sync.close()
-    return times, reports, ok
+    first = None
+    for i in range(args.warmup + args.repeats):
+        perturb(params)
+        report = update()
+        if first is None:
+            first = report.total_s
+        if i >= args.warmup:
+            times.append(report.total_s)
+            reports.append(report.as_dict())
+        last = i == args.warmup + args.repeats - 1
+        if args.verify == "each" or (args.verify == "ends" and (i == 0 or last)):
+            ok = verify(engine_urls, metas, params) and ok is not False
+    return times, reports, ok, first
 
 
 def d2d_copy(params: list[torch.Tensor], reps: int, warmup: int) -> list[float]:
@@ -419,7 +491,7 @@ def where_time_went(report: dict) -> dict:
             "host_wait": t.get("wait_s"), "end": s.get("end"), "flush": s.get("flush"),
             "verify_version": s.get("verify"), "continue": s.get("continue"),
             "attach": s.get("attach"), "check_metadata": s.get("check_metadata"),
-            "buckets": t.get("buckets")}
+            "buckets": t.get("buckets"), "round_trips": report.get("round_trips")}
 
 
 def median_report(times: list[float], reports: list[dict]) -> dict:
@@ -434,9 +506,9 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
     model_dir = write_model_dir(config, work)
     log(f"[{layout}] {len(metas)} tensors, {total / 1e9:.2f} GB, engines {args.engines}, "
         f"device {device}")
-    params = make_params(metas, device, seed=0)
+    params = make_params(metas, device, seed=0, flat=args.trainer_params == "flat")
     base = {"layout": layout, "engines": args.engines, "tensors": len(metas), "bytes": total,
-            "device": str(device)}
+            "device": str(device), "trainer_params": args.trainer_params}
     names = [f"{e.name}(tp{e.tp_size})" for e in specs]
 
     def gbps(seconds: float) -> dict:
@@ -450,26 +522,39 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
               "gbps_per_engine": gbps(sec),
               "ratio_to_raw": round(sec / raw_s, 3) if raw_s else None}, out)
 
-    if "ours" in args.modes:
+    engine_modes = [m for m in ("ours", "facade", "sglang_per_tensor") if m in args.modes]
+    if engine_modes:
         engines = Engines(model_dir, specs, device.type == "cuda", work)
         try:
             urls_tp = [(u, s.tp_size) for u, s in zip(engines.urls, specs, strict=True)]
             for mb in args.bucket_mb:
-                times, reports, ok = run_sync(args, metas, params, urls_tp, "distributed", device,
-                                              mb << 20, engines.urls)
-                sec = statistics.median(times)
-                ratio = round(sec / raw_s, 3) if raw_s else None
-                target = TARGETS.get((layout, "ours", args.engines))
-                record = {**base, "mode": "ours", "bucket_mb": mb, "pause_mode": args.pause_mode,
-                          "seconds": round(sec, 6), "seconds_all": [round(x, 6) for x in times],
-                          "gbps_per_engine": gbps(sec), "ratio_to_raw": ratio,
-                          "checksums_match": ok, "target_ratio": target,
-                          "met": (ratio <= target) if (ratio and target) else None,
-                          "where_time_went": where_time_went(median_report(times, reports))}
-                emit(record, out)
-                if record["met"] is False or ok is False:
-                    log(f"[{layout}] ours (bucket {mb} MiB) at {ratio}x raw, target {target}x; "
-                        f"where the time went: {json.dumps(record['where_time_went'])}")
+                for mode in engine_modes:
+                    if mode == "facade" and len(specs) != 1:
+                        log(f"[{layout}] facade: the seed's API drives one server; skipped for "
+                            f"--engines {args.engines}")
+                        continue
+                    if mode == "facade":
+                        result = run_facade(args, metas, params, engines.urls[0], specs[0].tp_size,
+                                            device, mb << 20)
+                    else:
+                        fmt = "per_tensor" if mode == "sglang_per_tensor" else "flattened_bucket"
+                        result = run_sync(args, metas, params, urls_tp, "distributed", device,
+                                          mb << 20, engines.urls, load_format=fmt)
+                    times, reports, ok, first = result
+                    sec = statistics.median(times)
+                    ratio = round(sec / raw_s, 3) if raw_s else None
+                    target = TARGETS.get((layout, "ours", args.engines)) if mode != "sglang_per_tensor" else None
+                    record = {**base, "mode": mode, "bucket_mb": mb, "pause_mode": args.pause_mode,
+                              "seconds": round(sec, 6), "seconds_all": [round(x, 6) for x in times],
+                              "first_sync_s": round(first, 6),
+                              "gbps_per_engine": gbps(sec), "ratio_to_raw": ratio,
+                              "checksums_match": ok, "target_ratio": target,
+                              "met": (ratio <= target) if (ratio and target) else None,
+                              "where_time_went": where_time_went(median_report(times, reports))}
+                    emit(record, out)
+                    if record["met"] is False or ok is False:
+                        log(f"[{layout}] {mode} (bucket {mb} MiB) at {ratio}x raw, target {target}x; "
+                            f"where the time went: {json.dumps(record['where_time_went'])}")
         finally:
             engines.stop()
 
@@ -482,13 +567,14 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
         engines = Engines(model_dir, colocated, device.type == "cuda", work)
         try:
             mb = args.bucket_mb[-1]
-            times, reports, ok = run_sync(args, metas, params, [(engines.urls[0], 1)], "tensor",
-                                          device, mb << 20, engines.urls)
+            times, reports, ok, first = run_sync(args, metas, params, [(engines.urls[0], 1)],
+                                                 "tensor", device, mb << 20, engines.urls)
             sec = statistics.median(times)
             ratio = round(sec / d2d_s, 3)
             target = TENSOR_TARGETS.get(layout)
             record = {**base, "engines": "colocated", "mode": "tensor", "bucket_mb": mb,
                       "seconds": round(sec, 6), "seconds_all": [round(x, 6) for x in times],
+                      "first_sync_s": round(first, 6),
                       "gbps": round(total / sec / 1e9, 2), "ratio_to_d2d": ratio,
                       "checksums_match": ok, "target_ratio": target,
                       "met": (ratio <= target) if target else None,
@@ -510,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default=None,
                     help="comma list of dense7b, moe30b (GPU) or tiny_dense, tiny_moe (--tiny)")
     ap.add_argument("--engines", default="1", help="1 (engine A, GPU 1) or 1,2tp2 (A + B with TP=2)")
-    ap.add_argument("--modes", default="raw,per_tensor,ours,tensor")
+    ap.add_argument("--modes", default="raw,per_tensor,ours,facade,sglang_per_tensor,tensor")
     ap.add_argument("--tiny", action="store_true", help="CPU + gloo, tiny layouts (CI)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=1)
@@ -520,10 +606,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", default="ends", choices=["ends", "each", "none"],
                     help="compare engine checksums with the trainer's after the first and last "
                          "sync (ends), after every sync (each), or never")
+    ap.add_argument("--trainer-params", default="separate", choices=["separate", "flat"],
+                    help="the trainer's tensors: one allocation each (a plain model), or views "
+                         "of one buffer per dtype (Megatron-style); buckets that lie back to "
+                         "back in the trainer's memory go out without packing")
     ap.add_argument("--json-out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = set(args.modes) - {"raw", "per_tensor", "ours", "tensor"}
+    bad = set(args.modes) - {"raw", "per_tensor", "ours", "facade", "sglang_per_tensor", "tensor"}
     if bad:
         ap.error(f"--modes: unknown {sorted(bad)}")
     cuda = not args.tiny
@@ -536,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(0)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     backend = "nccl" if cuda else "gloo"
-    specs = parse_engines(args.engines, cuda)
+    # The colocated `tensor` mode alone needs one GPU; every other mode needs the engines' GPUs.
+    specs = parse_engines(args.engines, cuda, check_gpus=set(args.modes) != {"tensor"})
     if cuda and "tensor" in args.modes and args.engines != "1":
         log("note: the tensor transport is measured on GPU 0 (trainer and engine colocated)")
     out = open(args.json_out, "a") if args.json_out else None  # noqa: SIM115

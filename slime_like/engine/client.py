@@ -4,13 +4,22 @@ Every call has a timeout, posts `{}` rather than no body (sglang answers 400 to 
 control call), and raises `EngineError` naming the engine URL, endpoint, HTTP status and
 body. Only idempotent reads are retried; a weight update or a pause is never re-sent
 behind the caller's back.
+
+Plain `http://` engines are spoken to over one persistent `http.client` connection per
+thread: a weight sync is a chain of small control calls, and `requests` adds about a third
+of a millisecond to each. `https://` goes through `requests`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import select
+import socket
 import threading
+import time
 from typing import Any
+from urllib.parse import urlencode, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -72,6 +81,19 @@ class EngineClient:
                 timeout: float | None = None, admin: bool = False, expect_json: bool = True,
                 ok_statuses: tuple[int, ...] = (200,)) -> Any:
         """One HTTP call; any status outside `ok_statuses` raises EngineError."""
+        if self._plain:
+            status, text = self._keepalive_call(method, endpoint, body, params, timeout or self.timeout,
+                                                admin)
+            if status not in ok_statuses:
+                raise EngineError(self.url, endpoint, status, text)
+            if not expect_json:
+                return text
+            if not text:
+                return None
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                return text
         url = self.url + endpoint
         kwargs: dict[str, Any] = {"headers": self._headers(admin), "params": params,
                                   "timeout": timeout or self.timeout}
@@ -94,6 +116,85 @@ class EngineClient:
             return resp.json()
         except json.JSONDecodeError:
             return resp.text
+
+    # ---- keep-alive http:// -------------------------------------------------------------------
+
+    @property
+    def _plain(self) -> bool:
+        return self.url.startswith("http://")
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            parts = urlsplit(self.url)
+            conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                              timeout=timeout)
+            self._local.conn = conn
+        elif conn.sock is not None and _closed_by_peer(conn.sock):
+            conn.close()  # the engine dropped the idle connection (its keep-alive timeout)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def _connect(self, conn: http.client.HTTPConnection, endpoint: str) -> None:
+        """Open the connection, retrying a refusal briefly (nothing was sent yet)."""
+        for attempt in range(3):
+            try:
+                conn.connect()
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return
+            except ConnectionRefusedError as e:
+                conn.close()
+                if attempt == 2:
+                    raise EngineError(self.url, endpoint, None, str(e),
+                                      reason="connection failed") from e
+                time.sleep(0.05 * (2 ** attempt))
+
+    def _keepalive_call(self, method: str, endpoint: str, body: Any, params: dict | None,
+                        timeout: float, admin: bool) -> tuple[int, str]:
+        path = endpoint + (f"?{urlencode(params)}" if params else "")
+        headers = self._headers(admin)
+        data = None
+        if method != "GET" or body is not None:
+            data = json.dumps(_dump(body)).encode()
+            headers["Content-Type"] = "application/json"
+        reads = self._read_retries if method == "GET" else 0
+        for attempt in range(reads + 1):
+            conn = self._connection(timeout)
+            reused = conn.sock is not None
+            try:
+                if not reused:
+                    self._connect(conn, endpoint)
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                text = resp.read().decode("utf-8", errors="replace")
+            except EngineError:
+                raise
+            except TimeoutError as e:
+                conn.close()
+                raise EngineError(self.url, endpoint, None, str(e),
+                                  reason=f"timed out after {timeout}s") from e
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                # A GET on a reused connection the engine had just closed is sent again.
+                if method == "GET" and reused and attempt < reads:
+                    continue
+                raise EngineError(self.url, endpoint, None, f"{type(e).__name__}: {e}",
+                                  reason="connection failed") from e
+            if resp.will_close:
+                conn.close()
+            if method == "GET" and resp.status in (502, 504) and attempt < reads:
+                time.sleep(0.05 * (2 ** attempt))
+                continue
+            return resp.status, text
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Close this thread's keep-alive connection (others close with their threads)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
 
     def _success(self, endpoint: str, body: Any, timeout: float | None = None) -> dict:
         """Calls answering {"success","message"}: a 400 or success=false raises."""
@@ -230,3 +331,12 @@ class EngineClient:
 
     def weights_checker(self, action: str = "checksum") -> dict:
         return self._success("/weights_checker", p.WeightsCheckerRequest(action=action))
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """An idle keep-alive socket that is readable has been closed (or reset) by the server."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)

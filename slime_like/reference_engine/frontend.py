@@ -429,13 +429,15 @@ class Frontend:
                         break
                     await asyncio.sleep(0.005)
             else:
+                # Awaited (sglang forwards it and answers at once): readers that do not queue
+                # behind the scheduler here, such as /v1/loads, must already see it paused.
                 await asyncio.wrap_future(self.scheduler.pause(mode))
 
     async def continue_generation(self) -> None:
-        """/continue_generation: resume the scheduler, then open the gate."""
+        """/continue_generation: resume the scheduler (forwarded, as in sglang), open the gate."""
         async with self._pause_cond:
             self.paused = False
-            await asyncio.wrap_future(self.scheduler.resume())
+            _report_failure(self.scheduler.resume(), "resume")
             self._pause_cond.notify_all()
 
     async def abort_request(self, rid: str, abort_all: bool) -> None:
@@ -486,3 +488,11 @@ class Frontend:
     def snapshot(self) -> dict[str, Any]:
         """Frontend state for diagnostics."""
         return {"paused": self.paused, "live_requests": len(self.live)}
+
+
+def _report_failure(future: Any, what: str) -> None:
+    """Log a forwarded scheduler command that failed (nobody awaits its future)."""
+    def done(f: Any) -> None:
+        if f.exception() is not None:
+            logger.error("scheduler %s failed: %s", what, f.exception())
+    future.add_done_callback(done)

@@ -43,6 +43,7 @@ class WeightControl:
         # end, a version change and every forward step wait for them.
         self._pending_copies: list[Completion] = []
         self._session_loaded = False
+        self._tensor_loads = False  # tensor payloads loaded in this session (IPC storages)
         self.released_tags: set[str] = set()
         self._snapshot: dict | None = None
 
@@ -143,6 +144,9 @@ class WeightControl:
             if not self.session_open:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             failed = await self._settle_copies()
+            if self._tensor_loads:  # only then can a rank hold IPC storages to let go of
+                self._tensor_loads = False
+                await self._fanout("end_session", {})
             self.session_open = False
             if failed:
                 return False, "; ".join(str(m) for _, m in failed)
@@ -193,6 +197,7 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
+            self._tensor_loads = self.session_open
             results = await self._fanout("load_tensor_payload", [
                 {"payload": payloads[r], "load_format": req.load_format} for r in range(self.tp.size)])
             ok, message = self._merge(results)

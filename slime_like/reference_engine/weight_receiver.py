@@ -5,10 +5,12 @@ their own processes); the engine fans each operation out to all of them. Loading
 goes by HF parameter name, and every name and shape is checked before the first byte of a
 parameter changes, so a bad request never leaves a half-written model.
 
-On CUDA a distributed receive goes straight into one uint8 GPU buffer and is loaded with
-`torch._foreach_copy_` from views of it, on a side stream: the caller gets a `Completion`
-back as soon as the copy is enqueued, so the receive of the next bucket can start while
-this one is still being unpacked.
+A flattened bucket goes into one uint8 buffer and lands through a load plan cached per
+bucket signature (`load_plan.py`): the parameters live in flat per-dtype arenas, so a
+bucket is a few byte copies, with no per-tensor Python work after the first sync. On CUDA
+the copy runs on a side stream and the caller gets a `Completion` as soon as it is
+enqueued, so the receive of the next bucket can start while this one is unpacked. The
+per-tensor format stays sglang's: each tensor received into a fresh tensor, then loaded.
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ import torch.distributed as dist
 
 from slime_like.models.loading import iter_checkpoint
 from slime_like.models.transformer import hf_named_parameters
-from slime_like.protocol.buckets import TensorMeta, dtype_from_name, layout, unflatten
+from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.weight_group import (
     destroy_process_group,
     init_custom_process_group,
     tcp_init_method,
+)
+from slime_like.reference_engine.load_plan import (
+    LoadPlan,
+    ParamArena,
+    PlanCache,
+    build_plan,
+    distributed_entries,
+    request_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,6 +49,7 @@ logger = logging.getLogger(__name__)
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
 DEFAULT_GROUP_TIMEOUT_S = 600.0
 MAX_BUCKETS_IN_FLIGHT = 2
+IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank (a sender reuses a few buffers)
 
 
 class Completion:
@@ -99,11 +110,23 @@ class WeightReceiver:
         # ends, so a fast sender could make the engine allocate one buffer per bucket; at
         # most MAX_BUCKETS_IN_FLIGHT stay outstanding (the oldest is waited for first).
         self._in_flight: collections.deque = collections.deque()
+        self.plans = PlanCache()
+        # Storages opened from CUDA IPC handles, kept so a buffer the sender reuses is not
+        # reopened every sync (torch's rebuild finds a live storage in its cache).
+        self._ipc_storages: collections.OrderedDict = collections.OrderedDict()
+        self._ipc_used: set[tuple[int, int]] = set()  # opened or reused in this session
         self._refresh_params()
+        self.arena: ParamArena | None = None
+        self._rehome(copy=True)
 
     def _refresh_params(self) -> None:
         self.params: dict[str, torch.nn.Parameter] = dict(hf_named_parameters(self.model))
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    def _rehome(self, copy: bool) -> None:
+        """Move the parameters into flat arenas; cached plans pointed at the old storage."""
+        self.arena = ParamArena(list(self.params.values()), copy=copy)
+        self.plans.clear()
 
     # ---- groups ----------------------------------------------------------------------------
 
@@ -189,38 +212,54 @@ class WeightReceiver:
             if not (len(names) == len(dtypes) == len(shapes)):
                 raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
                                  f"({len(shapes)}) must have the same length")
+            if load_format == "flattened_bucket":
+                plan = self._plan(request_key(names, dtypes, shapes))
+                self._bound_in_flight()
+                buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+                dist.broadcast(buffer, src=0, group=pg, async_op=True).wait()
+                if plan.problems:
+                    return self._refused(plan.problems)
+                return self._load_async(lambda: plan.apply(buffer), [buffer])
+            if load_format not in (None, "direct"):
+                raise ValueError(f"unknown load_format {load_format!r}; expected null or 'flattened_bucket'")
+            # sglang's per-tensor path, kept as it is there: a fresh tensor per broadcast,
+            # then a load by name.
             metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
                      for n, d, s in zip(names, dtypes, shapes, strict=True)]
             self._bound_in_flight()
-            if load_format == "flattened_bucket":
-                entries = layout(metas)
-                buffer = torch.empty(entries[-1].end_idx, dtype=torch.uint8, device=self.device)
-                dist.broadcast(buffer, src=0, group=pg, async_op=True).wait()
-                named = unflatten(buffer, entries)
-            elif load_format in (None, "direct"):
-                buffer = None
-                named = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)) for m in metas]
-                works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
-                for w in works:
-                    w.wait()
-            else:
-                raise ValueError(f"unknown load_format {load_format!r}; expected null or 'flattened_bucket'")
+            named = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)) for m in metas]
+            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
+            for w in works:
+                w.wait()
         except Exception as e:  # noqa: BLE001
             return Completion(False, f"Failed to receive weights: {e}")
         problems = self.check_loadable((n, t.shape) for n, t in named)
         if problems:
-            return Completion(False, f"Failed to update parameter online: {'; '.join(problems[:5])}. "
-                                     "The full weights of the ModelRunner are partially updated. "
-                                     "Please discard the whole weights.")
+            return self._refused(problems)
+        return self._load_async(lambda: self._copy_in(named), [t for _, t in named])
+
+    def _plan(self, key: tuple) -> LoadPlan:
+        return self.plans.get(key, lambda: build_plan(
+            distributed_entries(key), self.params, self.arena, tied=self.tied,
+            architecture=self.model.config.architecture))
+
+    @staticmethod
+    def _refused(problems: list[str]) -> Completion:
+        return Completion(False, f"Failed to update parameter online: {'; '.join(problems[:5])}. "
+                                 "The full weights of the ModelRunner are partially updated. "
+                                 "Please discard the whole weights.")
+
+    def _load_async(self, copy, keep: list[torch.Tensor]) -> Completion:
+        """Run `copy` (CPU: now; CUDA: on the load stream, after the receive) and say so."""
         if self._load_stream is None:
-            self._copy_in(named)
+            copy()
             return Completion(True, "Succeeded to update parameter online.")
         # CUDA: the copy waits for the broadcast on a side stream; the caller may already
         # launch the next receive (its stream does not wait for this copy).
         self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._copy_in(named, stream=self._load_stream)
-        keep = buffer if buffer is not None else [t for _, t in named]
-        for t in ([buffer] if buffer is not None else [t for _, t in named]):
+        with torch.cuda.stream(self._load_stream):
+            copy()
+        for t in keep:
             t.record_stream(self._load_stream)
         event = torch.cuda.Event()
         event.record(self._load_stream)
@@ -247,8 +286,9 @@ class WeightReceiver:
             if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
                 raise ValueError("a flattened_bucket payload must be a dict with 'flattened_tensor' "
                                  f"and 'metadata', got {type(obj).__name__}")
-            named = unflatten(obj["flattened_tensor"], obj["metadata"])
-        elif load_format in (None, "direct"):
+            self._load_flattened(obj["flattened_tensor"], obj["metadata"])
+            return True, "Success"
+        if load_format in (None, "direct"):
             if not isinstance(obj, list | tuple):
                 raise ValueError(f"a tensor payload must be a list of (name, tensor), got {type(obj).__name__}")
             named = []
@@ -266,6 +306,50 @@ class WeightReceiver:
                              "'flattened_bucket' (custom loaders are not supported)")
         self.load_named(named)
         return True, "Success"
+
+    def _load_flattened(self, flat: torch.Tensor, metadata: list) -> None:
+        """A flattened payload through the cached plan; done when this returns.
+
+        Done, not only enqueued: a sender may reuse the buffer once we answer. (A received
+        IPC storage that is dropped synchronizes the same way in torch's deleter.)
+        """
+        key = tuple((m.name, m.dtype, tuple(m.shape), int(m.start_idx), int(m.end_idx))
+                    for m in metadata)
+        if flat.dtype != torch.uint8:
+            raise ValueError(f"a flattened bucket must be uint8, got {flat.dtype}")
+        need = max((k[4] for k in key), default=0)
+        if flat.numel() < need:
+            raise ValueError(f"flattened bucket holds {flat.numel()} bytes, layout needs {need}")
+        plan = self.plans.get(("payload", key), lambda: build_plan(
+            key, self.params, self.arena, tied=self.tied,
+            architecture=self.model.config.architecture))
+        if plan.problems:
+            raise ValueError("; ".join(plan.problems[:5]))
+        if flat.device != self.device:
+            flat = flat.to(self.device)
+        plan.apply(flat)
+        if flat.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._keep_ipc_storage(flat)
+
+    def _keep_ipc_storage(self, flat: torch.Tensor) -> None:
+        storage = flat.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        self._ipc_storages[key] = storage
+        self._ipc_storages.move_to_end(key)
+        self._ipc_used.add(key)
+        while len(self._ipc_storages) > IPC_STORAGES_KEPT:
+            self._ipc_storages.popitem(last=False)
+
+    def end_session(self) -> None:
+        """At end_weight_update: let go of IPC storages this session did not use.
+
+        A sender that replaced a buffer gets the old one back (torch keeps an exported block
+        until every importer released it); buffers it keeps reusing stay open.
+        """
+        for key in [k for k in self._ipc_storages if k not in self._ipc_used]:
+            del self._ipc_storages[key]
+        self._ipc_used.clear()
 
     # ---- disk ------------------------------------------------------------------------------
 
@@ -330,6 +414,8 @@ class WeightReceiver:
         backup = {n: p.detach().cpu().clone() for n, p in self.params.items()} if self.cpu_backup else None
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.arena = None  # the arena segments hold the storage: drop them and their plans
+        self.plans.clear()
         self.released = _Released(shapes, backup)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -340,6 +426,7 @@ class WeightReceiver:
             raise ValueError("weights were not released")
         for n, p in self.params.items():
             p.data = torch.empty(self.released.shapes[n], dtype=p.dtype, device=p.device)
+        self._rehome(copy=False)
         restored = self.released.backup is not None
         if restored:
             self._copy_in(list(self.released.backup.items()))

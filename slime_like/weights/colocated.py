@@ -5,10 +5,11 @@ Each bucket is packed into a flat buffer and posted as `update_weights_from_tens
 GPU, named shared memory on CPU), so no tensor bytes cross HTTP. Bucket k+1 is packed while
 the engines load bucket k; at most two buckets are in flight.
 
-On CPU two shared buffers rotate: a CPU engine has copied out when it answers. On GPU an
-answer only proves the engine *queued* its copy (sglang does not synchronize), so every
-bucket gets a fresh buffer from the caching allocator and is dropped after the answer;
-torch keeps a dropped IPC block out of reuse until every consumer released it.
+Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
+it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
+A buffer is rewritten only after the engines answered the bucket it held: the reference
+engine finishes its copy before answering, and sglang frees the received storage before it
+answers, which synchronizes its stream (torch's IPC deleter does).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
 from slime_like.protocol.tensor_payload import serialize
-from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors
+from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors, direct_view
 from slime_like.weights.transport import TransferContext, Transport
+
+RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
 
 
 class TensorTransport(Transport):
@@ -32,10 +35,13 @@ class TensorTransport(Transport):
     def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int):
         self.device = torch.device(device)
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
+        self._syncs = 0
 
     def transfer(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
         cuda = packer.stream is not None
+        if cuda:
+            self._renew_buffers()
         packer.begin()
         src = iter(ctx.source.tensors())
         slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
@@ -48,13 +54,17 @@ class TensorTransport(Transport):
             # At most two buckets in flight: the engines answered the one before the last.
             watch.wait_calls(slot_calls[slot])
             stats.wait_s += time.perf_counter() - t0
-            if cuda:
-                # Never a buffer the engine may still be copying from (see pack_fresh), and
-                # never a parameter itself (the trainer would overwrite it next step).
-                buf = packer.pack_fresh(tensors, bucket.nbytes)
+            # The slot's last bucket was answered, so the engines are done reading it (the
+            # reference engine finishes its copy before answering; sglang drops the received
+            # storage first, and torch synchronizes the stream when an IPC storage is freed).
+            buf = direct_view(tensors, self.device) if cuda else None
+            if buf is not None:
+                # Already back to back in the trainer's storage: the engines copy from it.
+                torch.cuda.current_stream(self.device).synchronize()
             else:
-                # A CPU engine's copy is done when it answers: the shared buffers rotate.
                 buf = packer.pack(slot, tensors, bucket.nbytes)
+                if cuda:
+                    packer.wait_packed()  # the engine reads it from another process, off our streams
             obj = {"flattened_tensor": buf, "metadata": layout(bucket.metas)}
             step = f"update_weights_from_tensor (bucket {k + 1}/{n})"
             # Each bucket carries its own handles and layout, so buckets may reach an engine
@@ -69,10 +79,10 @@ class TensorTransport(Transport):
                     weight_version=ctx.weight_version if last else None)
                 call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
-                    engine, call, req, ctx.http_timeout_s, gate=gate))))
+                    engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
             slot_calls[slot] = calls
             all_calls += calls
-            del obj, buf  # CUDA: the block sits in torch's IPC limbo until engines let go
+            del obj, buf
             stats.bytes += bucket.nbytes
             stats.buckets += 1
         t0 = time.perf_counter()
@@ -80,11 +90,27 @@ class TensorTransport(Transport):
         stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
-        if cuda:
-            torch.cuda.ipc_collect()  # give back blocks every engine has released
+
+    def _renew_buffers(self) -> None:
+        """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.
+
+        torch wraps a storage in one more reference-counting layer (an interprocess event
+        and a counter slot) every time it is shared, released only with the storage; fresh
+        buffers now and then keep that chain short. The engines drop the old buffers at
+        the next end_weight_update (unused in that session), then torch frees them.
+        """
+        torch.cuda.ipc_collect()
+        self._syncs += 1
+        if self._syncs % RENEW_EVERY == 0:
+            self.packer.release()
+
+    def prepare(self, buckets) -> None:
+        self.packer.reserve(max(b.nbytes for b in buckets))
 
     def close(self, engines) -> None:
         self.packer.release()
+        if self.packer.is_cuda:
+            torch.cuda.ipc_collect()  # give back buffers every engine has let go of
 
 
 def _always() -> bool:

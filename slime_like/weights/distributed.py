@@ -75,6 +75,24 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def nccl_env_hint() -> str:
+    """What is wrong when this process disables NCCL transports its peers keep, or ''."""
+    off = [v for v in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")
+           if os.environ.get(v, "0").strip() not in ("", "0")]
+    if not off:
+        return ""
+    return (f"{' and '.join(f'{v}={os.environ[v]}' for v in off)} is set in the trainer process "
+            "(torchrl's SGLang scheme sets both at import): engines that keep P2P/SHM build "
+            "other NCCL rings, and the group fails (e.g. 'ring 0 does not contain rank 1'); "
+            "where it works the broadcast is ~80x slower on NVLink. Unset them in the trainer "
+            "(or set the same on every engine)")
+
+
+def _hint(backend: str) -> str:
+    hint = nccl_env_hint() if backend == "nccl" else ""
+    return f" [{hint}]" if hint else ""
+
+
 class DistributedTransport(Transport):
     """torch.distributed broadcast into every engine (NCCL on GPU, gloo on CPU)."""
 
@@ -94,6 +112,8 @@ class DistributedTransport(Transport):
             # cuMem must agree with sglang's engines, which force it off. P2P/SHM stay on.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+            if nccl_env_hint():
+                log.warning("%s", nccl_env_hint())
         self.load_format = load_format
         self.master_address = master_address
         self.master_port = master_port
@@ -116,6 +136,11 @@ class DistributedTransport(Transport):
             return
         self._teardown()
         self._create(engines, calls)
+
+    def prepare(self, buckets) -> None:
+        packed = [b.nbytes for b in buckets if len(b.metas) > 1]
+        if packed:
+            self.packer.reserve(max(packed))
 
     def _create(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
         self.attempt += 1
@@ -153,7 +178,7 @@ class DistributedTransport(Transport):
             err = result["error"]
             watch.check()  # an engine's own answer explains more than the rendezvous error
             raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
-                                  f"({world_size} ranks): {err}") from err
+                                  f"({world_size} ranks): {err}{_hint(self.backend)}") from err
         watch.wait_calls(http)
         self.pg, self.group_name, self._store = result["pg"], name, store
         self.members = tuple((e.url, e.tp_size) for e in engines)
@@ -222,6 +247,9 @@ class DistributedTransport(Transport):
             self.failed()
             # Whichever failure surfaced first, blame the engine that most likely caused it.
             err = ctx.watch.explain(e)
+            hint = _hint(self.backend)
+            if hint and hint not in str(err.args[0] if err.args else ""):
+                err.args = (f"{err.args[0] if err.args else err}{hint}",)
             if err is e:
                 raise
             raise err from e

@@ -25,8 +25,20 @@ from torch import nn
 
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, WeightSyncError
-from slime_like.weights.source import NamedTensors, get_model_metadata
-from slime_like.weights.sync import PAUSE_MODES, SyncReport, WeightSync, WeightSyncConfig
+from slime_like.protocol.buckets import TensorMeta
+from slime_like.weights.source import (
+    ModelWeights,
+    NamedTensors,
+    get_model_metadata,
+    unwrap_model,
+)
+from slime_like.weights.sync import (
+    DEFAULT_BUFFER_BYTES,
+    PAUSE_MODES,
+    SyncReport,
+    WeightSync,
+    WeightSyncConfig,
+)
 
 __all__ = ["SGLangWeightSender", "SGLangWeightSyncScheme", "get_model_metadata"]
 
@@ -39,7 +51,8 @@ class SGLangWeightSyncScheme:
     def __init__(self, server_url: str, master_address: str | None = None,
                  master_port: int | None = None, num_gpus: int = 1,
                  strategy: str = "tensordict", device: int | str | torch.device = 0,
-                 flush_cache_on_update: bool | None = None, pause_mode: str | None = None):
+                 flush_cache_on_update: bool | None = None, pause_mode: str | None = None,
+                 update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES):
         pause_mode = pause_mode or "retract"
         if pause_mode not in PAUSE_MODES:
             raise ConfigError("pause_mode", f"expected one of {list(PAUSE_MODES)}, got {pause_mode!r}")
@@ -60,12 +73,14 @@ class SGLangWeightSyncScheme:
         self.device = _resolve_device(device)
         self.flush_cache_on_update = flush_cache_on_update
         self.pause_mode = pause_mode
+        self.update_weight_buffer_size = int(update_weight_buffer_size)
 
     def create_sender(self) -> SGLangWeightSender:
         config = WeightSyncConfig(
             transport="distributed", pause_mode=self.pause_mode, device=str(self.device),
             master_address=self.master_address, master_port=self.master_port,
-            flush_cache=self.flush_cache_on_update is not False)
+            flush_cache=self.flush_cache_on_update is not False,
+            update_weight_buffer_size=self.update_weight_buffer_size)
         return SGLangWeightSender(self, WeightSync([EngineHandle(self.server_url, self.num_gpus)],
                                                    config))
 
@@ -78,7 +93,12 @@ def _resolve_device(device: int | str | torch.device) -> torch.device:
 
 
 class SGLangWeightSender:
-    """The trainer side: registered model, collectors to notify, one WeightSync."""
+    """The trainer side: registered model, collectors to notify, one WeightSync.
+
+    The fast path is the registered model: its parameter walk and metadata are built once
+    (at `register_model`), so every `update_weights()` hands WeightSync the same source
+    object and WeightSync skips every check of metadata it has already checked.
+    """
 
     def __init__(self, scheme: SGLangWeightSyncScheme, sync: WeightSync):
         self.scheme = scheme
@@ -86,9 +106,12 @@ class SGLangWeightSender:
         self.model: nn.Module | None = None
         self.collectors: list[Any] = []
         self.last_report: SyncReport | None = None
+        self._source: ModelWeights | None = None
+        self._dict_metas: list[TensorMeta] | None = None
 
     def register_model(self, model: nn.Module) -> None:
         self.model = model
+        self._source = ModelWeights(model)
 
     def register_collector(self, collector: Any) -> None:
         """A collector whose policy version goes up by one after every successful update."""
@@ -96,7 +119,8 @@ class SGLangWeightSender:
 
     def init_all_workers_group(self, model_metadata: Mapping[str, tuple[torch.dtype, torch.Size]]
                                ) -> None:
-        """Register the metadata every update must match and build the weight group."""
+        """Register the metadata every update must match, build the weight group and the
+        bucket buffers (so the first update does not pay for them)."""
         self.sync.attach(metadata=model_metadata)
 
     def update_weights(self, weights: Any = None) -> SyncReport:
@@ -105,13 +129,37 @@ class SGLangWeightSender:
             if self.model is None:
                 raise WeightSyncError("update_weights", "no weights given and no model "
                                       "registered; call register_model(model) first")
-            weights = self.model
-        elif not isinstance(weights, nn.Module):
-            weights = NamedTensors(_named_tensors(weights, self.scheme.strategy))
+            weights = self._model_source(self.model)
+        elif isinstance(weights, nn.Module):
+            weights = self._model_source(weights)
+        else:
+            weights = self._dict_source(_named_tensors(weights, self.scheme.strategy))
         self.last_report = self.sync.update(weights)
         for collector in self.collectors:
             _increment_version(collector)
         return self.last_report
+
+    def _model_source(self, model: nn.Module) -> ModelWeights:
+        """The walk of the model made at register_model (or now, for another model).
+
+        It holds the Parameter objects, so new values (even `param.data = ...`) are sent;
+        a dtype or shape change is caught while packing. Replacing a Parameter object
+        needs `register_model` again.
+        """
+        source = self._source
+        if source is None or source.model is not unwrap_model(model):
+            source = self._source = ModelWeights(model)
+        return source
+
+    def _dict_source(self, named: dict[str, torch.Tensor]) -> NamedTensors:
+        """Named tensors; metadata equal to the last call's is reused (checked once)."""
+        source = NamedTensors(named)
+        metas = source.metadata()
+        if self._dict_metas is not None and metas == self._dict_metas:
+            source.reuse_metadata(self._dict_metas)
+        else:
+            self._dict_metas = metas
+        return source
 
     def flush_cache(self) -> bool:
         """Flush the server's prefix cache now; False when it refused (not idle)."""

@@ -43,11 +43,18 @@ class NamedTensors:
     def metadata(self) -> list[TensorMeta]:
         return self._metas
 
+    def reuse_metadata(self, metas: list[TensorMeta]) -> None:
+        """Adopt an equal metadata list from an earlier sync (so it is not checked again)."""
+        if metas != self._metas:
+            raise WeightMetadataError("reuse_metadata: the metadata differs")
+        self._metas = metas
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._items)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DistributedDataParallel-like wrappers (not a peft model's base)."""
     # DistributedDataParallel and similar wrappers keep the real model in `.module`.
     while isinstance(getattr(model, "module", None), nn.Module) and not _is_peft(model):
         model = model.module
@@ -67,8 +74,10 @@ class ModelWeights:
     """
 
     def __init__(self, model: nn.Module):
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)
         self._entries = list(self._walk())
+        # Built once: the same list object every sync lets WeightSync skip re-checking it.
+        self._metas = [TensorMeta(n, p.dtype, tuple(p.shape)) for n, p, _ in self._entries]
 
     def _walk(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
         model = self.model
@@ -82,7 +91,7 @@ class ModelWeights:
         yield from _peft_entries(model)
 
     def metadata(self) -> list[TensorMeta]:
-        return [TensorMeta(n, p.dtype, tuple(p.shape)) for n, p, _ in self._entries]
+        return self._metas
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():

@@ -38,10 +38,10 @@ from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, EngineError, WeightMetadataError, WeightSyncError
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
 from slime_like.protocol.compat import FLUSH_AFTER_RETRACT_SINCE
-from slime_like.weights.fanout import EngineCalls, on_all
+from slime_like.weights.fanout import CallCancelled, EngineCalls, on_all
 from slime_like.weights.handshake import engine_model_metadata
 from slime_like.weights.source import as_source, check_same_metadata
-from slime_like.weights.transfer import TransferStats, Watch
+from slime_like.weights.transfer import EngineCall, TransferStats, Watch
 from slime_like.weights.transport import TransferContext, Transport
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,8 @@ class SyncReport:
     flush: dict[str, str] = field(default_factory=dict)
     in_flight_at_pause: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: seconds of each control round trip (slowest engine) and of an average bucket update
+    round_trips: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"weight_version": self.weight_version, "transport": self.transport,
@@ -115,7 +117,7 @@ class SyncReport:
                 "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
                 "total_s": round(self.total_s, 6), "transfer": self.transfer,
                 "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
-                "warnings": self.warnings}
+                "warnings": self.warnings, "round_trips": self.round_trips}
 
 
 class _Steps:
@@ -268,8 +270,9 @@ class WeightSync:
             self._verified[0] is metas or self._verified[0] == metas)
         if self.config.check_engine_metadata and (not same or self.config.transport == "disk"):
             on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
-            self._verified = (metas, urls)
+        self._verified = (metas, urls)  # equal or checked: the next sync compares identities
         self._transport().attach(self.engines, self._engine_calls())
+        self._transport().prepare(self._buckets(metas))
 
     def _check_engine(self, engine: EngineHandle, metas: list[TensorMeta]) -> None:
         path = str(engine.client.model_info().get("model_path") or "")
@@ -289,6 +292,8 @@ class WeightSync:
     def _buckets(self, metas: list[TensorMeta]) -> list[Bucket]:
         if self._plan is None or (self._plan[0] is not metas and self._plan[0] != metas):
             self._plan = (metas, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
+        elif self._plan[0] is not metas:
+            self._plan = (metas, self._plan[1])  # equal: the next sync compares identities
         return self._plan[1]
 
     # ---- engines coming and going ---------------------------------------------------------------
@@ -366,33 +371,59 @@ class WeightSync:
         buckets = self._buckets(metas)
         engines = list(self.engines)
         calls = self._engine_calls()
+        watch = Watch(cfg.http_timeout_s)
         paused: list[EngineHandle] = []
         begun: list[EngineHandle] = []
+        sent: list[EngineCall] = []      # control calls in the engines' lanes
+        resumed: list[EngineCall] = []   # continue_generation sent through the lanes
         failure: BaseException | None = None
         try:
             with steps("pause"):
-                self._pause(engines, paused, report)
-            with steps("begin"):
-                begun = self._begin(engines)
+                # Sent, not awaited: each engine's lane sends pause, then begin, then bucket
+                # 1, each once the one before was answered, while the trainer packs bucket 1.
+                control = self._pause_and_begin(engines, paused, begun, report, calls, sent)
+                for c in control:
+                    watch.add(c)
             with steps("transfer"):
                 stats = TransferStats()
                 folded = frozenset(e.url for e in engines if self._folds_flush(e)
                                    and self._flush_plan(e, report) is None)
                 ctx = TransferContext(
                     engines=engines, buckets=buckets, source=source, weight_version=version,
-                    watch=Watch(cfg.http_timeout_s), calls=calls, stats=stats,
-                    http_timeout_s=cfg.http_timeout_s, flush_last=folded)
+                    watch=watch, calls=calls, stats=stats, http_timeout_s=cfg.http_timeout_s,
+                    flush_last=folded, control={c.engine.url: c.future for c in control})
                 self._transport().transfer(ctx)
+                watch.wait_calls(control)  # answered long before, unless a transport sent nothing
                 report.transfer = stats.as_dict()
-            with steps("end"):
-                on_all(begun, "end_weight_update", lambda e: e.client.end_weight_update())
-                begun = []
-            with steps("flush"):
-                self._flush(engines, folded, ctx.flush_refused, report)
-            with steps("verify"):
-                on_all(engines, "verify_weight_version", lambda e: self._verify(e, version))
+            if self._can_pipeline_end(engines, folded, ctx, report):
+                # Every engine's last answer carries the new version and no separate flush is
+                # due: end and continue go out back to back in each lane, no trainer hop.
+                with steps("end"):
+                    ends = self._submit_end(begun, calls)
+                    sent += ends
+                    resumed = self._submit_continue(paused, ends, calls)
+                    sent += resumed
+                    closing = Watch(cfg.http_timeout_s)  # its own deadline, like any step
+                    for c in ends:
+                        closing.add(c)
+                    closing.wait_calls(ends)  # a failure names the engine and the step
+                    begun = []
+                with steps("flush"):
+                    self._flush(engines, folded, ctx.flush_refused, report)
+                report.seconds["verify"] = 0.0  # the last update's answer said so
+            else:
+                with steps("end"):
+                    on_all(begun, "end_weight_update", lambda e: e.client.end_weight_update())
+                    begun = []
+                with steps("flush"):
+                    self._flush(engines, folded, ctx.flush_refused, report)
+                with steps("verify"):
+                    unverified = [e for e in engines if not ctx.version_set(e)]
+                    on_all(unverified, "verify_weight_version", lambda e: self._verify(e, version))
         except BaseException as e:
             failure = e
+            calls.cancel_pending()
+            _settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
             error = self._failed(e, steps.current, begun)
         finally:
             # The living engines resume first: finding out which engines died (pings with
@@ -401,7 +432,7 @@ class WeightSync:
             problems = []
             if failure is None or cfg.resume_on_failure:
                 with steps("continue"):
-                    problems = self._continue(paused)
+                    problems = self._continue(paused, resumed)
             else:
                 error.paused = [e.url for e in paused]
             if problems and failure is None:
@@ -413,56 +444,84 @@ class WeightSync:
             raise self._with_dead_dropped(error) from failure
         self._counter += 1
         self.weight_version = version
+        report.round_trips = _round_trips(sent, stats)
         report.total_s = time.perf_counter() - start
         self.last_report = report
         return report
 
-    def _pause(self, engines: list[EngineHandle], paused: list[EngineHandle],
-               report: SyncReport) -> None:
+    def _pause_and_begin(self, engines: list[EngineHandle], paused: list[EngineHandle],
+                         begun: list[EngineHandle], report: SyncReport, calls: EngineCalls,
+                         sent: list[EngineCall]) -> list[EngineCall]:
+        """Queue pause (and begin, where gated) in every engine's lane; the last call of each
+        is returned, every call is added to `sent`."""
         mode = self.config.pause_mode
+        lock = threading.Lock()
+        gated = self._transport().gated
+        out: list[EngineCall] = []
 
-        def pause(engine: EngineHandle) -> None:
+        def pause(engine: EngineHandle) -> Any:
             if mode == "abort":  # how many requests the pause is about to abort
                 with contextlib.suppress(EngineError, KeyError, TypeError):
                     loads = engine.client.loads().get("loads") or []
                     report.in_flight_at_pause[engine.url] = sum(
                         int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
                         for x in loads)
-            paused.append(engine)  # even a pause that times out may have paused it
-            engine.client.pause_generation(mode, timeout=self.config.http_timeout_s)
+            return engine.client.pause_generation(mode, timeout=self.config.http_timeout_s)
 
-        on_all(engines, "pause_generation", pause)
-
-    def _begin(self, engines: list[EngineHandle]) -> list[EngineHandle]:
-        if not self._transport().gated:
-            return []
-        begun: list[EngineHandle] = []
-        lock = threading.Lock()
-
-        def begin(engine: EngineHandle) -> None:
-            if not engine.has_begin_end:
-                return
+        def begin(engine: EngineHandle) -> Any:
             try:
-                engine.client.begin_weight_update()
+                answer = engine.client.begin_weight_update()
             except EngineError as e:
                 if e.status == 404:  # an engine without sessions (sglang < 0.5.21)
                     engine.version = engine.version or (0, 5, 20)
-                    return
+                    return None
                 if e.status == 400 and "already open" in e.body:
                     # left open by an earlier failed sync whose end did not get through
                     engine.client.end_weight_update()
-                    engine.client.begin_weight_update()
+                    answer = engine.client.begin_weight_update()
                 else:
                     raise
             with lock:
                 begun.append(engine)
+            return answer
 
-        try:
-            on_all(engines, "begin_weight_update", begin)
-        except BaseException:
-            self._end_quietly(begun)
-            raise
-        return begun
+        for engine in engines:
+            paused.append(engine)  # even a pause that times out may have paused it
+            call = _call(calls, engine, "pause_generation", pause)
+            sent.append(call)
+            if gated and engine.has_begin_end:
+                call = _call(calls, engine, "begin_weight_update", begin)
+                sent.append(call)
+            out.append(call)
+        return out
+
+    def _can_pipeline_end(self, engines: list[EngineHandle], folded: frozenset[str],
+                          ctx: TransferContext, report: SyncReport) -> bool:
+        """True when nothing but end and continue is left: versions seen, no separate flush."""
+        return all(ctx.version_set(e) and (e.url in folded or self._flush_plan(e, report) is not None)
+                   for e in engines)
+
+    @staticmethod
+    def _submit_end(begun: list[EngineHandle], calls: EngineCalls) -> list[EngineCall]:
+        return [_call(calls, e, "end_weight_update", lambda e: e.client.end_weight_update())
+                for e in begun]
+
+    def _submit_continue(self, paused: list[EngineHandle], ends: list[EngineCall],
+                         calls: EngineCalls) -> list[EngineCall]:
+        """continue_generation right behind every end; not sent if an end failed and the
+        caller keeps failed syncs paused (resume_on_failure=False)."""
+        keep_paused = not self.config.resume_on_failure
+        futures = [c.future for c in ends]
+
+        def resume(engine: EngineHandle) -> Any:
+            if keep_paused and any(f.exception() is not None for f in futures):
+                raise CallCancelled("not sent: end_weight_update failed on an engine")
+            return engine.client.continue_generation()
+
+        def gate() -> bool:
+            return all(f.done() for f in futures)
+
+        return [_call(calls, e, "continue_generation", resume, gate) for e in paused]
 
     def _flush_plan(self, engine: EngineHandle, report: SyncReport) -> str | None:
         """None when the engine's cache is to be flushed, else why not (the pause-mode rule)."""
@@ -516,10 +575,21 @@ class WeightSync:
                                   f"engine reports weight_version {got!r}, expected {version!r}",
                                   engine.url)
 
-    def _continue(self, paused: list[EngineHandle]) -> list[tuple[str, str]]:
-        """continue_generation on every paused engine; [(url, problem)] for those it failed on."""
+    def _continue(self, paused: list[EngineHandle], sent: Sequence[EngineCall] = ()
+                  ) -> list[tuple[str, str]]:
+        """Every paused engine resumed: [(url, problem)] for those it failed on.
+
+        A continue already sent through the engine's lane counts once answered; one that
+        was never sent (cancelled after a failure) or failed is sent again here.
+        """
         problems: list[tuple[str, str]] = []
         lock = threading.Lock()
+        done = set()
+        for call in sent:
+            with contextlib.suppress(Exception):
+                call.future.result(timeout=self.config.http_timeout_s)
+                done.add(call.engine.url)
+        todo = [e for e in paused if e.url not in done]
 
         def resume(engine: EngineHandle) -> None:
             try:
@@ -528,8 +598,8 @@ class WeightSync:
                 with lock:
                     problems.append((engine.url, str(e)))
 
-        if paused:
-            on_all(paused, "continue_generation", resume)
+        if todo:
+            on_all(todo, "continue_generation", resume)
         return problems
 
     def _end_quietly(self, engines: list[EngineHandle]) -> None:
@@ -594,3 +664,49 @@ class WeightSync:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Timed:
+    """An engine call that remembers how long its HTTP round trip took once sent."""
+
+    def __init__(self, fn: Callable[[EngineHandle], Any]):
+        self.fn = fn
+        self.seconds: float | None = None
+
+    def __call__(self, engine: EngineHandle) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.fn(engine)
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+
+def _call(calls: EngineCalls, engine: EngineHandle, step: str, fn: Callable[[EngineHandle], Any],
+          gate: Callable[[], bool] | None = None) -> EngineCall:
+    """Queue fn(engine) in the engine's ordered lane (after everything queued before it)."""
+    timer = _Timed(fn)
+    call = EngineCall(engine, step, calls.submit(engine, timer, engine, gate=gate))
+    call.timer = timer
+    return call
+
+
+def _settle(sent: Sequence[EngineCall], timeout_s: float) -> None:
+    """Wait (bounded) until no queued or running control call is left."""
+    deadline = time.monotonic() + timeout_s
+    for call in sent:
+        with contextlib.suppress(Exception):
+            call.future.exception(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _round_trips(sent: Sequence[EngineCall], stats: TransferStats) -> dict[str, float]:
+    """Seconds per control round trip (slowest engine) and per bucket update (mean)."""
+    out: dict[str, float] = {}
+    for call in sent:
+        seconds = getattr(call.timer, "seconds", None)
+        if seconds is not None:
+            step = call.step.removesuffix("_generation").removesuffix("_weight_update")
+            out[step] = max(out.get(step, 0.0), seconds)
+    updates = stats.buckets * max(1, len(stats.per_engine_http_s))
+    if updates:
+        out["update_mean"] = stats.http_s / updates
+    return {k: round(v, 6) for k, v in out.items()}

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,10 +77,27 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-    """A one-tensor bucket already on `device` and contiguous goes out of its own storage."""
-    if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
-        return flat_bytes(tensors[0])
-    return None
+    """The bucket's bytes without packing, when they already lie back to back in one storage.
+
+    True of a one-tensor bucket, and of a trainer whose parameters live in flat buffers
+    (Megatron-style) when the bucket follows their order: the bucket then goes out of the
+    trainer's own storage, with no copy. Returns None when a pack is needed.
+    """
+    first = tensors[0]
+    if first.device != device or not first.is_contiguous():
+        return None
+    if len(tensors) == 1:
+        return flat_bytes(first)
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    start = first.data_ptr()
+    end = start + first.numel() * first.element_size()
+    for t in tensors[1:]:
+        if t.data_ptr() != end or not t.is_contiguous() or t.untyped_storage().data_ptr() != base:
+            return None
+        end += t.numel() * t.element_size()
+    whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    return whole[start - base:end - base]
 
 
 class BucketPacker:
@@ -99,6 +117,12 @@ class BucketPacker:
     @property
     def slots(self) -> int:
         return len(self._buffers)
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate every slot now (at attach), sized for the largest planned bucket."""
+        self.capacity = min(self.capacity, max(1, nbytes))
+        for slot in range(self.slots):
+            self._buffer(slot, self.capacity)
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._buffers[slot]
@@ -134,25 +158,10 @@ class BucketPacker:
             self._events.append((ev0, ev1))
         return dst
 
-    def pack_fresh(self, tensors: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor:
-        """Pack into a new buffer from the caching allocator (GPU), ready when this returns.
-
-        For buffers another process reads through CUDA IPC: an engine's answer does not
-        prove its copy out of the buffer finished (sglang answers once the copy is queued),
-        so a buffer is never rewritten; dropped, it waits in torch's IPC limbo until every
-        consumer released it.
-        """
-        if self.stream is None:
-            raise ValueError("pack_fresh is for CUDA buffers")
-        with torch.cuda.stream(self.stream):
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
-            _copy_into(dst, [flat_bytes(t) for t in tensors])
-            ev1.record()
-            self._events.append((ev0, ev1))
-        ev1.synchronize()  # the engine reads it from another process, outside our streams
-        return dst
+    def wait_packed(self) -> None:
+        """Block until every pack issued so far has landed (for readers outside our streams)."""
+        if self._events:
+            self._events[-1][1].synchronize()
 
     def pack_seconds(self) -> float:
         """Total packing time of this sync (synchronizes the GPU events it reads)."""
@@ -188,6 +197,7 @@ class EngineCall:
     future: Future
     started: float = field(default_factory=time.monotonic)
     done_at: float | None = None
+    timer: Any = None  # what measured the call's round trip, if anything
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._mark)

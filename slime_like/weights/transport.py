@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError
@@ -34,21 +36,42 @@ class TransferContext:
     #: engine url -> why the flush folded into its last update was refused (weights landed)
     flush_refused: dict[str, str] = field(default_factory=dict)
 
+    #: engine url -> its last control call (pause or begin), sent ahead and not awaited
+    control: dict[str, Future] = field(default_factory=dict)
+    #: engine url -> the answer to its last update (it says whether the version was set)
+    last_answers: dict[str, Any] = field(default_factory=dict)
+
     def update_call(self, fn: Callable, engine: EngineHandle, last: bool) -> Callable:
         """The engine call for one update; a refused folded flush is recorded, not raised."""
         timed_fn = timed(fn, self.stats, engine.url)
-        if not (last and engine.url in self.flush_last):
+        if not last:
             return timed_fn
+        folded = engine.url in self.flush_last
 
         def call(req, timeout):
             try:
-                return timed_fn(req, timeout)
+                out = timed_fn(req, timeout)
             except EngineError as e:
-                if e.status == 400 and FLUSH_REFUSED_MARK in e.body:
+                if folded and e.status == 400 and FLUSH_REFUSED_MARK in e.body:
                     self.flush_refused[engine.url] = e.body
                     return None
                 raise
+            self.last_answers[engine.url] = out
+            return out
         return call
+
+    def version_set(self, engine: EngineHandle) -> bool:
+        """Whether the engine's answer to its last update says it now serves weight_version."""
+        answer = self.last_answers.get(engine.url)
+        message = answer.get("message", "") if isinstance(answer, dict) else ""
+        return f"Weight version updated to {self.weight_version}" in str(message)
+
+    def gate(self, engine: EngineHandle, gate: Callable[[], bool] | None) -> Callable[[], bool] | None:
+        """`gate`, also waiting for the engine's pause/begin (a strict lane gate already does)."""
+        before = self.control.get(engine.url)
+        if gate is None or before is None:
+            return gate
+        return lambda: before.done() and gate()
 
     def flush_flag(self, engine: EngineHandle, last: bool) -> bool:
         return last and engine.url in self.flush_last
@@ -63,6 +86,9 @@ class Transport(ABC):
 
     def attach(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:  # noqa: B027
         """Prepare before the engines are paused (e.g. build a weight group)."""
+
+    def prepare(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027
+        """Allocate what the planned buckets need (at attach, not in the first sync)."""
 
     @abstractmethod
     def transfer(self, ctx: TransferContext) -> None:

@@ -189,7 +189,9 @@ def test_engine_killed_mid_broadcast_fails_fast_and_the_other_engine_keeps_servi
             sync.update(KillAfter(model, 5, victim))
         elapsed = time.monotonic() - start
         assert elapsed < 20, f"the failed sync took {elapsed:.1f}s, past its 20s timeout"
-        assert err.value.step.startswith(("transfer", "update_weights_from_distributed", "broadcast"))
+        # pause and begin overlap packing the first bucket, so the kill may hit one of them
+        assert err.value.step.startswith(("transfer", "update_weights_from_distributed", "broadcast",
+                                          "begin_weight_update", "pause_generation"))
         assert victim.url in str(err.value)
         # the survivor was resumed and serves; the dead engine was dropped for recovery
         assert survivor.get("/ready").status_code == 200

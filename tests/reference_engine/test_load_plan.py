@@ -1,0 +1,117 @@
+"""Load plans: a flattened bucket lands through cached plans into parameter arenas (CPU)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slime_like.protocol.buckets import dtype_name, flatten
+from slime_like.reference_engine.load_plan import (
+    ParamArena,
+    build_plan,
+    distributed_entries,
+    request_key,
+)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(8, 16, dtype=torch.bfloat16))   # 256 bytes
+        self.b = nn.Parameter(torch.randn(4, 32, dtype=torch.bfloat16))   # 256 bytes
+        self.c = nn.Parameter(torch.randn(5, dtype=torch.bfloat16))       # 10 bytes: padded
+        self.d = nn.Parameter(torch.randn(64, dtype=torch.float32))       # another dtype
+
+
+def _key(named):
+    return request_key([n for n, _ in named], [dtype_name(t.dtype) for _, t in named],
+                       [list(t.shape) for _, t in named])
+
+
+def _land(params, arena, named):
+    buf, _ = flatten(named)
+    plan = build_plan(distributed_entries(_key(named)), params, arena, tied=False,
+                      architecture="test")
+    assert not plan.problems, plan.problems
+    plan.apply(buf)
+    return plan
+
+
+def test_arena_keeps_values_and_an_ordered_bucket_is_one_copy():
+    model = _Model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    arena = ParamArena(list(params.values()))
+    assert len(arena.segments) == 2  # one per dtype
+    for n, p in params.items():
+        assert torch.equal(p, before[n])
+        assert p.untyped_storage().data_ptr() == arena.segments[arena.place[id(p)][0]].data_ptr()
+    new = [("a", torch.randn(8, 16, dtype=torch.bfloat16)), ("b", torch.randn(4, 32, dtype=torch.bfloat16))]
+    plan = _land(params, arena, new)
+    assert len(plan.runs) == 1 and not plan.converts
+    assert torch.equal(model.a, new[0][1]) and torch.equal(model.b, new[1][1])
+
+
+def test_any_order_and_dtype_conversions_still_land():
+    model = _Model()
+    params = dict(model.named_parameters())
+    arena = ParamArena(list(params.values()))
+    new = [("d", torch.randn(64, dtype=torch.float32)),   # 4-byte itemsize first (alignment)
+           ("b", torch.randn(4, 32, dtype=torch.float32)),  # float32 into a bfloat16 parameter
+           ("c", torch.randn(5, dtype=torch.bfloat16)),
+           ("a", torch.randn(8, 16, dtype=torch.bfloat16))]
+    plan = _land(params, arena, new)
+    assert len(plan.runs) == 3 and len(plan.converts) == 1
+    assert torch.equal(model.d, new[0][1]) and torch.equal(model.c, new[2][1])
+    assert torch.equal(model.a, new[3][1])
+    assert torch.equal(model.b, new[1][1].to(torch.bfloat16))
+
+
+def test_unknown_names_and_wrong_shapes_are_problems_not_copies():
+    model = _Model()
+    params = dict(model.named_parameters())
+    arena = ParamArena(list(params.values()))
+    named = [("a", torch.zeros(8, 16, dtype=torch.bfloat16)), ("nope", torch.zeros(2, dtype=torch.bfloat16)),
+             ("b", torch.zeros(32, 4, dtype=torch.bfloat16))]
+    plan = build_plan(distributed_entries(_key(named)), params, arena, tied=False, architecture="test")
+    assert len(plan.problems) == 2
+    assert "unknown parameter 'nope'" in plan.problems[0]
+    assert "shape mismatch for 'b'" in plan.problems[1]
+
+
+def test_engine_receiver_reuses_plans_and_rebuilds_them_after_release(tiny_model_dir):
+    from slime_like.models.loading import load_pretrained
+    from slime_like.reference_engine.weight_receiver import WeightReceiver
+
+    model = load_pretrained(tiny_model_dir)
+    receiver = WeightReceiver(model, tp_rank=0, tp_size=1, device=torch.device("cpu"),
+                              model_path=str(tiny_model_dir), load_format="dummy")
+    named = [(n, torch.randn_like(p)) for n, p in list(receiver.params.items())[:6]]
+    key = _key(named)
+    buf, _ = flatten(named)
+    for _ in range(2):
+        receiver._plan(key).apply(buf)
+    assert (receiver.plans.misses, receiver.plans.hits) == (1, 1)
+    receiver.release_weights()
+    receiver.resume_weights()
+    receiver._plan(key).apply(buf)
+    assert receiver.plans.misses == 2  # the old plan pointed at the released storage
+    for n, t in named:
+        assert torch.equal(receiver.params[n], t), n
+
+
+def test_ipc_storages_unused_for_a_whole_session_are_let_go(tiny_model_dir):
+    from slime_like.models.loading import load_pretrained
+    from slime_like.reference_engine.weight_receiver import WeightReceiver
+
+    receiver = WeightReceiver(load_pretrained(tiny_model_dir), tp_rank=0, tp_size=1,
+                              device=torch.device("cpu"), model_path=str(tiny_model_dir),
+                              load_format="dummy")
+    reused, replaced = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    receiver._keep_ipc_storage(reused)
+    receiver._keep_ipc_storage(replaced)
+    receiver.end_session()
+    assert len(receiver._ipc_storages) == 2  # both used in that session
+    receiver._keep_ipc_storage(reused)      # the sender replaced the other buffer
+    receiver.end_session()
+    assert list(receiver._ipc_storages) == [(reused.data_ptr(), 64)]
