@@ -119,7 +119,19 @@ class ChaosMonkey:
                            e.engine_id, step)
 
     def summary(self) -> list[dict]:
-        return [asdict(f) for f in self.faults]
+        """Each fault with what it caused: the death (and recovery) of its target seen after
+        it was fired or armed, or the router's restart."""
+        out = []
+        for f in self.faults:
+            row = asdict(f)
+            if f.kind == "kill_router":
+                row["effect"] = [r for r in self.fleet.router_restarts
+                                 if f.fired_at and r.get("at", 0) >= f.fired_at]
+            else:
+                row["effect"] = [r for r in self.fleet.recoveries if r["engine"] == f.target
+                                 and f.fired_at and (r.get("dead_at") or 0) >= f.fired_at]
+            out.append(row)
+        return out
 
 
 @dataclass

@@ -172,7 +172,7 @@ class Fleet:
                         self._move(e, S.STALE, reason=f"router restart: {err}")
         took = round(time.time() - t0, 2)
         self.router_restarts.append({"model": model, "code": code, "restart_s": took,
-                                     "url": router.url})
+                                     "url": router.url, "at": t0})
         self._emit(f"router/{model}", "READY", url=router.url, pid=router.process.pid,
                    restart_s=took, workers=len(routed))
         self._supervise(model, router)

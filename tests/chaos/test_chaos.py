@@ -56,7 +56,9 @@ def check(run_dir, out: dict, steps: int) -> None:
     assert sorted(f["kind"] for f in chaos["faults"]) == sorted(
         ["kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
          "stop_engine", "kill_router"])
-    assert all(f["fired_at"] and f["target"] for f in chaos["faults"]), chaos["faults"]
+    # each fault really happened: its target died (or the router restarted) after it fired
+    assert all(f["fired_at"] and f["target"] and f["effect"] for f in chaos["faults"]), \
+        chaos["faults"]
     assert chaos["recoveries"] and all("recovery_s" in r for r in chaos["recoveries"])
     assert chaos["router_restarts"], "the router was killed and must have been relaunched"
     # the outside sampler looked often enough to mean something, and saw nothing wrong
