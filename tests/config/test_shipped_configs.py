@@ -99,11 +99,10 @@ def test_multi_node_engine_shares_dist_init_addr_of_node_rank_0(tmp_path):
     cfg = tmp_path / "big.yaml"
     cfg.write_text("sglang:\n  - name: big\n    server_groups:\n"
                    "      - {worker_type: regular, num_gpus: 16, num_gpus_per_engine: 16}\n")
-    args = parse_args(["--hf-checkpoint", "m", "--sglang-config", str(cfg),
-                       "--debug-rollout-only"])
+    args = parse_args(["--hf-checkpoint", "m", "--sglang-config", str(cfg)])
     rank0, rank1 = args.nominal_plan.engines
     a0 = engine_server_args(rank0, args, port=30000, dist_init_port=30100).args
     a1 = engine_server_args(rank1, args, port=30000, dist_init_port=30100).args
     assert (a0["nnodes"], a0["node_rank"], a1["node_rank"]) == (2, 0, 1)
-    assert a0["dist_init_addr"] == a1["dist_init_addr"] == "node0:30100"
+    assert a0["dist_init_addr"] == a1["dist_init_addr"] == "node1:30100"
     assert (a0["tp_size"], a0["random_seed"]) == (16, a1["random_seed"])
