@@ -131,10 +131,12 @@ def reference_kl(args: argparse.Namespace, fleet: Fleet, samples: list[Sample],
     per_sample = [sum(a - b for a, b in zip(s.output_logprobs, r, strict=True))
                   for s, r in zip(samples, ref, strict=True)]
     tokens = sum(len(r) for r in ref) or 1
+    out = {"kl_ref": sum(per_sample) / tokens, "kl_model": fleet.reference_model}
     if args.kl_coef > 0:
         for i, kl in enumerate(per_sample):
             rewards[i] -= args.kl_coef * kl
-    return ref, {"kl_ref": sum(per_sample) / tokens, "kl_model": fleet.reference_model}
+        out["kl_reward_penalty"] = args.kl_coef * sum(per_sample) / len(per_sample)
+    return ref, out
 
 
 def train(args: argparse.Namespace) -> int:
