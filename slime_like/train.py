@@ -81,14 +81,15 @@ def init_ray(args: argparse.Namespace) -> None:
 
 
 def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
-                   tolerance: float) -> float:
+                   tolerance: float, temperature: float = 1.0) -> float:
     """Largest |engine - trainer| logprob over the step's samples, all made at `version`.
 
     Syncs happen between steps, so every sample must claim the fleet's version; one that
     claims another is a stale serve, and fails the run like a log-probability mismatch.
     With --update-weights-interval > 1 the trainer has moved past `version` by the later
     steps of an interval; it answers from the copy of the served weights it kept at the
-    last sync, so the comparison is always at the version the samples claim.
+    last sync, so the comparison is always at the version the samples claim. Engines report
+    logprobs of the temperature-scaled distribution; the trainer scales the same way.
     """
     stale = sorted({s.weight_version for s in samples if s.weight_version != str(version)})
     if stale:
@@ -97,7 +98,8 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     current = samples
     if not current:
         return float("nan")
-    ours = trainer.completion_logprobs([(s.prompt_ids, s.output_ids) for s in current], version)
+    ours = trainer.completion_logprobs([(s.prompt_ids, s.output_ids) for s in current], version,
+                                       temperature)
     worst = 0.0
     for s, lp in zip(current, ours, strict=True):
         for a, b in zip(s.output_logprobs, lp, strict=True):
@@ -219,7 +221,7 @@ def train(args: argparse.Namespace) -> int:
             ref_logprobs, kl_metrics = reference_kl(args, fleet, samples, rewards)
             advantages = group_advantages(rewards, n)
             worst = check_logprobs(samples, trainer, int(fleet.version),
-                                   args.logprob_check_tolerance)
+                                   args.logprob_check_tolerance, args.rollout_temperature)
             pairs = [(s.prompt_ids, s.output_ids) for s in samples]
             kl = {"ref_logprobs": ref_logprobs, "kl_loss_coef": args.kl_loss_coef,
                   "kl_loss_type": args.kl_loss_type} if args.use_kl_loss else {}
@@ -240,6 +242,7 @@ def train(args: argparse.Namespace) -> int:
                 "logprob_max_abs_diff": worst,
                 "samples_requested": len(prompts) * n,
                 "samples_returned": len(samples),
+                "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
                 "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
                 "retried_requests": sum(s.attempts > 1 for s in samples),
                 "sample_weight_versions": weight_versions(samples),

@@ -92,7 +92,8 @@ class TrainerRank:
             return self.policy.train_step(samples, advantages, **kl)
 
     def completion_logprobs(self, samples: list[tuple[list[int], list[int]]],
-                            version: int | None = None) -> list[list[float]]:
+                            version: int | None = None,
+                            temperature: float = 1.0) -> list[list[float]]:
         """Log-probabilities of sampled tokens at `version` (the one the engines serve).
 
         After train steps without a sync the current weights are ahead of it; then the copy
@@ -102,9 +103,9 @@ class TrainerRank:
         assert self.policy is not None
         with self._weights_lock:
             if version is None or not self._dirty:
-                return self.policy.completion_logprobs(samples)
+                return self.policy.completion_logprobs(samples, temperature=temperature)
             if self._served is not None and self._served_version == version:
-                return self.policy.completion_logprobs(samples, self._served)
+                return self.policy.completion_logprobs(samples, self._served, temperature)
             raise RuntimeError(f"the trainer's weights moved past version {version} and no "
                                "copy of it was kept (keep_served)")
 

@@ -45,8 +45,9 @@ class TrainerGroup:
             for a, (s, adv, r) in zip(self.actors, shards, strict=True)])
         return results[0]
 
-    def completion_logprobs(self, samples: list, version: int | None = None) -> list[list[float]]:
-        return ray.get(self.rank0.completion_logprobs.remote(samples, version))
+    def completion_logprobs(self, samples: list, version: int | None = None,
+                            temperature: float = 1.0) -> list[list[float]]:
+        return ray.get(self.rank0.completion_logprobs.remote(samples, version, temperature))
 
     def offload(self) -> dict:
         """--offload-train: every rank's model and optimizer state leave the GPU."""

@@ -102,15 +102,19 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def completion_logprobs(self, samples: Sequence[tuple[list[int], list[int]]],
-                            model: torch.nn.Module | None = None) -> list[list[float]]:
+                            model: torch.nn.Module | None = None,
+                            temperature: float = 1.0) -> list[list[float]]:
         """Per generated token, log p(token | prefix) under the current weights (fp32), or
-        under `model` (e.g. a copy of the weights the engines serve)."""
+        under `model` (e.g. a copy of the weights the engines serve). `temperature` scales
+        the logits as the engines do for the logprobs they report (sglang's default)."""
         model = model or self.model
         was_training = model.training
         model.eval()
         try:
             batch = pack(samples, [0.0] * len(samples))
             logits = self._logits(batch.input_ids.to(self.device), model)
+            if temperature != 1.0:
+                logits = logits.float() / temperature
             lp = token_logprobs(logits, batch.input_ids.to(self.device)).cpu()
         finally:
             model.train(was_training)
