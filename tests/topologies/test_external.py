@@ -95,3 +95,35 @@ def test_external_engines_are_synced_routed_and_waited_for(tmp_path, fresh_ray):
     finally:
         for proc in procs:
             kill(proc)
+
+
+def test_an_external_engine_that_stays_away_is_given_up_after_the_timeout(tmp_path, fresh_ray):
+    model = make_tiny_model(tmp_path / "ext_model", layers=2, hidden=64, seed=1234)
+    ports = [free_port(), free_port()]
+    procs = [start(model, p, tmp_path / f"ext{i}.log", seed=i + 1) for i, p in enumerate(ports)]
+    run_dir = tmp_path / "run"
+
+    def owner_kills_engine_1() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                if len(metrics(run_dir)) >= 1:
+                    break
+            time.sleep(0.1)
+        kill(procs[1])
+
+    owner = threading.Thread(target=owner_kills_engine_1, daemon=True)
+    owner.start()
+    try:
+        run_job(run_dir, "configs/external_cpu.yaml", "--num-rollout", "3",
+                "--external-engine-reconnect-timeout", "2",
+                "--rollout-external-engine-addrs", *[f"127.0.0.1:{p}" for p in ports])
+        check_run(run_dir, 3, ["default/external/e0"])
+        states = states_of(timeline(run_dir), KILLED)
+        dead = states.index("DEAD")
+        assert states[dead:dead + 3] == ["DEAD", "REATTACHING", "DEAD"], states
+        assert "FAILED" in (run_dir / "report.md").read_text()
+        assert "external-engine-reconnect-timeout" in (run_dir / "report.md").read_text()
+    finally:
+        for proc in procs:
+            kill(proc)
