@@ -80,6 +80,11 @@ def _check_kl(args: argparse.Namespace, topology) -> None:
 
 
 def _check_engines(args: argparse.Namespace, topology) -> None:
+    if args.rollout_external_engine_addrs and not args.use_fault_tolerance:
+        raise ConfigError("--rollout-external-engine-addrs", "needs --use-fault-tolerance (no "
+                                                             "process of ours reports an "
+                                                             "external engine's death: only "
+                                                             "probes see it)")
     if topology.num_gpus == 0 and not args.rollout_external_engine_addrs:
         raise ConfigError("--rollout-num-gpus", "0 leaves the job without engines; give "
                                                 "--rollout-external-engine-addrs or GPUs")

@@ -185,6 +185,9 @@ def test_abbreviated_flags_are_not_guessed():
      "trainer"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-train-only"],
      "--debug-train-only: not supported: the job trains on samples the engines generate"),
+    (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "h:1"],
+     "--rollout-external-engine-addrs: needs --use-fault-tolerance (no process of ours reports "
+     "an external engine's death: only probes see it)"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "0"],
      "--rollout-num-gpus: 0 leaves the job without engines; give "
      "--rollout-external-engine-addrs or GPUs"),
@@ -223,7 +226,7 @@ def test_colocate_implies_offload_and_rollout_gpus_unless_set():
 
 
 def test_zero_rollout_gpus_only_with_external_engines():
-    a = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "0",
+    a = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "0", "--use-fault-tolerance",
                     "--rollout-external-engine-addrs", "h:1"])
     assert a.topology.external and a.nominal_plan.engines == ()
 
@@ -238,8 +241,8 @@ def test_prefill_num_servers_builds_prefill_and_decode_groups():
 
 
 def test_external_engines_take_no_slots():
-    a = parse_args(["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "10.0.0.5:30000",
-                    "10.0.0.6:30000"])
+    a = parse_args(["--hf-checkpoint", "m", "--use-fault-tolerance",
+                    "--rollout-external-engine-addrs", "10.0.0.5:30000", "10.0.0.6:30000"])
     assert a.topology.external and a.rollout_num_gpus == 0
     assert a.nominal_plan.layout.num_bundles == 8 and a.nominal_plan.engines == ()
 

@@ -158,8 +158,8 @@ def test_engine_on_a_smaller_real_node_is_caught_after_probing():
 
 
 def test_external_jobs_place_no_engines():
-    ext = parse_args(["--hf-checkpoint", "m", "--actor-num-gpus-per-node", "2",
-                      "--rollout-external-engine-addrs", "h:1"])
+    ext = parse_args(["--hf-checkpoint", "m", "--use-fault-tolerance",
+                      "--actor-num-gpus-per-node", "2", "--rollout-external-engine-addrs", "h:1"])
     assert ext.nominal_plan.engines == () and len(ext.nominal_plan.trainer) == 2
     assert [r.model_name for r in ext.nominal_plan.routers] == ["default"]
 
