@@ -29,7 +29,7 @@ def text_reward(args, sample, **kwargs):
 async def router_generate(args, sample, sampling_params, *, router_url, **kwargs) -> Sample:
     """A custom generate function: one /generate through the router, recorded in CALLS."""
     CALLS.append(sample.prompt)
-    out = await post_generate(router_url, sample, sampling_params)
+    out = await post_generate(router_url, sample, sampling_params, api_key=kwargs.get("api_key"))
     out.metadata = {**out.metadata, "generated_by": "router_generate"}
     return out
 
