@@ -141,12 +141,22 @@ def reference_kl(args: argparse.Namespace, fleet: Fleet, samples: list[Sample],
     return ref, out
 
 
+def refuse_what_the_job_cannot_run(args: argparse.Namespace) -> None:
+    """Placement modes the Python API uses but the job cannot run, refused with one line."""
+    if args.debug_rollout_only:
+        raise ConfigError("--debug-rollout-only", "not supported by the job: every step checks "
+                                                  "the engines' samples against the trainer "
+                                                  "(slime_like.api.launch_fleet places engines "
+                                                  "only)")
+
+
 def train(args: argparse.Namespace) -> int:
     """Run the job described by parsed flags; 0 on success.
 
     inputs -> placement -> fleet -> trainer group -> first sync -> {rollout, check, train,
     sync, save}.
     """
+    refuse_what_the_job_cannot_run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     inputs = prepare_inputs(args, out)  # a bad prompt file or plug-in fails before anything
@@ -297,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         try:
+            refuse_what_the_job_cannot_run(args)
             preflight(args)
         except ConfigError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)

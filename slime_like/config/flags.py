@@ -56,7 +56,9 @@ def _cluster(p: argparse.ArgumentParser) -> None:
                         "it before the weight sync (sglang --enable-memory-saver; with "
                         "--colocate only).")
     g.add_argument("--debug-rollout-only", action="store_true", default=False,
-                   help="Refused: the job checks every sample against the trainer.")
+                   help="Place engines only, no trainer slots (what slime_like.api.launch_fleet "
+                        "uses); the train job refuses it: it checks every sample against the "
+                        "trainer.")
     g.add_argument("--debug-train-only", action="store_true", default=False,
                    help="Refused: the job trains on samples from the engines.")
 

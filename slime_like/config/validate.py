@@ -39,8 +39,6 @@ def _exclusive(args: argparse.Namespace) -> None:
 def _refuse_unsupported(args: argparse.Namespace) -> None:
     """Flags slime has whose mode this job does not run: refused, never silently ignored."""
     refused = [
-        ("debug_rollout_only", "--debug-rollout-only",
-         "not supported: every step checks the engines' samples against the trainer"),
         ("debug_train_only", "--debug-train-only",
          "not supported: the job trains on samples the engines generate"),
         ("sglang_router_ip", "--sglang-router-ip",

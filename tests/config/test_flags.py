@@ -180,9 +180,6 @@ def test_abbreviated_flags_are_not_guessed():
      "--sglang-router-ip: attaching to a router the job does not own is not supported (the "
      "fleet alone adds and removes workers); drop it, --sglang-router-port fixes our router's "
      "port"),
-    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-rollout-only"],
-     "--debug-rollout-only: not supported: every step checks the engines' samples against the "
-     "trainer"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-train-only"],
      "--debug-train-only: not supported: the job trains on samples the engines generate"),
     (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "h:1"],
@@ -251,3 +248,17 @@ def test_parse_without_validation_leaves_values_as_given():
     a = parse_args(["--colocate"], validate=False)
     assert a.offload_train is None and not hasattr(a, "topology")
     assert isinstance(a, argparse.Namespace)
+
+
+def test_the_job_refuses_debug_rollout_only_which_only_the_python_api_uses(capsys):
+    from slime_like.train import main
+
+    assert main(["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-rollout-only",
+                 "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "slime-like train: error: --debug-rollout-only: not supported by the job: every step "
+        "checks the engines' samples against the trainer (slime_like.api.launch_fleet places "
+        "engines only)\n")
+    placed = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "2",
+                         "--debug-rollout-only"])
+    assert placed.nominal_plan.trainer == () and len(placed.nominal_plan.engines) == 2
