@@ -572,10 +572,9 @@ class Fleet(OffloadMixin):
     def _recover(self, e: ManagedEngine, reason: str) -> None:
         t0 = time.time()
         try:
-            if e.external_address is not None:
-                self._reattach(e)
-            else:
-                self._relaunch(e)
+            back = self._reattach(e) if e.external_address is not None else self._relaunch(e)
+            if not back:
+                return  # the fleet is shutting down
             if self.monitor is not None:
                 self.monitor.watch(e.engine_id)
             if not e.update_weights:
@@ -602,27 +601,30 @@ class Fleet(OffloadMixin):
             with self._lock:
                 self._recovering.discard(e.engine_id)
 
-    def _relaunch(self, e: ManagedEngine) -> None:
-        """Our engine: kill what is left of it, start it again on its bundle (STALE)."""
+    def _relaunch(self, e: ManagedEngine) -> bool:
+        """Our engine: kill what is left of it, start it again on its bundle (STALE); False
+        if the fleet is shutting down."""
         for a in e.actors:
             with contextlib.suppress(Exception):  # the actor may have died with its server
                 ray.get(a.shutdown.remote(1.0), timeout=30)  # dead or hung: no grace
             ray.kill(a)
         with self._lock:
             if self._closing:
-                raise FleetError("shutting down")
+                return False
             self._move(e, S.RELAUNCHING)
         e.restarts += 1
         ray.get(self._launch(e))
         with self._lock:
             self._move(e, S.STALE, **self._loaded(e))
         self._watch_exit(e)
+        return True
 
-    def _reattach(self, e: ManagedEngine) -> None:
-        """An external engine: wait (bounded) for its owner to bring it back, then STALE."""
+    def _reattach(self, e: ManagedEngine) -> bool:
+        """An external engine: wait (bounded) for its owner to bring it back, then STALE;
+        False if the fleet is shutting down."""
         with self._lock:
             if self._closing:
-                raise FleetError("shutting down")
+                return False
             self._move(e, S.REATTACHING, address=e.external_address,
                        wait_s=self.settings.external_wait_s)
         deadline = time.monotonic() + self.settings.external_wait_s
@@ -631,7 +633,9 @@ class Fleet(OffloadMixin):
                 loaded = self._attach(e)
                 break
             except Exception as err:  # noqa: BLE001 - not back yet (refused, warming up, ...)
-                if self._closing or time.monotonic() >= deadline:
+                if self._closing:
+                    return False
+                if time.monotonic() >= deadline:
                     raise FleetError(f"{e.engine_id}: not back at {e.external_address} after "
                                      f"{self.settings.external_wait_s:g}s "
                                      f"(--external-engine-reconnect-timeout): {err}") from err
@@ -639,6 +643,7 @@ class Fleet(OffloadMixin):
         e.restarts += 1
         with self._lock:
             self._move(e, S.STALE, **loaded)
+        return True
 
     def _frozen_from_stale(self, e: ManagedEngine) -> None:
         self._move(e, S.UPDATING, reason="frozen model: serves its checkpoint")
