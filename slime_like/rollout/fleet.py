@@ -515,15 +515,24 @@ class Fleet(OffloadMixin):
             return False
 
     def _on_suspect(self, engine_id: str, why: str) -> None:
-        """First failed probe: out of the router at once (recovered or declared dead later)."""
+        """First failed probe: out of the router at once (recovered or declared dead later).
+
+        An engine paused for an update that stops answering `/ping` leaves the router too,
+        without changing state: the update's end routes it again only if it verified.
+        """
         with self._lock:
             e = self.find(engine_id)
             if e.state is S.REGISTERED:
                 self._unroute(e)
                 self._move(e, S.SUSPECT, reason=why)
-                # Requests stuck on it are sent again now; the first answer wins.
-                for gen in self._generators:
-                    gen.resubmit_in_flight()
+            elif e.state is S.UPDATING and e.routed:
+                self._unroute(e)
+                self._emit(e.engine_id, "UNROUTED", reason=why)
+            else:
+                return
+            # Requests stuck on it are sent again now; the first answer wins.
+            for gen in self._generators:
+                gen.resubmit_in_flight()
 
     def _on_healthy(self, engine_id: str) -> None:
         with self._lock:
