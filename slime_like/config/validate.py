@@ -60,6 +60,13 @@ def _resolve_offload(args: argparse.Namespace) -> None:
         elif getattr(args, name) and not args.colocate:
             raise ConfigError(flag, "only with --colocate (engines on their own GPUs have "
                                     "nothing to give the trainer)")
+    if args.offload_rollout and args.update_weights_interval > 1 and \
+            not args.sglang_flags.get("enable_weights_cpu_backup"):
+        raise ConfigError("--update-weights-interval", "> 1 with --offload-rollout needs "
+                                                       "--sglang-enable-weights-cpu-backup "
+                                                       "(released weights come back only with "
+                                                       "the next sync, so engines would sit "
+                                                       "idle until then)")
     if args.offload and not args.colocate:
         raise ConfigError("--offload", "only with --colocate (engines on their own GPUs have "
                                        "nothing to give the trainer)")

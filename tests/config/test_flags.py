@@ -182,6 +182,10 @@ def test_abbreviated_flags_are_not_guessed():
      "port"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-train-only"],
      "--debug-train-only: not supported: the job trains on samples the engines generate"),
+    (["--hf-checkpoint", "m", "--colocate", "--update-weights-interval", "2"],
+     "--update-weights-interval: > 1 with --offload-rollout needs "
+     "--sglang-enable-weights-cpu-backup (released weights come back only with the next sync, "
+     "so engines would sit idle until then)"),
     (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "h:1"],
      "--rollout-external-engine-addrs: needs --use-fault-tolerance (no process of ours reports "
      "an external engine's death: only probes see it)"),
