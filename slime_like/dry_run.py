@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+
+from slime_like.engine.from_placement import engine_argv
+
+# Ports are reserved on each engine's node at launch; the printed lines use these stand-ins.
+NOMINAL_PORT = 30000
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -22,6 +28,19 @@ def describe(args: argparse.Namespace) -> str:
         for e in plan.engines_of(model.name):
             lines.append(f"    {e.engine_id} node_rank {e.node_rank}/{e.nnodes}: slot {e.slot}, "
                          f"{e.node_ip} GPUs {e.base_gpu_id}..{e.base_gpu_id + e.gpus_on_node - 1}")
+            lines.append("      $ " + shlex.join(_argv(e, args, e.engine_index)))
+    for addr in args.rollout_external_engine_addrs or ():
+        lines.append(f"external engine {addr}: attached (checked against /server_info), never "
+                     "launched or killed")
     for where, start, n in plan.reserved_slots:
         lines.append(f"reserved by {where}: slots {start}..{start + n - 1}")
     return "\n".join(lines)
+
+
+def _argv(e, args: argparse.Namespace, i: int) -> list[str]:
+    """The engine's server command line, with stand-in ports (the job reserves real ones)."""
+    base = NOMINAL_PORT + 10 * i
+    model_path = None if e.model_path else "<tiny model made by the job>"
+    return engine_argv(e, args, port=base, nccl_port=base + 1,
+                       dist_init_port=base + 2 if e.nnodes > 1 else None,
+                       bootstrap_port=base + 3, model_path=model_path)

@@ -22,12 +22,14 @@ from slime_like.run_info import write_run_info
 MAX_EVENT_ROWS = 30  # report.md stays short; engine_timeline.jsonl has every event
 
 
-def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, float]:
-    """sync_s, and sync_gbps where the transport reported the bytes it moved."""
+def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
+    """sync_s, the transport, and sync_gbps where the transport reported the bytes it moved."""
     if not sync_report:
         return {}
     seconds = float(sync_report.get("total_s", 0.0))
-    out = {"sync_s": round(seconds, 4)}
+    out: dict[str, Any] = {"sync_s": round(seconds, 4)}
+    if sync_report.get("transport"):
+        out["sync_transport"] = sync_report["transport"]
     moved = (sync_report.get("transfer") or {}).get("bytes")
     if moved and seconds > 0:
         out["sync_gbps"] = round(moved / seconds / 1e9, 4)

@@ -14,7 +14,7 @@ from slime_like.incidents import Incident
 
 STATE_COLORS = {"REGISTERED": "tab:green", "UPDATING": "tab:blue", "DEAD": "tab:red",
                 "RELAUNCHING": "tab:orange", "STALE": "tab:olive", "LAUNCHING": "tab:gray",
-                "LOADED": "tab:cyan"}
+                "LOADED": "tab:cyan", "OFFLOADED": "tab:pink", "REATTACHING": "tab:brown"}
 SERIES = (("reward_mean", "reward", "reward.png"), ("sync_s", "weight sync (s)", "weight_sync.png"))
 
 

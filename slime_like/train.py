@@ -14,6 +14,7 @@ the fleet in the background (see `rollout/fleet.py`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -80,11 +81,15 @@ def init_ray(args: argparse.Namespace) -> None:
 
 
 def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
-                   tolerance: float) -> float:
+                   tolerance: float, temperature: float = 1.0) -> float:
     """Largest |engine - trainer| logprob over the step's samples, all made at `version`.
 
     Syncs happen between steps, so every sample must claim the fleet's version; one that
     claims another is a stale serve, and fails the run like a log-probability mismatch.
+    With --update-weights-interval > 1 the trainer has moved past `version` by the later
+    steps of an interval; it answers from the copy of the served weights it kept at the
+    last sync, so the comparison is always at the version the samples claim. Engines report
+    logprobs of the temperature-scaled distribution; the trainer scales the same way.
     """
     stale = sorted({s.weight_version for s in samples if s.weight_version != str(version)})
     if stale:
@@ -93,7 +98,8 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     current = samples
     if not current:
         return float("nan")
-    ours = trainer.completion_logprobs([(s.prompt_ids, s.output_ids) for s in current])
+    ours = trainer.completion_logprobs([(s.prompt_ids, s.output_ids) for s in current], version,
+                                       temperature)
     worst = 0.0
     for s, lp in zip(current, ours, strict=True):
         for a, b in zip(s.output_logprobs, lp, strict=True):
@@ -105,13 +111,43 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     return worst
 
 
-def crash_midway(fleet: Fleet, total: int):
-    """An `on_sample` hook that kills engine 0 once a quarter of the samples are back."""
+def crash_midway(fleet: Fleet, total: int, model: str | None = None, node_rank: int = 0):
+    """An `on_sample` hook that kills the first engine of `model` (its server on `node_rank`)
+    once a quarter of the samples are back."""
     def on_sample(done: int) -> None:
         if done == max(1, total // 4):
-            threading.Thread(target=fleet.kill_engine, args=(0,), name="simulated-crash",
-                             daemon=True).start()
+            threading.Thread(target=fleet.kill_engine, args=(0,),
+                             kwargs={"model": model, "node_rank": node_rank},
+                             name="simulated-crash", daemon=True).start()
     return on_sample
+
+
+def reference_kl(args: argparse.Namespace, fleet: Fleet, samples: list[Sample],
+                 rewards: list[float]) -> tuple[list[list[float]] | None, dict]:
+    """The frozen reference model's logprobs of the sampled tokens (through its router), the
+    --kl-coef reward shaping (in place), and the step's KL metrics; (None, {}) without KL."""
+    if not (args.use_kl_loss or args.kl_coef > 0):
+        return None, {}
+    ref = fleet.token_logprobs([(s.prompt_ids, s.output_ids) for s in samples],
+                               fleet.reference_model)
+    per_sample = [sum(a - b for a, b in zip(s.output_logprobs, r, strict=True))
+                  for s, r in zip(samples, ref, strict=True)]
+    tokens = sum(len(r) for r in ref) or 1
+    out = {"kl_ref": sum(per_sample) / tokens, "kl_model": fleet.reference_model}
+    if args.kl_coef > 0:
+        for i, kl in enumerate(per_sample):
+            rewards[i] -= args.kl_coef * kl
+        out["kl_reward_penalty"] = args.kl_coef * sum(per_sample) / len(per_sample)
+    return ref, out
+
+
+def refuse_what_the_job_cannot_run(args: argparse.Namespace) -> None:
+    """Placement modes the Python API uses but the job cannot run, refused with one line."""
+    if args.debug_rollout_only:
+        raise ConfigError("--debug-rollout-only", "not supported by the job: every step checks "
+                                                  "the engines' samples against the trainer "
+                                                  "(slime_like.api.launch_fleet places engines "
+                                                  "only)")
 
 
 def train(args: argparse.Namespace) -> int:
@@ -120,6 +156,7 @@ def train(args: argparse.Namespace) -> int:
     inputs -> placement -> fleet -> trainer group -> first sync -> {rollout, check, train,
     sync, save}.
     """
+    refuse_what_the_job_cannot_run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     plugins = preflight(args)  # a bad prompt file or plug-in fails before anything
@@ -129,9 +166,11 @@ def train(args: argparse.Namespace) -> int:
     init_ray(args)
     placement = place_job(args, timeout_s=300)
     keys = make_keys(args)
-    updatable = [m.name for m in args.topology.models if m.update_weights]
+    # The updatable model serves the job's checkpoint (or tiny model); a frozen model
+    # without a model_path of its own serves it too (e.g. the reference of a KL term).
+    own = [m.name for m in args.topology.models if m.update_weights or not m.model_path]
     fleet = Fleet(fleet_settings(args, log_dir=str(out / "logs"), keys=keys,
-                                 model_paths={m: model_path for m in updatable}),
+                                 model_paths={m: model_path for m in own}),
                   placement, on_event=obs.on_event)
     trainer: TrainerGroup | None = None
     n = args.n_samples_per_prompt
@@ -145,7 +184,8 @@ def train(args: argparse.Namespace) -> int:
         trainer = TrainerGroup(placement, model_path, lr=args.lr, seed=args.seed,
                                sync=sync_settings(args, model_path),
                                use_transformers=bool(args.hf_checkpoint),
-                               engine_dtype=args.sglang_flags.get("dtype"))
+                               engine_dtype=args.sglang_flags.get("dtype"),
+                               keep_served=args.update_weights_interval > 1)
         fleet.set_weight_source(trainer.push_weights)
         start, first_version = 0, None
         if resume is not None:
@@ -174,21 +214,30 @@ def train(args: argparse.Namespace) -> int:
         for step in range(start, num_rollout):
             t0 = time.time()
             prompts = source.next_batch(args.rollout_batch_size or 8)
-            hook = (crash_midway(fleet, len(prompts) * n)
+            hook = (crash_midway(fleet, len(prompts) * n, args.simulate_engine_crash_model,
+                                 args.simulate_engine_crash_node_rank)
                     if step == args.simulate_engine_crash_at else None)
+            offload = trainer.offload() if args.offload_train else {}
             if monkey is not None:
                 hook = monkey.rollout_hook(step, len(prompts) * n) or hook
             samples = plugins.rollout(args, step, prompts, router_url=fleet.router_url(),
                                       sampling_params=sampling, n=n, tokenizer=inputs.tokenizer,
                                       on_sample=hook, api_key=fleet.settings.router.api_key,
                                       generate=fleet.generate)
+            if args.offload_train:
+                trainer.onload()
             rollout_s = time.time() - t0
             rewards = plugins.rewards(args, samples)
+            ref_logprobs, kl_metrics = reference_kl(args, fleet, samples, rewards)
             advantages = group_advantages(rewards, n)
             worst = check_logprobs(samples, trainer, int(fleet.version),
-                                   args.logprob_check_tolerance)
+                                   args.logprob_check_tolerance, args.rollout_temperature)
             pairs = [(s.prompt_ids, s.output_ids) for s in samples]
-            train_metrics = trainer.train_step(pairs, advantages)
+            kl = {"ref_logprobs": ref_logprobs, "kl_loss_coef": args.kl_loss_coef,
+                  "kl_loss_type": args.kl_loss_type} if args.use_kl_loss else {}
+            with (fleet.offloaded() if args.offload_rollout else contextlib.nullcontext()) \
+                    as released:
+                train_metrics = trainer.train_step(pairs, advantages, **kl)
             sync = {}
             if (step + 1) % args.update_weights_interval == 0:
                 if monkey is not None:
@@ -203,10 +252,15 @@ def train(args: argparse.Namespace) -> int:
                 "logprob_max_abs_diff": worst,
                 "samples_requested": len(prompts) * n,
                 "samples_returned": len(samples),
+                "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
                 "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
                 "retried_requests": sum(s.attempts > 1 for s in samples),
                 "sample_weight_versions": weight_versions(samples),
                 "engines": fleet.states(),
+                **({"engines_offloaded": released} if args.offload_rollout else {}),
+                **({"trainer_offloaded": offload.get("trainer_offloaded")}
+                   if args.offload_train else {}),
+                **kl_metrics,
                 **train_metrics,
                 **sync_metrics(sync),
             })
@@ -253,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         try:
+            refuse_what_the_job_cannot_run(args)
             preflight(args)
         except ConfigError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)

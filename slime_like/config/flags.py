@@ -36,8 +36,8 @@ def _cluster(p: argparse.ArgumentParser) -> None:
                    help="Trainer GPUs per node.")
     g.add_argument("--rollout-num-gpus", type=t.non_negative_int, default=None,
                    help="GPUs of all rollout engines together. Default: the trainer's GPUs with "
-                        "--colocate, the sum of the server groups with --sglang-config. "
-                        "0 starts the routers with no engines.")
+                        "--colocate, the sum of the server groups with --sglang-config; 0 only "
+                        "with --rollout-external-engine-addrs.")
     g.add_argument("--rollout-num-gpus-per-engine", type=t.positive_int, default=1,
                    help="GPUs per engine (tp_size x pp_size). An engine larger than a node "
                         "spans whole nodes, one engine actor per node.")
@@ -49,14 +49,18 @@ def _cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", action="store_true", default=False,
                    help="Same as --offload-train --offload-rollout.")
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
-                   help="Free the trainer's GPU memory while engines generate.")
+                   help="Move the trainer's model and optimizer state off the GPU while "
+                        "engines generate (with --colocate only).")
     g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
-                   help="Engines release their GPU memory while the trainer trains "
-                        "(sglang --enable-memory-saver).")
+                   help="Engines release their memory by tag around each train step and resume "
+                        "it before the weight sync (sglang --enable-memory-saver; with "
+                        "--colocate only).")
     g.add_argument("--debug-rollout-only", action="store_true", default=False,
-                   help="Place and run rollout engines only; no trainer slots.")
+                   help="Place engines only, no trainer slots (what slime_like.api.launch_fleet "
+                        "uses); the train job refuses it: it checks every sample against the "
+                        "trainer.")
     g.add_argument("--debug-train-only", action="store_true", default=False,
-                   help="Place the trainer only; no rollout engines.")
+                   help="Refused: the job trains on samples from the engines.")
 
 
 def _rollout(p: argparse.ArgumentParser) -> None:
@@ -68,7 +72,13 @@ def _rollout(p: argparse.ArgumentParser) -> None:
                         "model.")
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
                    help="Attach engines started elsewhere instead of launching them; they take "
-                        "no slots of the placement group and are never killed.")
+                        "no slots of the placement group, are health-checked, synced and "
+                        "routed like ours, and are never killed.")
+    g.add_argument("--external-engine-reconnect-timeout", type=t.non_negative_float,
+                   default=300.0, metavar="SECONDS",
+                   help="How long the job waits for a dead external engine to come back at its "
+                        "address (it is then resynced before it serves again); 0 gives up at "
+                        "once.")
     g.add_argument("--sglang-server-concurrency", type=t.positive_int, default=512,
                    help="Concurrent requests per engine (the job's HTTP connection cap is this "
                         "times the number of engines).")
@@ -85,6 +95,22 @@ def _rollout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-temperature", type=t.positive_float, default=1.0,
                    help="Sampling temperature of rollouts (> 0: greedy is not a policy).")
     g.add_argument("--lr", type=t.positive_float, default=1e-6, help="Trainer learning rate.")
+
+
+def _kl(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KL to a reference model", "slime's names. The reference model is "
+                             "the frozen model (update_weights: false) of --sglang-config; its "
+                             "log-probabilities of the sampled tokens come through its router.")
+    g.add_argument("--use-kl-loss", action="store_true", default=False,
+                   help="Add --kl-loss-coef x KL(policy || reference) to the policy loss.")
+    g.add_argument("--kl-loss-coef", type=t.non_negative_float, default=0.0,
+                   help="Weight of the KL loss (with --use-kl-loss).")
+    g.add_argument("--kl-loss-type", choices=("k1", "k2", "low_var_kl"), default="low_var_kl",
+                   help="KL estimator per token: k1 = log p - log p_ref, k2 = (k1)^2 / 2, "
+                        "low_var_kl = exp(-k1) - 1 + k1 (k3, clamped to [-10, 10]).")
+    g.add_argument("--kl-coef", type=t.non_negative_float, default=0.0,
+                   help="Reward shaping: each sample's reward minus --kl-coef x its summed k1 "
+                        "KL to the reference model.")
 
 
 def _data(p: argparse.ArgumentParser) -> None:
@@ -154,10 +180,11 @@ def _topology(p: argparse.ArgumentParser) -> None:
 def _router(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router", "The sglang-router in front of each model's engines.")
     g.add_argument("--sglang-router-ip", default=None,
-                   help="Use the router already running at this address (first model) "
-                        "instead of starting one.")
+                   help="Refused: the job starts and owns its routers (the fleet alone adds "
+                        "and removes workers); use --sglang-router-port to fix the port.")
     g.add_argument("--sglang-router-port", type=t.port, default=None,
-                   help="Port of that router, or a fixed port for the one we start.")
+                   help="A fixed port for the router of the updatable model (the others pick "
+                        "free ports).")
     g.add_argument("--sglang-router-request-timeout-secs", type=t.positive_int, default=14400,
                    help="Request timeout of the router, seconds.")
 
@@ -177,7 +204,9 @@ def _weights(p: argparse.ArgumentParser) -> None:
                    help="Directory shared by trainer and engines for --update-weight-transport "
                         "disk.")
     g.add_argument("--update-weights-interval", type=t.positive_int, default=1,
-                   help="Sync weights every this many rollout steps.")
+                   help="Sync weights every this many rollout steps. Between syncs the "
+                        "trainer keeps a copy of the served weights, so the log-probability "
+                        "check compares at the version the samples were made at.")
     g.add_argument("--pause-mode", choices=PAUSE_MODES, default="retract",
                    help="How engines pause for an update: abort in-flight requests, retract "
                         "them (resumed after, KV recomputed) or freeze them in place (KV kept, "
@@ -223,6 +252,12 @@ def _ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--simulate-engine-crash-at", type=t.non_negative_int, default=None,
                    metavar="STEP", help="Kill engine 0's server (SIGKILL) in the middle of this "
                                         "rollout step, to watch recovery.")
+    g.add_argument("--simulate-engine-crash-model", default=None, metavar="NAME",
+                   help="The model whose first engine --simulate-engine-crash-at kills (default: "
+                        "the updatable one).")
+    g.add_argument("--simulate-engine-crash-node-rank", type=t.non_negative_int, default=0,
+                   metavar="RANK", help="The node of a multi-node engine whose server "
+                                        "--simulate-engine-crash-at kills.")
     g.add_argument("--logprob-check-tolerance", type=t.positive_float, default=1e-4,
                    help="Largest |engine - trainer| log-probability of a sampled token accepted "
                         "by the per-step correctness check (fp32 on CPU agrees to ~1e-6).")
@@ -263,7 +298,7 @@ def _tracking(p: argparse.ArgumentParser) -> None:
                         "The URL is printed at start and written into report.md.")
 
 
-GROUP_BUILDERS = (_cluster, _rollout, _data, _checkpoint, _topology, _router, _weights,
+GROUP_BUILDERS = (_cluster, _rollout, _kl, _data, _checkpoint, _topology, _router, _weights,
                   _fault_tolerance, _ours, _tracking)
 
 

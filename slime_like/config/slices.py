@@ -76,6 +76,9 @@ class FleetSettings:
     health: HealthSettings
     log_dir: str
     model_paths: dict[str, str] = field(default_factory=dict)  # model name -> path override
+    external_addrs: tuple[str, ...] = ()   # engines someone else runs (never launched/killed)
+    external_wait_s: float = 300.0         # how long a dead external engine may take to return
+    router_port: int | None = None         # fixed port of the updatable model's router
     register_timeout_s: float = 60.0
     verify_timeout_s: float = 5.0
 
@@ -120,7 +123,10 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
                               timeout_s=args.rollout_health_check_timeout,
                               first_wait_s=args.rollout_health_check_first_wait,
                               failure_threshold=args.rollout_health_check_failures),
-        log_dir=log_dir, model_paths=dict(model_paths or {}))
+        log_dir=log_dir, model_paths=dict(model_paths or {}),
+        external_addrs=tuple(args.rollout_external_engine_addrs or ()),
+        external_wait_s=float(args.external_engine_reconnect_timeout),
+        router_port=args.sglang_router_port)
 
 
 def sync_settings(args: argparse.Namespace, model_dir: str) -> SyncSettings:

@@ -36,12 +36,63 @@ def _exclusive(args: argparse.Namespace) -> None:
             raise ConfigError(a_flag, f"cannot be combined with {b_flag} ({why})")
 
 
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Flags slime has whose mode this job does not run: refused, never silently ignored."""
+    refused = [
+        ("debug_train_only", "--debug-train-only",
+         "not supported: the job trains on samples the engines generate"),
+        ("sglang_router_ip", "--sglang-router-ip",
+         "attaching to a router the job does not own is not supported (the fleet alone adds "
+         "and removes workers); drop it, --sglang-router-port fixes our router's port"),
+    ]
+    for name, flag, why in refused:
+        if getattr(args, name) not in (None, False):
+            raise ConfigError(flag, why)
+
+
 def _resolve_offload(args: argparse.Namespace) -> None:
     # slime: --colocate and --offload imply both offloads unless a flag says otherwise.
     implied = args.colocate or args.offload
-    for name in ("offload_train", "offload_rollout"):
+    for name, flag in (("offload_train", "--offload-train"),
+                       ("offload_rollout", "--offload-rollout")):
         if getattr(args, name) is None:
             setattr(args, name, bool(implied))
+        elif getattr(args, name) and not args.colocate:
+            raise ConfigError(flag, "only with --colocate (engines on their own GPUs have "
+                                    "nothing to give the trainer)")
+    if args.offload_rollout and args.update_weights_interval > 1 and \
+            not args.sglang_flags.get("enable_weights_cpu_backup"):
+        raise ConfigError("--update-weights-interval", "> 1 with --offload-rollout needs "
+                                                       "--sglang-enable-weights-cpu-backup "
+                                                       "(released weights come back only with "
+                                                       "the next sync, so engines would sit "
+                                                       "idle until then)")
+    if args.offload and not args.colocate:
+        raise ConfigError("--offload", "only with --colocate (engines on their own GPUs have "
+                                       "nothing to give the trainer)")
+
+
+def _check_kl(args: argparse.Namespace, topology) -> None:
+    wants = [(flag, on) for flag, on in (("--use-kl-loss", args.use_kl_loss),
+                                          ("--kl-coef", args.kl_coef > 0)) if on]
+    if args.use_kl_loss and args.kl_loss_coef <= 0:
+        raise ConfigError("--kl-loss-coef", "must be > 0 with --use-kl-loss")
+    if not args.use_kl_loss and args.kl_loss_coef > 0:
+        raise ConfigError("--kl-loss-coef", "has no effect without --use-kl-loss")
+    if wants and not any(not m.update_weights for m in topology.models):
+        raise ConfigError(wants[0][0], "needs a reference model: a model with update_weights: "
+                                       "false in --sglang-config")
+
+
+def _check_engines(args: argparse.Namespace, topology) -> None:
+    if args.rollout_external_engine_addrs and not args.use_fault_tolerance:
+        raise ConfigError("--rollout-external-engine-addrs", "needs --use-fault-tolerance (no "
+                                                             "process of ours reports an "
+                                                             "external engine's death: only "
+                                                             "probes see it)")
+    if topology.num_gpus == 0 and not args.rollout_external_engine_addrs:
+        raise ConfigError("--rollout-num-gpus", "0 leaves the job without engines; give "
+                                                "--rollout-external-engine-addrs or GPUs")
 
 
 def _resolve_rollout_gpus(args: argparse.Namespace) -> None:
@@ -71,9 +122,6 @@ def _check_addresses(args: argparse.Namespace) -> None:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError("--rollout-external-engine-addrs",
                               f"expected HOST:PORT for each engine, got {addr!r}")
-    if args.sglang_router_ip is not None and args.sglang_router_port is None:
-        raise ConfigError("--sglang-router-port", "required with --sglang-router-ip (the port of "
-                                                  "the router to attach to)")
 
 
 def _resolve_transport(args: argparse.Namespace) -> None:
@@ -99,6 +147,7 @@ def _check_router_flags(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check cross-flag rules, fill implied values, attach `args.topology` and `args.plan`."""
     _exclusive(args)
+    _refuse_unsupported(args)
     _resolve_offload(args)
     _check_sizes(args)
     _check_router_flags(args)
@@ -115,6 +164,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         args.rollout_num_gpus = topology.num_gpus
     for warning in topology.warnings:
         logger.warning("%s", warning)
+    _check_engines(args, topology)
+    _check_kl(args, topology)
     args.topology = topology
     layout = layout_from_args(args)
     # Dry run on the nominal cluster: misaligned groups fail before any GPU is allocated.

@@ -1,7 +1,7 @@
 """From one engine actor's placement and the job's flags to its EngineConfig and argv.
 
 The only bridge between placement (`cluster/`) and engine launch: the run-time path
-(`RolloutManager` -> `EngineActor`) and the offline checks (`--dry-run`, the config and
+(`Fleet` -> `EngineActor`) and the offline checks (`--dry-run`, the config and
 contract tests) compose server args through the same `EngineServer.compose_args`.
 """
 

@@ -15,7 +15,10 @@ A weight update is a context:
 `route()` refuses an engine whose verified version is not the fleet's current version, so
 the invariant of DESIGN §3 holds by construction. A dead engine is relaunched on its own
 bundle as soon as the death is seen, synced by the weight source (the trainer), checked,
-and only then routed; the others keep serving.
+and only then routed; the others keep serving. An external engine (someone else's server,
+`--rollout-external-engine-addrs`) is attached instead of launched, and after a death the
+fleet waits (bounded) for it to come back at its address instead of relaunching it.
+Colocated engines give their memory back around a train step with `offloaded()`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from slime_like.cluster.placement import JobPlacement
 from slime_like.config.layout import EnginePlacement
 from slime_like.config.slices import FleetSettings
 from slime_like.engine.actor import EngineActor
+from slime_like.engine.external import CHECKED_FIELDS, ExternalEngine
 from slime_like.engine.from_placement import engine_config
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import SlimeLikeError, WeightSyncError
@@ -43,6 +47,8 @@ from slime_like.protocol.weight_version import WeightVersion, parse_weight_versi
 from slime_like.rollout.generate import RouterGenerator, Sample
 from slime_like.rollout.health import HealthMonitor, HealthPolicy
 from slime_like.rollout.lifecycle import SYNCABLE, EngineState, ManagedEngine
+from slime_like.rollout.offload import OffloadMixin
+from slime_like.rollout.scoring import token_logprobs
 from slime_like.router.client import RouterClient
 from slime_like.router.router import Router
 
@@ -68,7 +74,7 @@ class Update:
     report: dict = field(default_factory=dict)
 
 
-class Fleet:
+class Fleet(OffloadMixin):
     """Engines of every model in the job, their routers, health and recovery."""
 
     def __init__(self, settings: FleetSettings, placement: JobPlacement,
@@ -97,6 +103,8 @@ class Fleet:
         self.router_restarts: list[dict] = []
         self._generators: set[RouterGenerator] = set()
         self.last_generation: dict = {}
+        # Released without a weight backup: only the next full sync may bring them back.
+        self._awaiting_full_sync: set[str] = set()
         plan = placement.plan
         for router in plan.routers:
             by_engine: dict[int, list[EnginePlacement]] = {}
@@ -108,6 +116,11 @@ class Fleet:
                 self.engines.append(ManagedEngine(
                     ps[0].engine_id, router.model_name, ps, router.update_weights,
                     tp_size=max(1, ps[0].num_gpus // cfg.pp_size)))
+        if settings.external_addrs:
+            model = self.updatable_model
+            for i, addr in enumerate(settings.external_addrs):
+                self.engines.append(ManagedEngine(f"{model}/external/e{i}", model, [], True,
+                                                  external_address=addr))
 
     def _model_path(self, p: EnginePlacement) -> str:
         return self.settings.model_paths.get(p.model_name) or p.model_path or ""
@@ -219,6 +232,26 @@ class Fleet:
         refs = [a.init.remote(dist_init) for a in e.actors]
         return refs[0]
 
+    def _attach(self, e: ManagedEngine) -> dict:
+        """An external engine: check `/server_info` against the job's flags, make its handle,
+        and see it generate once (a server that just came back may still be warming up)."""
+        eng = self.settings.engine
+        # model_path is the owner's business (their path, their machine); names, dtypes and
+        # shapes are checked by the weight sync's metadata check before any byte moves.
+        expected = {k: v for k, v in eng.sglang_flags.items()
+                    if k in CHECKED_FIELDS and k != "model_path"}
+        ext = ExternalEngine(e.external_address, expected=expected, api_key=eng.api_key,
+                             admin_api_key=eng.admin_api_key)
+        url = ext.init()
+        e.tp_size = int(ext.info.get("tp_size") or 1)
+        e.handle = EngineHandle(url, e.tp_size, api_key=eng.api_key,
+                                admin_api_key=eng.admin_api_key, engine_id=e.engine_id,
+                                worker_type=ext.config.worker_type,
+                                bootstrap_port=ext.bootstrap_port)
+        e.handle.health_generate(timeout=30.0)
+        e.verified_version = parse_weight_version(e.handle.weight_version())
+        return {"url": url, "version": str(e.verified_version), "external": True}
+
     def _watch_exit(self, e: ManagedEngine) -> None:
         """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
         with self._exit_lock:
@@ -262,7 +295,9 @@ class Fleet:
             router = Router(pd_disaggregation=plan.pd_disaggregation,
                             router_flags=self.settings.router.flags, log_dir=self.log_dir,
                             api_key=self.settings.router.api_key,
-                            name=f"router-{plan.model_name}").start()
+                            name=f"router-{plan.model_name}",
+                            port=self.settings.router_port
+                            if plan.model_name == self.updatable_model else None).start()
             self.routers[plan.model_name] = router
             self._emit(f"router/{plan.model_name}", "READY", url=router.url,
                        metrics=router.prometheus_url, pid=router.process.pid)
@@ -270,8 +305,13 @@ class Fleet:
         refs = {}
         for e in self.engines:
             self._emit(e.engine_id, S.LAUNCHING.value)
-            refs[e.engine_id] = self._launch(e)
+            if e.external_address is None:
+                refs[e.engine_id] = self._launch(e)
         for e in self.engines:
+            if e.external_address is not None:
+                with self._lock:
+                    self._move(e, S.LOADED, **self._attach(e))
+                continue
             ray.get(refs[e.engine_id])
             with self._lock:
                 self._move(e, S.LOADED, **self._loaded(e))
@@ -365,6 +405,8 @@ class Fleet:
             if failed is None and update.full:
                 self.version = update.version
                 self._emit("fleet", "VERSION", version=str(self.version))
+            if update.full:  # taken along (or failed, and resynced like any STALE engine)
+                self._awaiting_full_sync.clear()
             for e in chosen:
                 e.verified_version = verified[e.engine_id]
                 if e.state is not S.UPDATING:
@@ -434,7 +476,7 @@ class Fleet:
         while not self._targets(None):
             with self._lock:
                 coming = [e.engine_id for e in self.engines if e.update_weights
-                          and e.state in (S.DEAD, S.RELAUNCHING)]
+                          and e.state in (S.DEAD, S.RELAUNCHING, S.REATTACHING)]
             if not coming or time.monotonic() > deadline:
                 raise FleetError("no engines to sync: " + ", ".join(
                     f"{e.engine_id} {e.state.value}" for e in self.engines if e.update_weights))
@@ -450,16 +492,16 @@ class Fleet:
 
     def _should_probe(self, engine_id: str) -> bool:
         return self.find(engine_id).state in (S.REGISTERED, S.SUSPECT, S.LOADED, S.STALE,
-                                              S.UPDATING)
+                                              S.UPDATING, S.OFFLOADED)
 
     def _probe(self, engine_id: str, timeout: float) -> None:
         """A real generation step; while paused for an update (where /health_generate
         blocks by design) only that the server still answers (/ping), so a hang during a
         sync is still found."""
         e = self.find(engine_id)
-        if e.state is S.UPDATING:
+        if e.state in (S.UPDATING, S.OFFLOADED):  # paused, or memory released: 503 by design
             if not e.handle.client.ping(timeout=timeout):
-                raise FleetError(f"{e.engine_id}: /ping unanswered during a weight update")
+                raise FleetError(f"{e.engine_id}: /ping unanswered while {e.state.value}")
             return
         e.handle.health_generate(timeout=timeout)
 
@@ -473,15 +515,24 @@ class Fleet:
             return False
 
     def _on_suspect(self, engine_id: str, why: str) -> None:
-        """First failed probe: out of the router at once (recovered or declared dead later)."""
+        """First failed probe: out of the router at once (recovered or declared dead later).
+
+        An engine paused for an update that stops answering `/ping` leaves the router too,
+        without changing state: the update's end routes it again only if it verified.
+        """
         with self._lock:
             e = self.find(engine_id)
             if e.state is S.REGISTERED:
                 self._unroute(e)
                 self._move(e, S.SUSPECT, reason=why)
-                # Requests stuck on it are sent again now; the first answer wins.
-                for gen in self._generators:
-                    gen.resubmit_in_flight()
+            elif e.state is S.UPDATING and e.routed:
+                self._unroute(e)
+                self._emit(e.engine_id, "UNROUTED", reason=why)
+            else:
+                return
+            # Requests stuck on it are sent again now; the first answer wins.
+            for gen in self._generators:
+                gen.resubmit_in_flight()
 
     def _on_healthy(self, engine_id: str) -> None:
         with self._lock:
@@ -495,11 +546,19 @@ class Fleet:
                 self._move(e, S.STALE, reason="probes pass again, version moved on")
         self._resync_stale_later()
 
-    def kill_engine(self, index: int = 0) -> str:
-        """SIGKILL one engine's server, as a real crash would (the demo and tests)."""
-        e = self.engines[index]
-        ray.get(e.actors[0].simulate_crash.remote())
-        logger.warning("simulated a crash of %s (%s)", e.engine_id, e.url)
+    def kill_engine(self, index: int = 0, *, model: str | None = None, node_rank: int = 0) -> str:
+        """SIGKILL one engine's server, as a real crash would (the demo and tests).
+
+        `index` counts all engines, or those of `model`; `node_rank` picks the node of a
+        multi-node engine. External engines are never killed by us.
+        """
+        pool = self.engines if model is None else [e for e in self.engines
+                                                    if e.model_name == model]
+        e = pool[index]
+        if e.external_address is not None:
+            raise FleetError(f"{e.engine_id} is external: it is never killed by the job")
+        ray.get(e.actors[node_rank].simulate_crash.remote())
+        logger.warning("simulated a crash of %s node %d (%s)", e.engine_id, node_rank, e.url)
         return e.engine_id
 
     # ---- recovery ------------------------------------------------------------------------------
@@ -509,7 +568,7 @@ class Fleet:
             if self._closing or engine_id in self._recovering:
                 return
             e = self.find(engine_id)
-            if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING):
+            if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING, S.REATTACHING):
                 return
             self._recovering.add(engine_id)
             self._unroute(e)  # before anything else: no request may reach a dead engine
@@ -522,19 +581,9 @@ class Fleet:
     def _recover(self, e: ManagedEngine, reason: str) -> None:
         t0 = time.time()
         try:
-            for a in e.actors:
-                with contextlib.suppress(Exception):  # the actor may have died with its server
-                    ray.get(a.shutdown.remote(1.0), timeout=30)  # dead or hung: no grace
-                ray.kill(a)
-            with self._lock:
-                if self._closing:
-                    return
-                self._move(e, S.RELAUNCHING)
-            e.restarts += 1
-            ray.get(self._launch(e))
-            with self._lock:
-                self._move(e, S.STALE, **self._loaded(e))
-            self._watch_exit(e)
+            back = self._reattach(e) if e.external_address is not None else self._relaunch(e)
+            if not back:
+                return  # the fleet is shutting down
             if self.monitor is not None:
                 self.monitor.watch(e.engine_id)
             if not e.update_weights:
@@ -561,6 +610,50 @@ class Fleet:
             with self._lock:
                 self._recovering.discard(e.engine_id)
 
+    def _relaunch(self, e: ManagedEngine) -> bool:
+        """Our engine: kill what is left of it, start it again on its bundle (STALE); False
+        if the fleet is shutting down."""
+        for a in e.actors:
+            with contextlib.suppress(Exception):  # the actor may have died with its server
+                ray.get(a.shutdown.remote(1.0), timeout=30)  # dead or hung: no grace
+            ray.kill(a)
+        with self._lock:
+            if self._closing:
+                return False
+            self._move(e, S.RELAUNCHING)
+        e.restarts += 1
+        ray.get(self._launch(e))
+        with self._lock:
+            self._move(e, S.STALE, **self._loaded(e))
+        self._watch_exit(e)
+        return True
+
+    def _reattach(self, e: ManagedEngine) -> bool:
+        """An external engine: wait (bounded) for its owner to bring it back, then STALE;
+        False if the fleet is shutting down."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._move(e, S.REATTACHING, address=e.external_address,
+                       wait_s=self.settings.external_wait_s)
+        deadline = time.monotonic() + self.settings.external_wait_s
+        while True:
+            try:
+                loaded = self._attach(e)
+                break
+            except Exception as err:  # noqa: BLE001 - not back yet (refused, warming up, ...)
+                if self._closing:
+                    return False
+                if time.monotonic() >= deadline:
+                    raise FleetError(f"{e.engine_id}: not back at {e.external_address} after "
+                                     f"{self.settings.external_wait_s:g}s "
+                                     f"(--external-engine-reconnect-timeout): {err}") from err
+                time.sleep(0.5)
+        e.restarts += 1
+        with self._lock:
+            self._move(e, S.STALE, **loaded)
+        return True
+
     def _frozen_from_stale(self, e: ManagedEngine) -> None:
         self._move(e, S.UPDATING, reason="frozen model: serves its checkpoint")
         self.route(e)
@@ -574,7 +667,7 @@ class Fleet:
         while time.monotonic() < deadline and not self._closing:
             if e.state is S.REGISTERED:
                 return  # a full sync took it along
-            if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING):
+            if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING, S.REATTACHING):
                 raise FleetError(f"{e.engine_id}: {e.state.value} while waiting to resync")
             if e.state is not S.STALE or self._full_update.is_set() or self._syncing.is_set():
                 time.sleep(0.05)
@@ -596,8 +689,9 @@ class Fleet:
         if self.weight_source is None or self._closing:
             return
         with self._lock:
+            skip = self._recovering | self._resyncing | self._awaiting_full_sync
             stale = [e for e in self.engines if e.state is S.STALE and e.update_weights
-                     and e.engine_id not in self._recovering | self._resyncing]
+                     and e.engine_id not in skip]
             for e in stale:
                 self._resyncing.add(e.engine_id)
         for e in stale:
@@ -645,6 +739,22 @@ class Fleet:
         self.last_generation = {"requested": len(prompts) * n, "returned": len(samples),
                                 "resubmitted": gen.resubmitted}
         return samples
+
+    def token_logprobs(self, pairs: Sequence[tuple[list[int], list[int]]],
+                       model: str) -> list[list[float]]:
+        """log p(output tokens | prompt) under `model` (e.g. a frozen reference), through its
+        router: per pair (prompt_ids, output_ids), one logprob per output token."""
+        count = sum(1 for e in self.engines if e.model_name == model)
+        return token_logprobs(self.routers[model].url, pairs,
+                              api_key=self.settings.router.api_key,
+                              concurrency=self.settings.engine.server_concurrency * max(1, count),
+                              timeout_s=self.settings.router.request_timeout_s)
+
+    @property
+    def reference_model(self) -> str | None:
+        """The first frozen model (update_weights: false), the KL term's reference."""
+        return next((r.model_name for r in self.placement.plan.routers
+                     if not r.update_weights), None)
 
     def states(self) -> dict[str, str]:
         with self._lock:

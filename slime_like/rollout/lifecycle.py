@@ -4,6 +4,9 @@
     REGISTERED -> SUSPECT (a failed probe: out of the router) -> REGISTERED | DEAD
     UPDATING -> STALE (a sync that did not verify it: out of the router) -> UPDATING
     any -> DEAD -> RELAUNCHING -> STALE -> UPDATING -> REGISTERED
+    REGISTERED -> OFFLOADED (memory released for a colocated train step: out of the router)
+        -> REGISTERED (resumed, version still current) | STALE (resumed, version moved on)
+    DEAD -> REATTACHING (an external engine: we wait for its owner to bring it back) -> STALE
     any -> STOPPED (shutdown)
 
 Invariant (DESIGN §3): an engine is in its router only while its verified weight version
@@ -33,6 +36,8 @@ class EngineState(str, enum.Enum):
     STALE = "STALE"
     DEAD = "DEAD"
     RELAUNCHING = "RELAUNCHING"
+    REATTACHING = "REATTACHING"
+    OFFLOADED = "OFFLOADED"
     STOPPED = "STOPPED"
 
 
@@ -41,11 +46,13 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     S.LAUNCHING: frozenset({S.LOADED, S.DEAD, S.STOPPED}),
     S.LOADED: frozenset({S.UPDATING, S.DEAD, S.STOPPED}),
     S.UPDATING: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
-    S.REGISTERED: frozenset({S.UPDATING, S.SUSPECT, S.STALE, S.DEAD, S.STOPPED}),
+    S.REGISTERED: frozenset({S.UPDATING, S.SUSPECT, S.STALE, S.OFFLOADED, S.DEAD, S.STOPPED}),
     S.SUSPECT: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
     S.STALE: frozenset({S.UPDATING, S.DEAD, S.STOPPED}),
-    S.DEAD: frozenset({S.RELAUNCHING, S.STOPPED}),
+    S.DEAD: frozenset({S.RELAUNCHING, S.REATTACHING, S.STOPPED}),
     S.RELAUNCHING: frozenset({S.STALE, S.DEAD, S.STOPPED}),
+    S.REATTACHING: frozenset({S.STALE, S.DEAD, S.STOPPED}),
+    S.OFFLOADED: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
     S.STOPPED: frozenset(),
 }
 
@@ -55,6 +62,7 @@ SYNCABLE: frozenset[EngineState] = frozenset({S.LOADED, S.REGISTERED, S.STALE})
 ROUTINE: frozenset[tuple[EngineState | None, EngineState]] = frozenset({
     (None, S.LAUNCHING), (S.LAUNCHING, S.LOADED), (S.LOADED, S.UPDATING),
     (S.REGISTERED, S.UPDATING), (S.UPDATING, S.REGISTERED), (S.REGISTERED, S.STOPPED),
+    (S.REGISTERED, S.OFFLOADED), (S.OFFLOADED, S.REGISTERED),
 })
 
 

@@ -52,8 +52,10 @@ class Router:
     def __init__(self, *, host: str | None = None, pd_disaggregation: bool = False,
                  router_flags: Mapping[str, Any] | None = None, log_dir: str | Path | None = None,
                  api_key: str | None = None, startup_timeout: float = 60.0,
-                 port_attempts: int = 3, python: str = sys.executable, name: str = "router"):
+                 port_attempts: int = 3, python: str = sys.executable, name: str = "router",
+                 port: int | None = None):
         self.host = host or node_ip()
+        self.fixed_port = port  # --sglang-router-port: bind exactly there (no other attempt)
         self.pd_disaggregation = pd_disaggregation
         self.router_flags = dict(router_flags or {})
         if api_key:
@@ -133,6 +135,12 @@ class Router:
                 time.sleep(0.5)
 
     def _start_once(self) -> None:
+        if self.fixed_port is not None:
+            with reserve_ports(1, host=self.host) as reservation:
+                self.port, self.prometheus_port = self.fixed_port, reservation.ports[0]
+                reservation.release_for_server()
+                self._launch()
+            return
         with reserve_ports(2, host=self.host) as reservation:
             self.port, self.prometheus_port = reservation.ports
             reservation.release_for_server()

@@ -38,8 +38,13 @@ class TrainerRank:
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
                  sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
-                 engine_dtype: str | None = None):
+                 engine_dtype: str | None = None, keep_served: bool = False):
         self.rank = rank
+        # --update-weights-interval > 1: the weights the engines serve, kept after each full
+        # sync, so samples are checked at the version they were made at.
+        self.keep_served = keep_served
+        self._served: torch.nn.Module | None = None
+        self._served_version: int | None = None
         self.use_transformers = use_transformers
         self.engine_dtype = engine_dtype
         self.world_size = world_size
@@ -79,17 +84,50 @@ class TrainerRank:
     # ---- training ------------------------------------------------------------------------------
 
     def train_step(self, samples: list[tuple[list[int], list[int]]],
-                   advantages: list[float]) -> dict[str, float]:
+                   advantages: list[float], **kl: Any) -> dict[str, float]:
         """This rank's shard of one optimiser step; weights are 'dirty' until the next sync."""
         assert self.policy is not None
         with self._weights_lock:
             self._dirty = True
-            return self.policy.train_step(samples, advantages)
+            return self.policy.train_step(samples, advantages, **kl)
 
-    def completion_logprobs(self, samples: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    def completion_logprobs(self, samples: list[tuple[list[int], list[int]]],
+                            version: int | None = None,
+                            temperature: float = 1.0) -> list[list[float]]:
+        """Log-probabilities of sampled tokens at `version` (the one the engines serve).
+
+        After train steps without a sync the current weights are ahead of it; then the copy
+        kept at the last sync answers, and without one the call fails rather than compare
+        different weights.
+        """
         assert self.policy is not None
         with self._weights_lock:
-            return self.policy.completion_logprobs(samples)
+            if version is None or not self._dirty:
+                return self.policy.completion_logprobs(samples, temperature=temperature)
+            if self._served is not None and self._served_version == version:
+                return self.policy.completion_logprobs(samples, self._served, temperature)
+            raise RuntimeError(f"the trainer's weights moved past version {version} and no "
+                               "copy of it was kept (keep_served)")
+
+    def offload(self) -> dict[str, Any]:
+        """--offload-train: model and optimizer state leave the GPU while engines generate.
+
+        On a CPU trainer there is no device memory to give back; the call says so.
+        """
+        assert self.policy is not None
+        if self.device != "cuda":
+            return {"trainer_offloaded": False, "reason": "cpu trainer: nothing on a device"}
+        with self._weights_lock:
+            before = torch.cuda.memory_allocated()
+            self.policy.move_to("cpu")
+            return {"trainer_offloaded": True,
+                    "freed_bytes": int(before - torch.cuda.memory_allocated())}
+
+    def onload(self) -> None:
+        assert self.policy is not None
+        if self.device == "cuda":
+            with self._weights_lock:
+                self.policy.move_to(self.device)
 
     # ---- weight sync (rank 0) ------------------------------------------------------------------
 
@@ -126,6 +164,8 @@ class TrainerRank:
                                                     engines=targets)
                 self.version = version
                 self._dirty = False
+                if self.keep_served:
+                    self._served, self._served_version = self.policy.snapshot(), version
                 self._weights_lock.notify_all()
                 return report.as_dict()
             if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):

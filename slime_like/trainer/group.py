@@ -14,14 +14,14 @@ class TrainerGroup:
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
                  sync: SyncSettings, use_transformers: bool = False,
-                 engine_dtype: str | None = None):
+                 engine_dtype: str | None = None, keep_served: bool = False):
         world = len(placement.plan.trainer)
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
                 rank, world, model_path, lr=lr, seed=seed,
                 sync_config=sync.weight_sync_kwargs(), use_transformers=use_transformers,
-                engine_dtype=engine_dtype)
+                engine_dtype=engine_dtype, keep_served=keep_served and rank == 0)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -32,16 +32,29 @@ class TrainerGroup:
     def rank0(self):
         return self.actors[0]
 
-    def train_step(self, samples: list, advantages: list[float]) -> dict[str, float]:
-        """Split the batch over ranks (contiguous shards), step all, report rank 0's metrics."""
+    def train_step(self, samples: list, advantages: list[float], *,
+                   ref_logprobs: list[list[float]] | None = None, kl_loss_coef: float = 0.0,
+                   kl_loss_type: str = "low_var_kl") -> dict[str, float]:
+        """Split the batch over ranks (strided shards), step all, report rank 0's metrics."""
         n = len(self.actors)
-        shards = [(samples[i::n], advantages[i::n]) for i in range(n)]
-        results = ray.get([a.train_step.remote(s, adv) for a, (s, adv) in zip(self.actors, shards,
-                                                                               strict=True)])
+        refs = ref_logprobs if ref_logprobs is not None else [None] * len(samples)
+        shards = [(samples[i::n], advantages[i::n], refs[i::n]) for i in range(n)]
+        results = ray.get([
+            a.train_step.remote(s, adv, ref_logprobs=None if ref_logprobs is None else r,
+                                kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type)
+            for a, (s, adv, r) in zip(self.actors, shards, strict=True)])
         return results[0]
 
-    def completion_logprobs(self, samples: list) -> list[list[float]]:
-        return ray.get(self.rank0.completion_logprobs.remote(samples))
+    def completion_logprobs(self, samples: list, version: int | None = None,
+                            temperature: float = 1.0) -> list[list[float]]:
+        return ray.get(self.rank0.completion_logprobs.remote(samples, version, temperature))
+
+    def offload(self) -> dict:
+        """--offload-train: every rank's model and optimizer state leave the GPU."""
+        return ray.get([a.offload.remote() for a in self.actors])[0]
+
+    def onload(self) -> None:
+        ray.get([a.onload.remote() for a in self.actors])
 
     def push_weights(self, update) -> dict:
         """The fleet's weight source: rank 0 pushes into the update's engines.

@@ -51,3 +51,30 @@ def policy_gradient_loss(logprobs: torch.Tensor, batch: PackedBatch) -> torch.Te
     mask = batch.completion_mask.float()
     per_token = -batch.advantages[:, None] * logprobs * mask
     return per_token.sum() / mask.sum().clamp(min=1.0)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate from log-probabilities of sampled tokens.
+
+    k1 = log p - log p_ref (unbiased, high variance); k2 = k1^2 / 2; low_var_kl (k3) =
+    exp(-k1) - 1 + k1, clamped to [-10, 10] as slime does.
+    """
+    k1 = logprobs - ref_logprobs
+    if kind == "k1":
+        return k1
+    if kind == "k2":
+        return 0.5 * k1 * k1
+    if kind == "low_var_kl":
+        return torch.clamp(torch.exp(-k1) - 1 + k1, min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r} (k1, k2, low_var_kl)")
+
+
+def ref_logprob_rows(samples: Sequence[tuple[list[int], list[int]]],
+                     ref: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """Reference log-probabilities laid out like `pack`'s completion positions ([B, T])."""
+    out = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, ((prompt, output), row) in enumerate(zip(samples, ref, strict=True)):
+        if len(row) != len(output):
+            raise ValueError(f"sample {i}: {len(row)} reference logprobs for {len(output)} tokens")
+        out[i, len(prompt): len(prompt) + len(output)] = torch.tensor(row, dtype=torch.float32)
+    return out

@@ -17,7 +17,14 @@ import torch.distributed as dist
 from slime_like.models import load_pretrained
 from slime_like.models.hf_checkpoint import load_transformers_model
 from slime_like.models.transformer import hf_named_parameters
-from slime_like.trainer.grpo import PackedBatch, pack, policy_gradient_loss, token_logprobs
+from slime_like.trainer.grpo import (
+    PackedBatch,
+    kl_penalty,
+    pack,
+    policy_gradient_loss,
+    ref_logprob_rows,
+    token_logprobs,
+)
 from slime_like.trainer.serve_dtype import CastWeights, serve_dtype
 
 
@@ -50,23 +57,38 @@ class PolicyTrainer:
         self.device = device
         self.steps = 0
 
-    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
+        model = model or self.model
         if self.use_transformers:
-            return self.model(input_ids=input_ids, use_cache=False).logits
-        return self.model(input_ids)
+            return model(input_ids=input_ids, use_cache=False).logits
+        return model(input_ids)
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if self.group is not None else 1
 
     def train_step(self, samples: Sequence[tuple[list[int], list[int]]],
-                   advantages: Sequence[float], max_grad_norm: float = 1.0) -> dict[str, float]:
-        """One optimiser step on this rank's samples; gradients averaged across ranks."""
+                   advantages: Sequence[float], max_grad_norm: float = 1.0, *,
+                   ref_logprobs: Sequence[Sequence[float]] | None = None,
+                   kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl",
+                   ) -> dict[str, float]:
+        """One optimiser step on this rank's samples; gradients averaged across ranks.
+
+        With `ref_logprobs` (a frozen reference model's, per sampled token) and
+        `kl_loss_coef > 0` the loss adds kl_loss_coef x the mean per-token KL estimate.
+        """
         batch: PackedBatch = pack(samples, advantages)
         batch.input_ids = batch.input_ids.to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
         logprobs = token_logprobs(logits, batch.input_ids)
         loss = policy_gradient_loss(logprobs, batch)
+        metrics: dict[str, float] = {}
+        if ref_logprobs is not None and kl_loss_coef > 0:
+            ref = ref_logprob_rows(samples, ref_logprobs, logprobs.shape[1]).to(self.device)
+            mask = batch.completion_mask.to(self.device).float()
+            kl = (kl_penalty(logprobs, ref, kl_loss_type) * mask).sum() / mask.sum().clamp(min=1.0)
+            loss = loss + kl_loss_coef * kl
+            metrics["kl_loss"] = float(kl.detach())
         loss.backward()
         if self._world() > 1:
             for p in self.model.parameters():
@@ -76,23 +98,48 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
         self.optimizer.step()
         self.steps += 1
-        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), **metrics}
 
     @torch.no_grad()
-    def completion_logprobs(self, samples: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """Per generated token, log p(token | prefix) under the current weights (fp32)."""
-        was_training = self.model.training
-        self.model.eval()
+    def completion_logprobs(self, samples: Sequence[tuple[list[int], list[int]]],
+                            model: torch.nn.Module | None = None,
+                            temperature: float = 1.0) -> list[list[float]]:
+        """Per generated token, log p(token | prefix) under the current weights (fp32), or
+        under `model` (e.g. a copy of the weights the engines serve). `temperature` scales
+        the logits as the engines do for the logprobs they report (sglang's default)."""
+        model = model or self.model
+        was_training = model.training
+        model.eval()
         try:
             batch = pack(samples, [0.0] * len(samples))
-            logits = self._logits(batch.input_ids.to(self.device))
+            logits = self._logits(batch.input_ids.to(self.device), model)
+            if temperature != 1.0:
+                logits = logits.float() / temperature
             lp = token_logprobs(logits, batch.input_ids.to(self.device)).cpu()
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         out = []
         for i, (prompt, output) in enumerate(samples):
             out.append(lp[i, len(prompt): len(prompt) + len(output)].tolist())
         return out
+
+    def snapshot(self) -> torch.nn.Module:
+        """A frozen copy of the current weights (what the engines serve after a sync)."""
+        import copy
+
+        frozen = copy.deepcopy(self.model)
+        frozen.requires_grad_(False)
+        return frozen
+
+    def move_to(self, device: str) -> None:
+        """Move the model and the optimizer state (offload to "cpu", or back)."""
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    state[k] = v.to(device)
+        if device == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def sync_source(self) -> Any:
         """What a weight sync sends: the model, or its weights cast to the engines' dtype."""

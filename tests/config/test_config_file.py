@@ -22,8 +22,8 @@ hf_checkpoint: base-model
 actor_num_gpus_per_node: 4
 rollout_num_gpus: 4
 rollout_num_gpus_per_engine: 2
-colocate: false
-offload_rollout: true
+colocate: true
+offload_train: false
 rollout_external_engine_addrs: null
 sglang_mem_fraction_static: 0.7
 sglang_cuda_graph_bs_decode: [1, 2, 4]
@@ -35,7 +35,7 @@ pause_mode: in_place
                     "--sglang-mem-fraction-static", "0.5"])
     assert a.hf_checkpoint == "base-model" and a.rollout_num_gpus == 4
     assert a.rollout_num_gpus_per_engine == 4  # CLI over file
-    assert a.offload_rollout is True and a.offload_train is False
+    assert a.offload_rollout is True and a.offload_train is False  # implied / file
     assert a.sglang_flags == {"mem_fraction_static": 0.5, "cuda_graph_bs_decode": [1, 2, 4]}
     assert a.router_flags["policy"] == "round_robin"
     assert a.rollout_health_check_first_wait == 10.0 and a.pause_mode == "in_place"

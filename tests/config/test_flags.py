@@ -176,9 +176,37 @@ def test_abbreviated_flags_are_not_guessed():
                                 "--rollout-num-gpus-per-engine), got 3"),
     (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "10.0.0.5:30000", "10.0.0.6"],
      "--rollout-external-engine-addrs: expected HOST:PORT for each engine, got '10.0.0.6'"),
-    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--sglang-router-ip", "10.0.0.9"],
-     "--sglang-router-port: required with --sglang-router-ip (the port of the router to attach "
-     "to)"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--sglang-router-ip", "10.0.0.1"],
+     "--sglang-router-ip: attaching to a router the job does not own is not supported (the "
+     "fleet alone adds and removes workers); drop it, --sglang-router-port fixes our router's "
+     "port"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-train-only"],
+     "--debug-train-only: not supported: the job trains on samples the engines generate"),
+    (["--hf-checkpoint", "m", "--colocate", "--update-weights-interval", "2"],
+     "--update-weights-interval: > 1 with --offload-rollout needs "
+     "--sglang-enable-weights-cpu-backup (released weights come back only with the next sync, "
+     "so engines would sit idle until then)"),
+    (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "h:1"],
+     "--rollout-external-engine-addrs: needs --use-fault-tolerance (no process of ours reports "
+     "an external engine's death: only probes see it)"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "0"],
+     "--rollout-num-gpus: 0 leaves the job without engines; give "
+     "--rollout-external-engine-addrs or GPUs"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--offload"],
+     "--offload: only with --colocate (engines on their own GPUs have nothing to give "
+     "the trainer)"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--offload-rollout"],
+     "--offload-rollout: only with --colocate (engines on their own GPUs have nothing to give "
+     "the trainer)"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--use-kl-loss",
+      "--kl-loss-coef", "0.1"],
+     "--use-kl-loss: needs a reference model: a model with update_weights: false in "
+     "--sglang-config"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--kl-coef", "0.1"],
+     "--kl-coef: needs a reference model: a model with update_weights: false in "
+     "--sglang-config"),
+    (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--kl-loss-coef", "0.1"],
+     "--kl-loss-coef: has no effect without --use-kl-loss"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "16"],
      "--actor-num-gpus-per-node: must be <= --num-gpus-per-node (8), got 16"),
 ])
@@ -194,14 +222,14 @@ def test_colocate_implies_offload_and_rollout_gpus_unless_set():
     b = parse_args(["--hf-checkpoint", "m", "--colocate", "--no-offload-rollout",
                     "--rollout-num-gpus", "4"])
     assert (b.offload_train, b.offload_rollout, b.rollout_num_gpus) == (True, False, 4)
-    c = parse_args(["--hf-checkpoint", "m", "--offload", "--rollout-num-gpus", "2"])
-    assert (c.offload_train, c.offload_rollout) == (True, True)
+    c = parse_args(["--hf-checkpoint", "m", "--colocate", "--offload", "--no-offload-train"])
+    assert (c.offload_train, c.offload_rollout) == (False, True)
 
 
-def test_zero_rollout_gpus_means_routers_without_engines():
-    a = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "0"])
-    assert [m.name for m in a.topology.models] == ["default"]
-    assert a.topology.models[0].groups == () and a.nominal_plan.engines == ()
+def test_zero_rollout_gpus_only_with_external_engines():
+    a = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "0", "--use-fault-tolerance",
+                    "--rollout-external-engine-addrs", "h:1"])
+    assert a.topology.external and a.nominal_plan.engines == ()
 
 
 def test_prefill_num_servers_builds_prefill_and_decode_groups():
@@ -214,8 +242,8 @@ def test_prefill_num_servers_builds_prefill_and_decode_groups():
 
 
 def test_external_engines_take_no_slots():
-    a = parse_args(["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "10.0.0.5:30000",
-                    "10.0.0.6:30000"])
+    a = parse_args(["--hf-checkpoint", "m", "--use-fault-tolerance",
+                    "--rollout-external-engine-addrs", "10.0.0.5:30000", "10.0.0.6:30000"])
     assert a.topology.external and a.rollout_num_gpus == 0
     assert a.nominal_plan.layout.num_bundles == 8 and a.nominal_plan.engines == ()
 
@@ -224,3 +252,17 @@ def test_parse_without_validation_leaves_values_as_given():
     a = parse_args(["--colocate"], validate=False)
     assert a.offload_train is None and not hasattr(a, "topology")
     assert isinstance(a, argparse.Namespace)
+
+
+def test_the_job_refuses_debug_rollout_only_which_only_the_python_api_uses(capsys):
+    from slime_like.train import main
+
+    assert main(["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--debug-rollout-only",
+                 "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "slime-like train: error: --debug-rollout-only: not supported by the job: every step "
+        "checks the engines' samples against the trainer (slime_like.api.launch_fleet places "
+        "engines only)\n")
+    placed = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "2",
+                         "--debug-rollout-only"])
+    assert placed.nominal_plan.trainer == () and len(placed.nominal_plan.engines) == 2

@@ -157,18 +157,11 @@ def test_engine_on_a_smaller_real_node_is_caught_after_probing():
         "placeholder group before it to start it on a node boundary")
 
 
-def test_external_and_router_only_jobs_place_no_engines():
-    ext = parse_args(["--hf-checkpoint", "m", "--actor-num-gpus-per-node", "2",
-                      "--rollout-external-engine-addrs", "h:1"])
+def test_external_jobs_place_no_engines():
+    ext = parse_args(["--hf-checkpoint", "m", "--use-fault-tolerance",
+                      "--actor-num-gpus-per-node", "2", "--rollout-external-engine-addrs", "h:1"])
     assert ext.nominal_plan.engines == () and len(ext.nominal_plan.trainer) == 2
-    zero = parse_args(["--hf-checkpoint", "m", "--actor-num-gpus-per-node", "2",
-                       "--rollout-num-gpus", "0"])
-    assert zero.nominal_plan.engines == () and [r.model_name for r in zero.nominal_plan.routers] \
-        == ["default"]
-    rollout_only = parse_args(["--hf-checkpoint", "m", "--rollout-num-gpus", "2",
-                               "--debug-rollout-only"])
-    assert rollout_only.nominal_plan.trainer == () and \
-        [e.slot for e in rollout_only.nominal_plan.engines] == [0, 1]
+    assert [r.model_name for r in ext.nominal_plan.routers] == ["default"]
 
 
 def test_plan_and_topology_survive_pickling_for_ray_actors(tmp_path):

@@ -29,9 +29,49 @@ def _argvs(args, model_path: str | None = None) -> list[dict]:
     return out
 
 
+# Where each CPU config runs end to end (the real job through Ray and sglang-router).
+RUN_BY = {
+    "quickstart.yaml": "tests/rollout/test_train_job.py",
+    "chaos.yaml": "tests/chaos/test_chaos.py",
+    "multi_model_cpu.yaml": "tests/topologies/test_multi_model.py",
+    "pd_cpu.yaml": "tests/topologies/test_pd.py",
+    "colocate_cpu.yaml": "tests/topologies/test_colocate.py",
+    "external_cpu.yaml": "tests/topologies/test_external.py",
+    "multinode_cpu.yaml": "tests/topologies/test_multinode.py",
+}
+GPU_ONLY = ("colocate.yaml", "multi_model.yaml", "pd.yaml")
+
+
 def test_every_config_is_exercised():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
-        "chaos.yaml", "colocate.yaml", "multi_model.yaml", "pd.yaml", "quickstart.yaml"]
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted([*RUN_BY, *GPU_ONLY])
+    root = CONFIGS.parent
+    for name, test in RUN_BY.items():
+        assert f"configs/{name}" in (root / test).read_text(), (name, test)
+        assert _args(name).engine == "reference"
+
+
+def test_gpu_only_configs_say_so_and_dry_run_rejects_an_unresolvable_checkpoint(
+        tmp_path, capsys, monkeypatch):
+    from slime_like.models.tiny import make_tiny_model
+    from slime_like.train import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id must come from the local cache
+    tiny = make_tiny_model(tmp_path / "tiny", layers=1, hidden=32)
+    for name in GPU_ONLY:
+        header = (CONFIGS / name).read_text().split("\nengine:")[0]
+        assert "GPU only" in header and "--dry-run" in header, name
+        # a checkpoint neither local nor resolvable fails the dry run with one line
+        assert main(["--config", str(CONFIGS / name), "--dry-run",
+                     "--hf-checkpoint", "no-such-org/no-such-model"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("slime-like train: error: --hf-checkpoint: ") and \
+            err.count("\n") == 1, err
+        # with a local checkpoint it prints every engine's server command line
+        assert main(["--config", str(CONFIGS / name), "--dry-run",
+                     "--hf-checkpoint", str(tiny)]) == 0
+        out = capsys.readouterr().out
+        assert out.count("$ ") == len(_args(name).nominal_plan.engines)
+        assert "-m sglang.launch_server" in out
 
 
 def test_chaos_is_the_quickstart_with_four_engines_and_every_fault():
@@ -99,11 +139,10 @@ def test_multi_node_engine_shares_dist_init_addr_of_node_rank_0(tmp_path):
     cfg = tmp_path / "big.yaml"
     cfg.write_text("sglang:\n  - name: big\n    server_groups:\n"
                    "      - {worker_type: regular, num_gpus: 16, num_gpus_per_engine: 16}\n")
-    args = parse_args(["--hf-checkpoint", "m", "--sglang-config", str(cfg),
-                       "--debug-rollout-only"])
+    args = parse_args(["--hf-checkpoint", "m", "--sglang-config", str(cfg)])
     rank0, rank1 = args.nominal_plan.engines
     a0 = engine_server_args(rank0, args, port=30000, dist_init_port=30100).args
     a1 = engine_server_args(rank1, args, port=30000, dist_init_port=30100).args
     assert (a0["nnodes"], a0["node_rank"], a1["node_rank"]) == (2, 0, 1)
-    assert a0["dist_init_addr"] == a1["dist_init_addr"] == "node0:30100"
+    assert a0["dist_init_addr"] == a1["dist_init_addr"] == "node1:30100"
     assert (a0["tp_size"], a0["random_seed"]) == (16, a1["random_seed"])

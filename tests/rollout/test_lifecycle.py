@@ -17,10 +17,13 @@ LEGAL = {
     (S.UPDATING, S.REGISTERED), (S.UPDATING, S.STALE), (S.UPDATING, S.DEAD),
     (S.UPDATING, S.STOPPED),
     (S.REGISTERED, S.UPDATING), (S.REGISTERED, S.SUSPECT), (S.REGISTERED, S.STALE),
-    (S.REGISTERED, S.DEAD), (S.REGISTERED, S.STOPPED),
+    (S.REGISTERED, S.DEAD), (S.REGISTERED, S.STOPPED), (S.REGISTERED, S.OFFLOADED),
+    (S.OFFLOADED, S.REGISTERED), (S.OFFLOADED, S.STALE), (S.OFFLOADED, S.DEAD),
+    (S.OFFLOADED, S.STOPPED),
     (S.SUSPECT, S.REGISTERED), (S.SUSPECT, S.STALE), (S.SUSPECT, S.DEAD), (S.SUSPECT, S.STOPPED),
     (S.STALE, S.UPDATING), (S.STALE, S.DEAD), (S.STALE, S.STOPPED),
-    (S.DEAD, S.RELAUNCHING), (S.DEAD, S.STOPPED),
+    (S.DEAD, S.RELAUNCHING), (S.DEAD, S.REATTACHING), (S.DEAD, S.STOPPED),
+    (S.REATTACHING, S.STALE), (S.REATTACHING, S.DEAD), (S.REATTACHING, S.STOPPED),
     (S.RELAUNCHING, S.STALE), (S.RELAUNCHING, S.DEAD), (S.RELAUNCHING, S.STOPPED),
 }
 
@@ -48,9 +51,18 @@ def test_the_table_is_exactly_the_documented_moves():
 
 
 def test_no_path_reaches_the_router_without_an_update():
-    """REGISTERED (routed) is entered only from UPDATING (a verified sync) or SUSPECT
-    (a probe hiccup of an engine that was already routed at the current version)."""
-    assert {a for a, b in LEGAL if b is S.REGISTERED} == {S.UPDATING, S.SUSPECT}
+    """REGISTERED (routed) is entered only from UPDATING (a verified sync), SUSPECT (a probe
+    hiccup of an engine that was already routed at the current version) or OFFLOADED (an
+    engine routed at the current version whose memory came back; `route()` rechecks it)."""
+    assert {a for a, b in LEGAL if b is S.REGISTERED} == {S.UPDATING, S.SUSPECT, S.OFFLOADED}
+
+
+def test_an_external_engine_comes_back_only_through_a_sync():
+    e = engine_in(S.REGISTERED)
+    for state in (S.DEAD, S.REATTACHING, S.STALE, S.UPDATING, S.REGISTERED):
+        e.move(state)
+    with pytest.raises(IllegalTransition):
+        engine_in(S.REATTACHING).move(S.REGISTERED)
 
 
 def test_a_dead_engine_comes_back_only_through_a_sync():

@@ -1,0 +1,36 @@
+"""--logprob-check-tolerance: the per-step check of engine vs trainer log-probabilities."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_like.rollout.generate import Sample
+from slime_like.train import LogprobMismatch, check_logprobs
+
+
+class _Trainer:
+    """The trainer's answer for the check: fixed log-probabilities (pure function test)."""
+
+    def __init__(self, lps):
+        self.lps, self.calls = lps, []
+
+    def completion_logprobs(self, pairs, version=None, temperature=1.0):
+        self.calls.append((version, temperature))
+        return self.lps
+
+
+def _sample(lps, version="3"):
+    return Sample(0, [1, 2], [3, 4], lps, version, "length")
+
+
+def test_tolerance_decides_what_fails():
+    trainer = _Trainer([[-1.0, -2.0]])
+    assert check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-2) == pytest.approx(1e-3)
+    with pytest.raises(LogprobMismatch, match="differ by 0.001"):
+        check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-4)
+    assert trainer.calls[-1] == (3, 1.0)  # asked at the samples' version
+
+
+def test_a_sample_from_another_version_is_a_stale_serve():
+    with pytest.raises(LogprobMismatch, match="stale serve"):
+        check_logprobs([_sample([-1.0, -2.0], version="2")], _Trainer([[-1.0, -2.0]]), 3, 1e-4)

@@ -1,0 +1,29 @@
+"""configs/colocate_cpu.yaml end to end: the trainer and a reference engine share one
+bundle. Around each train step the engine releases its memory and resumes it (OFFLOADED:
+out of the router, probed with /ping), and weights go over the `tensor` transport (shared
+memory on CPU)."""
+
+from __future__ import annotations
+
+from tests.topologies.job_checks import check_run, no_process_outlives, run_job, timeline
+
+STEPS = 3
+ENGINE = "default/g0/e0"
+
+
+def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path, fresh_ray):
+    run_job(tmp_path, "configs/colocate_cpu.yaml", "--num-rollout", str(STEPS))
+    ms = check_run(tmp_path, STEPS, [ENGINE])
+    assert all(m["engines_offloaded"] == [ENGINE] for m in ms), [m.get("engines_offloaded")
+                                                                 for m in ms]
+    assert all(m["sync_transport"] == "tensor" for m in ms), ms[-1]
+    # CPU trainer: --offload-train (implied by --colocate) has no device memory to free
+    assert all(m["trainer_offloaded"] is False for m in ms)
+    events = [e for e in timeline(tmp_path) if e["engine"] == ENGINE]
+    offloads = [e for e in events if e["state"] == "OFFLOADED"]
+    assert len(offloads) == STEPS
+    # each offload is followed by a resume that routed it again at the version it served
+    for e in offloads:
+        after = events[events.index(e) + 1]
+        assert after["state"] == "REGISTERED" and after["reason"] == "memory resumed", after
+    no_process_outlives(tmp_path)
