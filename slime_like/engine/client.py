@@ -27,6 +27,7 @@ from urllib3.util.retry import Retry
 
 from slime_like.errors import EngineError
 from slime_like.protocol import io_struct as p
+from slime_like.protocol import paths
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -208,67 +209,67 @@ class EngineClient:
     def health(self, timeout: float = 5.0) -> bool:
         """GET /health (200 once warm); False on any failure."""
         try:
-            self.request("GET", "/health", timeout=timeout, expect_json=False)
+            self.request("GET", paths.HEALTH, timeout=timeout, expect_json=False)
             return True
         except EngineError:
             return False
 
     def health_generate(self, timeout: float = 30.0) -> None:
         """GET /health_generate: one real generation step; raises on failure."""
-        self.request("GET", "/health_generate", timeout=timeout, expect_json=False)
+        self.request("GET", paths.HEALTH_GENERATE, timeout=timeout, expect_json=False)
 
     def ping(self, timeout: float = 5.0) -> bool:
         """GET /ping: alive even while paused (unlike /health)."""
         try:
-            self.request("GET", "/ping", timeout=timeout, expect_json=False)
+            self.request("GET", paths.PING, timeout=timeout, expect_json=False)
             return True
         except EngineError:
             return False
 
     def model_info(self) -> dict:
-        return self.request("GET", "/model_info")
+        return self.request("GET", paths.MODEL_INFO)
 
     def server_info(self) -> dict:
         """GET /server_info, falling back to the pre-0.5.9 name."""
         try:
-            return self.request("GET", "/server_info")
+            return self.request("GET", paths.SERVER_INFO)
         except EngineError as e:
             if e.status != 404:
                 raise
-            return self.request("GET", "/get_server_info")
+            return self.request("GET", paths.GET_SERVER_INFO)
 
     def weight_version(self) -> str:
         """The live weight version (from /model_info; /get_weight_version is gone in 0.5.21+)."""
         return p.ModelInfo.model_validate(self.model_info()).weight_version
 
     def loads(self) -> dict:
-        return self.request("GET", "/v1/loads")
+        return self.request("GET", paths.V1_LOADS)
 
     # ---- generation ------------------------------------------------------------------------
 
     def generate(self, body: dict, timeout: float | None = None) -> Any:
-        return self.request("POST", "/generate", body=body, timeout=timeout)
+        return self.request("POST", paths.GENERATE, body=body, timeout=timeout)
 
     # ---- control ---------------------------------------------------------------------------
 
     def pause_generation(self, mode: p.PauseMode = "retract", timeout: float | None = None) -> dict:
-        return self.request("POST", "/pause_generation", body=p.PauseGenerationRequest(mode=mode),
+        return self.request("POST", paths.PAUSE_GENERATION, body=p.PauseGenerationRequest(mode=mode),
                             admin=True, timeout=timeout)
 
     def continue_generation(self, torch_empty_cache: bool = True,
                             timeout: float | None = None) -> dict:
-        return self.request("POST", "/continue_generation",
+        return self.request("POST", paths.CONTINUE_GENERATION,
                             body=p.ContinueGenerationRequest(torch_empty_cache=torch_empty_cache),
                             admin=True, timeout=timeout)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        self.request("POST", "/abort_request", body=p.AbortRequest(rid=rid, abort_all=abort_all),
+        self.request("POST", paths.ABORT_REQUEST, body=p.AbortRequest(rid=rid, abort_all=abort_all),
                      admin=True)
 
     def flush_cache(self, timeout_s: float = 0.0) -> bool:
         """POST /flush_cache; True when flushed, False when the engine was not idle (400)."""
         try:
-            self.request("POST", "/flush_cache", params={"timeout": timeout_s} if timeout_s else None,
+            self.request("POST", paths.FLUSH_CACHE, params={"timeout": timeout_s} if timeout_s else None,
                          admin=True, expect_json=False, timeout=max(self.timeout, timeout_s + 10))
             return True
         except EngineError as e:
@@ -277,60 +278,60 @@ class EngineClient:
             raise
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.request("POST", "/release_memory_occupation",
+        self.request("POST", paths.RELEASE_MEMORY_OCCUPATION,
                      body=p.MemoryOccupationRequest(tags=tags), admin=True)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.request("POST", "/resume_memory_occupation",
+        self.request("POST", paths.RESUME_MEMORY_OCCUPATION,
                      body=p.MemoryOccupationRequest(tags=tags), admin=True)
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        return self.request("POST", "/start_profile",
+        return self.request("POST", paths.START_PROFILE,
                             body=p.ProfileRequest(output_dir=output_dir, num_steps=num_steps),
                             admin=True, expect_json=False)
 
     def stop_profile(self) -> str:
-        return self.request("POST", "/stop_profile", body={}, admin=True, expect_json=False)
+        return self.request("POST", paths.STOP_PROFILE, body={}, admin=True, expect_json=False)
 
     # ---- weights ---------------------------------------------------------------------------
 
     def init_weights_update_group(self, req: p.InitWeightsUpdateGroupRequest,
                                   timeout: float | None = None) -> dict:
-        return self._success("/init_weights_update_group", req, timeout)
+        return self._success(paths.INIT_WEIGHTS_UPDATE_GROUP, req, timeout)
 
     def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME) -> dict:
-        return self._success("/destroy_weights_update_group",
+        return self._success(paths.DESTROY_WEIGHTS_UPDATE_GROUP,
                              p.DestroyWeightsUpdateGroupRequest(group_name=group_name))
 
     def begin_weight_update(self) -> dict:
-        return self._success("/begin_weight_update", p.BeginWeightUpdateRequest())
+        return self._success(paths.BEGIN_WEIGHT_UPDATE, p.BeginWeightUpdateRequest())
 
     def end_weight_update(self) -> dict:
-        return self._success("/end_weight_update", p.EndWeightUpdateRequest())
+        return self._success(paths.END_WEIGHT_UPDATE, p.EndWeightUpdateRequest())
 
     def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
                                         timeout: float | None = None) -> dict:
-        return self._success("/update_weights_from_distributed", req, timeout)
+        return self._success(paths.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, timeout)
 
     def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
                                    timeout: float | None = None) -> dict:
-        return self._success("/update_weights_from_tensor", req, timeout)
+        return self._success(paths.UPDATE_WEIGHTS_FROM_TENSOR, req, timeout)
 
     def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
                                  timeout: float | None = None) -> dict:
-        return self._success("/update_weights_from_disk", req, timeout)
+        return self._success(paths.UPDATE_WEIGHTS_FROM_DISK, req, timeout)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        return self._success("/update_weight_version", p.UpdateWeightVersionRequest(
+        return self._success(paths.UPDATE_WEIGHT_VERSION, p.UpdateWeightVersionRequest(
             new_version=new_version, abort_all_requests=abort_all_requests))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
-        return self.request("POST", "/get_weights_by_name",
+        return self.request("POST", paths.GET_WEIGHTS_BY_NAME,
                             body=p.GetWeightsByNameRequest(name=name, truncate_size=truncate_size),
                             admin=True)
 
     def weights_checker(self, action: str = "checksum") -> dict:
-        return self._success("/weights_checker", p.WeightsCheckerRequest(action=action))
+        return self._success(paths.WEIGHTS_CHECKER, p.WeightsCheckerRequest(action=action))
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

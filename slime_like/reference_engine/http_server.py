@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slime_like.protocol import io_struct as p
+from slime_like.protocol import paths
 from slime_like.reference_engine.disaggregation import HandoffError
 from slime_like.reference_engine.engine import ReferenceEngine
 from slime_like.reference_engine.frontend import EngineUnavailable
@@ -166,7 +167,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
                                            "msg": "JSON decode error", "input": {},
                                            "ctx": {"error": e.msg}}]) from e
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    @app.api_route(paths.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request):
         body = await read_json(request)
         try:
@@ -212,8 +213,8 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     # ---- health and info -------------------------------------------------------------------
 
-    @app.get("/health")
-    @app.get("/health_generate")
+    @app.get(paths.HEALTH)
+    @app.get(paths.HEALTH_GENERATE)
     async def health() -> Response:
         if not frontend.ready:
             return Response(status_code=503)
@@ -223,17 +224,17 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     async def ready() -> Response:
         return Response(status_code=200 if frontend.ready and not frontend.paused else 503)
 
-    @app.get("/ping")
+    @app.get(paths.PING)
     async def ping() -> Response:
         return Response(status_code=200 if frontend.ready else 503)
 
-    @app.get("/model_info")
+    @app.get(paths.MODEL_INFO)
     @app.get("/get_model_info")
     async def model_info():
         return engine.model_info()
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    @app.get(paths.SERVER_INFO)
+    @app.get(paths.GET_SERVER_INFO)
     async def server_info():
         return engine.server_info()
 
@@ -244,7 +245,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             "id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang",
             "root": name, "parent": None, "max_model_len": engine.context_len}]}
 
-    @app.get("/v1/loads")
+    @app.get(paths.V1_LOADS)
     async def loads(include: str = "core", format: str = "json", dp_rank: int | None = None):
         allowed = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
         parts = {x.strip() for x in include.split(",") if x.strip()}
@@ -276,27 +277,27 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     # ---- cache, pause, abort, profile ------------------------------------------------------
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route(paths.FLUSH_CACHE, methods=["GET", "POST"])
     async def flush_cache(timeout: float = Query(0.0, ge=0.0)):
         ok, message = await asyncio.wrap_future(scheduler.flush(timeout))
         return Response(message, status_code=200 if ok else 400, media_type="text/plain")
 
-    @app.post("/abort_request")
+    @app.post(paths.ABORT_REQUEST)
     async def abort_request(obj: Annotated[p.AbortRequest, Body()]):
         await frontend.abort_request(obj.rid, obj.abort_all)
         return Response(status_code=200)
 
-    @app.post("/pause_generation")
+    @app.post(paths.PAUSE_GENERATION)
     async def pause_generation(obj: Annotated[p.PauseGenerationRequest, Body()]):
         await frontend.pause(obj.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
+    @app.post(paths.CONTINUE_GENERATION)
     async def continue_generation(obj: Annotated[p.ContinueGenerationRequest, Body()]):
         await frontend.continue_generation()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.api_route("/start_profile", methods=["GET", "POST"])
+    @app.api_route(paths.START_PROFILE, methods=["GET", "POST"])
     async def start_profile(obj: Annotated[p.ProfileRequest | None, Body()] = None):
         try:
             await profiler.start(obj or p.ProfileRequest())
@@ -304,7 +305,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise HTTPException(500, str(e)) from e
         return Response("Start profiling.\n", media_type="text/plain")
 
-    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    @app.api_route(paths.STOP_PROFILE, methods=["GET", "POST"])
     async def stop_profile():
         try:
             await profiler.stop()
@@ -314,34 +315,34 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     # ---- weights ---------------------------------------------------------------------------
 
-    @app.post("/init_weights_update_group")
+    @app.post(paths.INIT_WEIGHTS_UPDATE_GROUP)
     async def init_weights_update_group(obj: Annotated[p.InitWeightsUpdateGroupRequest, Body()]):
         return success(*await weights.init_group(obj))
 
-    @app.post("/destroy_weights_update_group")
+    @app.post(paths.DESTROY_WEIGHTS_UPDATE_GROUP)
     async def destroy_weights_update_group(obj: Annotated[p.DestroyWeightsUpdateGroupRequest, Body()]):
         return success(*await weights.destroy_group(obj))
 
-    @app.post("/begin_weight_update")
+    @app.post(paths.BEGIN_WEIGHT_UPDATE)
     async def begin_weight_update(obj: Annotated[p.BeginWeightUpdateRequest, Body()]):
         return success(*await weights.begin())
 
-    @app.post("/end_weight_update")
+    @app.post(paths.END_WEIGHT_UPDATE)
     async def end_weight_update(obj: Annotated[p.EndWeightUpdateRequest, Body()]):
         return success(*await weights.end())
 
-    @app.post("/update_weights_from_distributed")
+    @app.post(paths.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     async def update_weights_from_distributed(obj: Annotated[p.UpdateWeightsFromDistributedRequest, Body()]):
         return success(*await weights.update_from_distributed(obj))
 
-    @app.post("/update_weights_from_tensor")
+    @app.post(paths.UPDATE_WEIGHTS_FROM_TENSOR)
     async def update_weights_from_tensor(obj: Annotated[p.UpdateWeightsFromTensorRequest, Body()]):
         try:
             return success(*await weights.update_from_tensor(obj))
         except Exception as e:  # noqa: BLE001 - sglang's scheduler crashes here; we answer 400
             return success(False, f"Failed to update weights from tensor: {e}")
 
-    @app.post("/update_weights_from_disk")
+    @app.post(paths.UPDATE_WEIGHTS_FROM_DISK)
     async def update_weights_from_disk(obj: Annotated[p.UpdateWeightsFromDiskRequest, Body()]):
         ok, message = await weights.update_from_disk(obj)
         if ok:
@@ -350,12 +351,12 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
                 engine.load_format = obj.load_format
         return success(ok, message, num_paused_requests=0)
 
-    @app.post("/update_weight_version")
+    @app.post(paths.UPDATE_WEIGHT_VERSION)
     async def update_weight_version(obj: Annotated[p.UpdateWeightVersionRequest, Body()]):
         ok, message = await weights.update_weight_version(obj)
         return success(ok, message, **({"new_version": obj.new_version} if ok else {}))
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    @app.api_route(paths.GET_WEIGHTS_BY_NAME, methods=["GET", "POST"])
     async def get_weights_by_name(obj: Annotated[p.GetWeightsByNameRequest, Body()]):
         try:
             value = await weights.get_weights_by_name(obj)
@@ -365,12 +366,12 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return error_400(ValueError("Get parameter by name failed"))
         return value
 
-    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    @app.api_route(paths.WEIGHTS_CHECKER, methods=["GET", "POST"])
     async def weights_checker(obj: Annotated[p.WeightsCheckerRequest | None, Body()] = None):
         body = await weights.check_weights(obj or p.WeightsCheckerRequest())
         return JSONResponse(body, status_code=200 if body["success"] else 400)
 
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @app.api_route(paths.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def release_memory_occupation(obj: Annotated[p.MemoryOccupationRequest, Body()]):
         try:
             await weights.release_memory(obj.tags)
@@ -378,7 +379,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return error_400(e)
         return None
 
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    @app.api_route(paths.RESUME_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def resume_memory_occupation(obj: Annotated[p.MemoryOccupationRequest, Body()]):
         try:
             await weights.resume_memory(obj.tags)

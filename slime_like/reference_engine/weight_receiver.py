@@ -30,6 +30,7 @@ import torch.distributed as dist
 from slime_like.models.loading import iter_checkpoint
 from slime_like.models.transformer import hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name
+from slime_like.protocol.io_struct import FLATTENED_BUCKET
 from slime_like.protocol.weight_group import (
     destroy_process_group,
     init_custom_process_group,
@@ -212,7 +213,7 @@ class WeightReceiver:
             if not (len(names) == len(dtypes) == len(shapes)):
                 raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
                                  f"({len(shapes)}) must have the same length")
-            if load_format == "flattened_bucket":
+            if load_format == FLATTENED_BUCKET:
                 plan = self._plan(request_key(names, dtypes, shapes))
                 self._bound_in_flight()
                 buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
@@ -282,7 +283,7 @@ class WeightReceiver:
         from slime_like.protocol.tensor_payload import LocalSerializedTensor, deserialize
 
         obj = deserialize(payload)
-        if load_format == "flattened_bucket":
+        if load_format == FLATTENED_BUCKET:
             if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
                 raise ValueError("a flattened_bucket payload must be a dict with 'flattened_tensor' "
                                  f"and 'metadata', got {type(obj).__name__}")

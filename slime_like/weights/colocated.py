@@ -75,7 +75,7 @@ class TensorTransport(Transport):
             for engine in ctx.engines:
                 req = p.UpdateWeightsFromTensorRequest(
                     serialized_named_tensors=[serialize(obj) for _ in range(engine.tp_size)],
-                    load_format="flattened_bucket", flush_cache=ctx.flush_flag(engine, last),
+                    load_format=p.FLATTENED_BUCKET, flush_cache=ctx.flush_flag(engine, last),
                     weight_version=ctx.weight_version if last else None)
                 call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(

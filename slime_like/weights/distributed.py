@@ -51,7 +51,7 @@ from slime_like.weights.transport import TransferContext, Transport
 
 log = logging.getLogger(__name__)
 
-FLATTENED = "flattened_bucket"
+FLATTENED = p.FLATTENED_BUCKET
 PER_TENSOR = "per_tensor"
 
 

@@ -36,6 +36,8 @@ import torch
 
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, EngineError, WeightMetadataError, WeightSyncError
+from slime_like.protocol import io_struct as p
+from slime_like.protocol import paths
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
 from slime_like.protocol.compat import FLUSH_AFTER_RETRACT_SINCE
 from slime_like.weights.fanout import CallCancelled, EngineCalls, on_all
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 TRANSPORTS = ("distributed", "tensor", "disk")
-LOAD_FORMATS = ("flattened_bucket", "per_tensor")
+LOAD_FORMATS = (p.FLATTENED_BUCKET, "per_tensor")
 DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
 
 
@@ -59,7 +61,7 @@ class WeightSyncConfig:
     transport: str = "distributed"
     pause_mode: str = "retract"
     update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES
-    load_format: str = "flattened_bucket"
+    load_format: str = p.FLATTENED_BUCKET
     device: str | None = None          # where buckets are packed; default: cuda if available
     backend: str | None = None         # weight-group backend; default nccl on cuda, else gloo
     master_address: str | None = None  # this host as the engines reach it; default: probed
@@ -605,7 +607,7 @@ class WeightSync:
     def _end_quietly(self, engines: list[EngineHandle]) -> None:
         def end(engine: EngineHandle) -> None:
             with contextlib.suppress(Exception):
-                engine.client.request("POST", "/end_weight_update", body={}, admin=True,
+                engine.client.request("POST", paths.END_WEIGHT_UPDATE, body={}, admin=True,
                                       timeout=min(30.0, self.config.http_timeout_s))
         if engines:
             with contextlib.suppress(WeightSyncError):
