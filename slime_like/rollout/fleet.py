@@ -213,8 +213,13 @@ class Fleet(OffloadMixin):
     def _unroute(self, e: ManagedEngine) -> None:
         if not e.routed or e.handle is None:
             return
+        client = self._router_client(e)
         try:
-            self._router_client(e).remove_worker(e.router_worker_id, url=e.handle.url, timeout=15)
+            client.remove_worker(e.router_worker_id, url=e.handle.url, timeout=15)
+            # The id we hold may be stale (the router re-keyed the worker): make sure the
+            # URL itself is gone before anyone relies on it being out.
+            if client.find_worker(e.handle.url) is not None:
+                client.remove_worker(url=e.handle.url, timeout=15)
         except Exception as err:  # noqa: BLE001 - a dead router takes its workers with it
             logger.warning("%s: removal from the router failed: %s", e.engine_id, err)
         e.routed, e.router_worker_id = False, None
