@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import time
 
-import psutil
 import pytest
 import ray
 
 from slime_like.config.parse import parse_args
 from slime_like.train import train
+from tests.topologies.job_checks import no_process_outlives
 
 
 @pytest.fixture
@@ -23,18 +23,6 @@ def fresh_ray():
     yield
     if ray.is_initialized():
         ray.shutdown()
-
-
-def _alive_of_run(run_dir) -> list[str]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except psutil.Error:
-            continue
-        if str(run_dir) in cmd and "pytest" not in cmd:
-            out.append(cmd)
-    return out
 
 
 def run_chaos(run_dir, seed: int, steps: int = 16) -> dict:
@@ -75,7 +63,7 @@ def check(run_dir, out: dict, steps: int) -> None:
         assert mine[-1]["state"] in ("REGISTERED", "RECOVERED"), (engine, mine[-3:])
         assert last["state"] == "REGISTERED" and int(last["version"]) == final, (engine, last)
     time.sleep(5)
-    assert _alive_of_run(run_dir) == [], "processes of the run outlived it by 5 s"
+    no_process_outlives(run_dir, grace_s=0)  # nothing of the run alive 5 s after it ended
 
 
 def test_chaos_short_form(tmp_path, fresh_ray):

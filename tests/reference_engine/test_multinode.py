@@ -22,11 +22,9 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.tokenizer import ByteTokenizer
-from slime_like.models.transformer import hf_named_parameters
 from slime_like.reference_engine.tp import free_port
 from slime_like.weights import WeightSync
 from tests.reference_engine.conftest import (
@@ -35,6 +33,7 @@ from tests.reference_engine.conftest import (
     stop_engine,
     wait_until_healthy,
 )
+from tests.weights.weight_sync_helpers import model_checksum
 
 TOK = ByteTokenizer()
 NODE_HOSTS = ("127.0.0.1", "127.0.0.2")
@@ -110,19 +109,6 @@ def _generate(engine: RunningEngine, seeded: bool) -> dict:
     return r.json()
 
 
-def _model_checksum(model) -> str:
-    """The engine's per-rank checksum, computed on the trainer's tensors."""
-    sums = {}
-    for name, p in hf_named_parameters(model):
-        raw = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        sums[name] = f"{int.from_bytes(hashlib.sha256(raw).digest()[:8], 'big'):016x}"
-    h = hashlib.sha256()
-    for name in sorted(sums):
-        h.update(name.encode())
-        h.update(sums[name].encode())
-    return h.hexdigest()
-
-
 def test_a_two_node_engine_serves_from_node_0_like_a_tp1_engine(two_nodes, tp1):
     info = two_nodes.node0.get("/server_info").json()
     assert (info["tp_size"], info["nnodes"], info["node_rank"]) == (2, 2, 0)
@@ -145,7 +131,7 @@ def test_a_distributed_weight_update_reaches_the_rank_on_node_1(two_nodes, tp1, 
         sync.close()
     body = two_nodes.node0.post("/weights_checker", {"action": "checksum"}).json()
     assert body["success"], body
-    expected = _model_checksum(model)
+    expected = model_checksum(model)
     assert [r["parallelism_info"][0]["tp_rank"] for r in body["ranks"]] == [0, 1]
     assert [r["per_gpu_checksum"] for r in body["ranks"]] == [expected, expected]
     assert two_nodes.node0.get("/model_info").json()["weight_version"] == "v1"
