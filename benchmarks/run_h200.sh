@@ -21,7 +21,8 @@ for step in ${steps[*]}; do
                 --json-out "$out/weight_sync.jsonl" 2>&1 | tee "$out/moe30b.log" ;;
     tensor)   for params in separate flat; do
                 timeout -k 10 "${TENSOR_LIMIT:-200}" python3 benchmarks/weight_sync.py --layout dense7b \
-                  --modes tensor --trainer-params $params --json-out "$out/weight_sync.jsonl" 2>&1 \
+                  --modes tensor --trainer-params $params --bucket-mb "${TENSOR_BUCKETS:-1024,2048,4096}" \
+                  --repeats "${TENSOR_REPEATS:-5}" --json-out "$out/weight_sync.jsonl" 2>&1 \
                   | tee -a "$out/tensor.log"
               done ;;
     control)  timeout -k 10 "${CONTROL_LIMIT:-120}" python3 benchmarks/control_plane.py --device cuda \

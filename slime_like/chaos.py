@@ -194,10 +194,27 @@ class InvariantSampler:
                         self._violate("routed while not answering", model, e.engine_id,
                                       seconds=round(time.time() - first, 2))
                     continue
-                # a sync may have settled during this round: judge by the version now
-                if served not in allowed and served != str(int(self.fleet.version)):
+                if served not in allowed and served not in self._allowed_now() \
+                        and self._still_routed(router, w.url):
                     self._violate("routed at another version", model, e.engine_id,
                                   served=served, fleet=version)
+
+    def _allowed_now(self) -> set[str]:
+        """The versions allowed at this instant: a sync may have started or settled since
+        the round began (its engines stay routed, paused, while the new weights land)."""
+        version = int(self.fleet.version)
+        if self.fleet._full_update.is_set():
+            return {str(version), str(version + 1)}
+        return {str(version)}
+
+    @staticmethod
+    def _still_routed(router, url: str) -> bool:
+        """Whether `url` is still a worker: a failed sync unroutes its engines before it
+        ends, possibly between this round's listing and its /model_info."""
+        try:
+            return any(w.url == url for w in router.client.list_workers())
+        except Exception:  # noqa: BLE001 - router down: nothing is routed
+            return False
 
     def _violate(self, what: str, model: str, engine: str, **details: Any) -> None:
         v = {"what": what, "model": model, "engine": engine, "time": time.time(), **details}

@@ -123,8 +123,8 @@ class _Pickler(pickle._Pickler):
     payloads hold handles and metadata, never tensor bytes, so its speed does not matter.
     """
 
-    def __init__(self, file: io.BytesIO):
-        super().__init__(file, protocol=4)
+    def __init__(self, file: io.BytesIO, protocol: int = 4):
+        super().__init__(file, protocol=protocol)
         # The base class dispatches plain functions straight to its own save_global, which
         # would bypass ours and put our module path for rebuild_cuda_tensor on the wire.
         self.dispatch = {**pickle._Pickler.dispatch, types.FunctionType: type(self).save_global}
@@ -155,6 +155,47 @@ def serialize_bytes(obj: Any) -> bytes:
 def serialize(obj: Any) -> str:
     """base64 of `serialize_bytes(obj)`: one entry of `serialized_named_tensors`."""
     return base64.b64encode(serialize_bytes(obj)).decode("ascii")
+
+
+class FlattenedPayloads:
+    """`serialize({"flattened_tensor": t, "metadata": m})`, with m's pickle made once.
+
+    The metadata of a bucket is the same every sync, and pickling it with the pure-Python
+    pickler costs ~20 µs per tensor (7 ms for a 367-tensor request). Each piece is pickled
+    without memo (so pieces do not refer to each other) at protocol 3 (no frames), and the
+    pieces are joined into one dict: the same objects as `serialize` gives, for any
+    unpickler, sglang's included.
+    """
+
+    _PROTO, _EMPTY_DICT, _MARK, _SETITEMS, _STOP = b"\x80\x03", b"}", b"(", b"u", b"."
+
+    def __init__(self, max_cached: int = 256):
+        self._metadata: dict[tuple, bytes] = {}
+        self._max = max_cached
+        self._keys = {k: self._piece(k) for k in ("flattened_tensor", "metadata")}
+
+    @classmethod
+    def _piece(cls, obj: Any) -> bytes:
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, protocol=3)
+        pickler.fast = True  # no memo: the piece stands alone inside another pickle
+        pickler.dump(obj)
+        raw = buf.getvalue()
+        assert raw.startswith(cls._PROTO) and raw.endswith(cls._STOP)
+        return raw[len(cls._PROTO):-len(cls._STOP)]
+
+    def serialize(self, flat: torch.Tensor, metadata: list[FlattenedTensorMetadata],
+                  key: tuple) -> str:
+        """base64 payload; `key` identifies `metadata` (equal keys, equal metadata)."""
+        meta = self._metadata.get(key)
+        if meta is None:
+            if len(self._metadata) >= self._max:
+                self._metadata.clear()
+            meta = self._metadata[key] = self._piece(metadata)
+        raw = b"".join((self._PROTO, self._EMPTY_DICT, self._MARK,
+                        self._keys["flattened_tensor"], self._piece(flat),
+                        self._keys["metadata"], meta, self._SETITEMS, self._STOP))
+        return base64.b64encode(raw).decode("ascii")
 
 
 # ---- unpickling ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Each bucket is packed into a flat buffer and posted as `update_weights_from_tensor` with
 `flattened_bucket`: one payload per TP rank, each a handle to the same buffer (CUDA IPC on
 GPU, named shared memory on CPU), so no tensor bytes cross HTTP. Bucket k+1 is packed while
-the engines load bucket k; at most two buckets are in flight.
+the engines load bucket k; at most two buckets are in flight. Buckets that already lie back
+to back in the trainer's storage (flat parameter buffers) are not packed, and consecutive
+ones go as one request: no buffer bounds them, so splitting them would only add round trips.
 
 Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
 it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
@@ -20,10 +22,11 @@ import torch
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
-from slime_like.protocol.tensor_payload import serialize
-from slime_like.weights.transfer import BucketPacker, EngineCall, bucket_tensors, direct_view
+from slime_like.protocol.tensor_payload import FlattenedPayloads
+from slime_like.weights.transfer import BucketPacker, EngineCall, send_groups
 from slime_like.weights.transport import TransferContext, Transport
 
+MAX_LAYOUTS = 256  # distinct request layouts kept (the same few come back every sync)
 RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
 
 
@@ -36,6 +39,9 @@ class TensorTransport(Transport):
         self.device = torch.device(device)
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
         self._syncs = 0
+        # The same requests come back every sync: their layouts and metadata pickles too.
+        self._layouts: dict[tuple, list] = {}
+        self.payloads = FlattenedPayloads()
 
     def transfer(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
@@ -43,38 +49,46 @@ class TensorTransport(Transport):
         if cuda:
             self._renew_buffers()
         packer.begin()
-        src = iter(ctx.source.tensors())
         slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
         all_calls: list[EngineCall] = []
-        n = len(ctx.buckets)
-        for k, bucket in enumerate(ctx.buckets):
-            tensors = bucket_tensors(src, bucket)
+        groups = send_groups(iter(ctx.source.tensors()), ctx.buckets, self.device,
+                             merge_direct=cuda)
+        t_prep = time.perf_counter()
+        for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
             t0 = time.perf_counter()
-            # At most two buckets in flight: the engines answered the one before the last.
+            stats.prep_s += t0 - t_prep
+            # At most two requests in flight: the engines answered the one before the last.
             watch.wait_calls(slot_calls[slot])
-            stats.wait_s += time.perf_counter() - t0
+            t_prep = time.perf_counter()
+            stats.wait_s += t_prep - t0
             # The slot's last bucket was answered, so the engines are done reading it (the
             # reference engine finishes its copy before answering; sglang drops the received
             # storage first, and torch synchronizes the stream when an IPC storage is freed).
-            buf = direct_view(tensors, self.device) if cuda else None
+            buf = group.view
             if buf is not None:
                 # Already back to back in the trainer's storage: the engines copy from it.
                 torch.cuda.current_stream(self.device).synchronize()
             else:
-                buf = packer.pack(slot, tensors, bucket.nbytes)
+                buf = packer.pack(slot, group.tensors, group.nbytes)
                 if cuda:
                     packer.wait_packed()  # the engine reads it from another process, off our streams
-            obj = {"flattened_tensor": buf, "metadata": layout(bucket.metas)}
-            step = f"update_weights_from_tensor (bucket {k + 1}/{n})"
-            # Each bucket carries its own handles and layout, so buckets may reach an engine
-            # in any order; only the last one (it sets weight_version) waits for the others.
-            gate = _all_done(list(all_calls)) if k == n - 1 else _always
+            key = tuple(group.metas)
+            metadata = self._layouts.get(key)
+            if metadata is None:
+                if len(self._layouts) >= MAX_LAYOUTS:
+                    self._layouts.clear()
+                metadata = self._layouts[key] = layout(group.metas)
+            step = f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)"
+            # Each request carries its own handles and layout, so requests may reach an
+            # engine in any order; only the last one (it sets weight_version) waits for the
+            # others.
+            gate = _all_done(list(all_calls)) if last else _always
             calls = []
-            last = k == n - 1
             for engine in ctx.engines:
                 req = p.UpdateWeightsFromTensorRequest(
-                    serialized_named_tensors=[serialize(obj) for _ in range(engine.tp_size)],
+                    serialized_named_tensors=[self.payloads.serialize(buf, metadata, key)
+                                              for _ in range(engine.tp_size)],
                     load_format=p.FLATTENED_BUCKET, flush_cache=ctx.flush_flag(engine, last),
                     weight_version=ctx.weight_version if last else None)
                 call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)
@@ -82,9 +96,10 @@ class TensorTransport(Transport):
                     engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
             slot_calls[slot] = calls
             all_calls += calls
-            del obj, buf
-            stats.bytes += bucket.nbytes
+            del buf
+            stats.bytes += group.nbytes
             stats.buckets += 1
+        stats.prep_s += time.perf_counter() - t_prep
         t0 = time.perf_counter()
         watch.wait_calls(all_calls)
         stats.wait_s += time.perf_counter() - t0

@@ -32,6 +32,9 @@ class TransferStats:
     wire_s: float | None = None  # broadcast busy time seen by the trainer (GPU events only)
     http_s: float = 0.0      # summed engine request latency (receive + load + HTTP)
     wait_s: float = 0.0      # host time blocked on buffers or engines
+    prep_s: float = 0.0      # host time building requests (views, layouts, payloads, submits)
+    first_call_s: float | None = None  # from the transfer's start to its first engine call
+    started: float = field(default_factory=time.perf_counter, repr=False)
     per_engine_http_s: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -43,7 +46,8 @@ class TransferStats:
     def as_dict(self) -> dict:
         return {"bytes": self.bytes, "buckets": self.buckets, "pack_s": round(self.pack_s, 6),
                 "wire_s": None if self.wire_s is None else round(self.wire_s, 6), "http_s": round(self.http_s, 6),
-                "wait_s": round(self.wait_s, 6),
+                "wait_s": round(self.wait_s, 6), "prep_s": round(self.prep_s, 6),
+                "first_call_s": None if self.first_call_s is None else round(self.first_call_s, 6),
                 "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
 
 
@@ -98,6 +102,67 @@ def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
         end += t.numel() * t.element_size()
     whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
     return whole[start - base:end - base]
+
+
+@dataclass
+class SendGroup:
+    """One update request's worth of tensors: a planned bucket, or direct buckets merged."""
+
+    metas: list[TensorMeta]
+    tensors: list[torch.Tensor]
+    nbytes: int
+    #: the group's bytes in the trainer's own storage (no pack), or None
+    view: torch.Tensor | None
+    buckets: int = 1
+
+    def joins(self, view: torch.Tensor | None, metas: Sequence[TensorMeta]) -> bool:
+        """Whether a direct bucket (`view`, `metas`) continues this one's bytes exactly."""
+        if self.view is None or view is None:
+            return False
+        if view.untyped_storage().data_ptr() != self.view.untyped_storage().data_ptr():
+            return False
+        if view.data_ptr() != self.view.data_ptr() + self.nbytes:
+            return False
+        offset = self.nbytes  # sglang's alignment rule, for the offsets in the joined layout
+        for m in metas:
+            if offset % m.dtype.itemsize:
+                return False
+            offset += m.nbytes
+        return True
+
+    def join(self, view: torch.Tensor, metas: Sequence[TensorMeta],
+             tensors: list[torch.Tensor], nbytes: int) -> None:
+        storage = torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+            self.view.untyped_storage())
+        start = self.view.data_ptr() - storage.data_ptr()
+        self.view = storage[start:start + self.nbytes + nbytes]
+        self.metas += metas
+        self.tensors += tensors
+        self.nbytes += nbytes
+        self.buckets += 1
+
+
+def send_groups(stream: Iterator[tuple[str, torch.Tensor]], buckets: Sequence[Bucket],
+                device: torch.device, *, merge_direct: bool) -> Iterator[tuple[SendGroup, bool]]:
+    """The buckets as update requests, each with whether it is the last one.
+
+    With `merge_direct`, consecutive buckets whose tensors lie back to back in one storage
+    (a trainer with flat parameter buffers) go as one request: the bucket size bounds the
+    pack buffer, and a direct view needs none, so splitting it only adds round trips. At
+    most one bucket is pulled from the source ahead of the group being sent.
+    """
+    pending: SendGroup | None = None
+    for bucket in buckets:
+        tensors = bucket_tensors(stream, bucket)
+        view = direct_view(tensors, device) if merge_direct else None
+        if pending is not None and pending.joins(view, bucket.metas):
+            pending.join(view, bucket.metas, tensors, bucket.nbytes)
+            continue
+        if pending is not None:
+            yield pending, False
+        pending = SendGroup(list(bucket.metas), tensors, bucket.nbytes, view)
+    if pending is not None:
+        yield pending, True
 
 
 class BucketPacker:
@@ -178,9 +243,14 @@ class BucketPacker:
         self._buffers = [None] * len(self._buffers)
 
 
+MEMCPY_MIN_AVG_BYTES = 1 << 20  # tensors this large on average: one memcpy each
+
+
 def _copy_into(dst: torch.Tensor, flat: list[torch.Tensor]) -> None:
-    if all(f.device == dst.device for f in flat):
-        torch.cat(flat, out=dst)  # one kernel for the whole bucket
+    """Many small tensors: one `cat` kernel. Large ones: a memcpy each, which runs at about
+    twice a copy kernel's bandwidth on an H200 (2.1 against 1.1 TB/s, 15 GB dense7b pack)."""
+    if all(f.device == dst.device for f in flat) and dst.numel() < MEMCPY_MIN_AVG_BYTES * len(flat):
+        torch.cat(flat, out=dst)
         return
     offset = 0
     for f in flat:
@@ -307,6 +377,8 @@ def timed(fn: Callable, stats: TransferStats, url: str) -> Callable:
     """Wrap an engine call so its latency lands in the stats."""
     def run(*args, **kwargs):
         start = time.perf_counter()
+        if stats.first_call_s is None:
+            stats.first_call_s = start - stats.started
         try:
             return fn(*args, **kwargs)
         finally:

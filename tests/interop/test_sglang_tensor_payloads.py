@@ -45,11 +45,22 @@ def test_our_allowlist_is_exactly_sglangs(import_sglang):
     assert ours - set(sglang_allowed) == {("torch.storage", "_load_from_bytes")}
 
 
-def test_sglang_accepts_our_flattened_bucket_payload_in_another_process(import_sglang):
+def _cached_payload(buf, meta) -> str:
+    """The transport's serializer: the second call reuses the metadata's pickle."""
+    payloads = serialization.FlattenedPayloads()
+    key = tuple((m.name, m.start_idx) for m in meta)
+    payloads.serialize(buf, meta, key)
+    return payloads.serialize(buf, meta, key)
+
+
+@pytest.mark.parametrize("make", [
+    lambda buf, meta: serialization.serialize({"flattened_tensor": buf, "metadata": meta}),
+    _cached_payload], ids=["serialize", "cached_metadata"])
+def test_sglang_accepts_our_flattened_bucket_payload_in_another_process(import_sglang, make):
     import_sglang("sglang.srt.utils.common")
     named = mixed_named_tensors()
     buf, meta = flatten(named)
-    payload = serialization.serialize({"flattened_tensor": buf, "metadata": meta})
+    payload = make(buf, meta)
     code = """
         import json, sys
         from sglang.srt.utils.common import MultiprocessingSerializer

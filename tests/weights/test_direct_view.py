@@ -28,3 +28,50 @@ def test_gaps_other_order_or_separate_tensors_need_a_pack():
     assert direct_view([flat[:10].view(2, 5).t()], CPU) is None    # not contiguous
     one = torch.randn(3, 3)
     assert direct_view([one], CPU).data_ptr() == one.data_ptr()
+
+
+def _named(tensors):
+    return [(f"t{i}", t) for i, t in enumerate(tensors)]
+
+
+def _buckets(named, max_bytes):
+    from slime_like.protocol.buckets import TensorMeta, plan_buckets
+
+    return plan_buckets([TensorMeta.of(n, t) for n, t in named], max_bytes)
+
+
+def test_consecutive_direct_buckets_go_as_one_request_with_the_joined_layout():
+    from slime_like.protocol.buckets import layout
+    from slime_like.weights.transfer import send_groups
+
+    flat = torch.randn(1000)
+    named = _named([flat[i * 100:(i + 1) * 100] for i in range(10)])
+    buckets = _buckets(named, 800)  # two tensors (400 bytes each) per bucket: five buckets
+    assert len(buckets) == 5
+    groups = list(send_groups(iter(named), buckets, CPU, merge_direct=True))
+    assert len(groups) == 1
+    group, last = groups[0]
+    assert last and group.buckets == 5 and group.nbytes == 4000
+    assert group.view.data_ptr() == flat.data_ptr() and group.view.numel() == 4000
+    entries = layout(group.metas)
+    assert [e.name for e in entries] == [n for n, _ in named]
+    got = group.view[entries[7].start_idx:entries[7].end_idx].view(torch.float32)
+    assert torch.equal(got, named[7][1])
+
+
+def test_separate_tensors_or_a_gap_keep_the_planned_buckets():
+    from slime_like.weights.transfer import send_groups
+
+    flat = torch.randn(1000)
+    # t0..t3 back to back, then a gap, then t4..t5: two direct groups.
+    views = [flat[0:100], flat[100:200], flat[200:300], flat[300:400], flat[500:600], flat[600:700]]
+    named = _named(views)
+    groups = list(send_groups(iter(named), _buckets(named, 800), CPU, merge_direct=True))
+    assert [(g.buckets, len(g.metas), last) for g, last in groups] == [(2, 4, False), (1, 2, True)]
+    separate = _named([torch.randn(100) for _ in range(4)])
+    groups = list(send_groups(iter(separate), _buckets(separate, 800), CPU, merge_direct=True))
+    assert [(g.buckets, g.view is None) for g, _ in groups] == [(1, True), (1, True)]
+    # Without merge_direct every bucket is its own request and is packed.
+    groups = list(send_groups(iter(named), _buckets(named, 800), CPU, merge_direct=False))
+    assert len(groups) == 3 and all(g.view is None for g, _ in groups)
+    assert [last for _, last in groups] == [False, False, True]
