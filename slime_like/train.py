@@ -237,7 +237,8 @@ def train(args: argparse.Namespace) -> int:
                   "kl_loss_type": args.kl_loss_type} if args.use_kl_loss else {}
             with (fleet.offloaded() if args.offload_rollout else contextlib.nullcontext()) \
                     as released:
-                train_metrics = trainer.train_step(pairs, advantages, **kl)
+                train_metrics = trainer.train_step(pairs, advantages,
+                                                   temperature=args.rollout_temperature, **kl)
             sync = {}
             if (step + 1) % args.update_weights_interval == 0:
                 if monkey is not None:

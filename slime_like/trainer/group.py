@@ -34,14 +34,15 @@ class TrainerGroup:
 
     def train_step(self, samples: list, advantages: list[float], *,
                    ref_logprobs: list[list[float]] | None = None, kl_loss_coef: float = 0.0,
-                   kl_loss_type: str = "low_var_kl") -> dict[str, float]:
+                   kl_loss_type: str = "low_var_kl", temperature: float = 1.0) -> dict[str, float]:
         """Split the batch over ranks (strided shards), step all, report rank 0's metrics."""
         n = len(self.actors)
         refs = ref_logprobs if ref_logprobs is not None else [None] * len(samples)
         shards = [(samples[i::n], advantages[i::n], refs[i::n]) for i in range(n)]
         results = ray.get([
             a.train_step.remote(s, adv, ref_logprobs=None if ref_logprobs is None else r,
-                                kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type)
+                                kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type,
+                                temperature=temperature)
             for a, (s, adv, r) in zip(self.actors, shards, strict=True)])
         return results[0]
 

@@ -70,16 +70,20 @@ class PolicyTrainer:
                    advantages: Sequence[float], max_grad_norm: float = 1.0, *,
                    ref_logprobs: Sequence[Sequence[float]] | None = None,
                    kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl",
-                   ) -> dict[str, float]:
+                   temperature: float = 1.0) -> dict[str, float]:
         """One optimiser step on this rank's samples; gradients averaged across ranks.
 
         With `ref_logprobs` (a frozen reference model's, per sampled token) and
         `kl_loss_coef > 0` the loss adds kl_loss_coef x the mean per-token KL estimate.
+        `temperature` (the rollout's) scales the logits as sampling did, so the loss is
+        taken under the distribution the samples came from (slime does the same).
         """
         batch: PackedBatch = pack(samples, advantages)
         batch.input_ids = batch.input_ids.to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
+        if temperature != 1.0:
+            logits = logits.float() / temperature
         logprobs = token_logprobs(logits, batch.input_ids)
         loss = policy_gradient_loss(logprobs, batch)
         metrics: dict[str, float] = {}

@@ -57,3 +57,17 @@ def test_temperature_scales_the_recomputed_logprobs(tmp_path):
     at1, at_half = trainer.completion_logprobs(samples), trainer.completion_logprobs(
         samples, temperature=0.5)
     assert at1 != at_half
+
+
+def test_the_train_step_scores_tokens_at_the_rollout_temperature(tmp_path):
+    """Samples drawn at temperature T are trained on under logits / T, as slime does: the
+    step's log-probabilities then equal the trainer's own at T (zero KL against them)."""
+    model = make_tiny_model(tmp_path / "m", layers=1, hidden=32, seed=0)
+    samples = [([1, 2, 3], [4, 5]), ([1, 2], [6, 7])]
+    at_t = PolicyTrainer(model, lr=1e-3, seed=0).completion_logprobs(samples, temperature=2.0)
+    kl = {"ref_logprobs": at_t, "kl_loss_coef": 0.5, "kl_loss_type": "k1"}
+    scaled = PolicyTrainer(model, lr=1e-3, seed=0).train_step(samples, [1.0, -1.0],
+                                                              temperature=2.0, **kl)
+    assert scaled["kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    unscaled = PolicyTrainer(model, lr=1e-3, seed=0).train_step(samples, [1.0, -1.0], **kl)
+    assert abs(unscaled["kl_loss"]) > 1e-3
