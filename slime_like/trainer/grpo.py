@@ -25,6 +25,10 @@ class PackedBatch:
     completion_mask: torch.Tensor  # [B, T] bool: position t holds a generated token
     advantages: torch.Tensor       # [B]
 
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(self.input_ids.to(device), self.completion_mask.to(device),
+                           self.advantages.to(device))
+
 
 def pack(samples: Sequence[tuple[list[int], list[int]]], advantages: Sequence[float],
          pad_id: int = 0) -> PackedBatch:

@@ -78,8 +78,7 @@ class PolicyTrainer:
         `temperature` (the rollout's) scales the logits as sampling did, so the loss is
         taken under the distribution the samples came from (slime does the same).
         """
-        batch: PackedBatch = pack(samples, advantages)
-        batch.input_ids = batch.input_ids.to(self.device)
+        batch: PackedBatch = pack(samples, advantages).to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
         if temperature != 1.0:

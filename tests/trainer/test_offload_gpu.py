@@ -44,6 +44,9 @@ def test_offload_gives_back_weights_grads_and_adam_state_and_training_resumes_un
 
     offloaded.move_to("cuda")
     assert _on(offloaded, "cuda")
+    for mine, theirs in zip(offloaded.completion_logprobs(SAMPLES),
+                            twin.completion_logprobs(SAMPLES), strict=True):
+        assert mine == pytest.approx(theirs, abs=1e-6)
     a = offloaded.train_step(SAMPLES, ADVANTAGES)
     b = twin.train_step(SAMPLES, ADVANTAGES)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
