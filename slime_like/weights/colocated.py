@@ -120,7 +120,11 @@ class TensorTransport(Transport):
             self.packer.release()
 
     def prepare(self, buckets) -> None:
-        self.packer.reserve(max(b.nbytes for b in buckets))
+        # On GPU a one-tensor bucket goes straight from the trainer's memory; on CPU every
+        # bucket is packed into named shared memory.
+        packed = [b.nbytes for b in buckets if len(b.metas) > 1 or not self.packer.is_cuda]
+        if packed:
+            self.packer.reserve(max(packed), len(packed))
 
     def close(self, engines) -> None:
         self.packer.release()

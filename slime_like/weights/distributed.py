@@ -140,7 +140,7 @@ class DistributedTransport(Transport):
     def prepare(self, buckets) -> None:
         packed = [b.nbytes for b in buckets if len(b.metas) > 1]
         if packed:
-            self.packer.reserve(max(packed))
+            self.packer.reserve(max(packed), len(packed))
 
     def _create(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
         self.attempt += 1

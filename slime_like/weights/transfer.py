@@ -183,10 +183,11 @@ class BucketPacker:
     def slots(self) -> int:
         return len(self._buffers)
 
-    def reserve(self, nbytes: int) -> None:
-        """Allocate every slot now (at attach), sized for the largest planned bucket."""
+    def reserve(self, nbytes: int, buckets: int | None = None) -> None:
+        """Allocate the slots now (at attach), sized for the largest planned bucket; with
+        `buckets` packed buckets per sync, no more slots than that (one bucket, one buffer)."""
         self.capacity = min(self.capacity, max(1, nbytes))
-        for slot in range(self.slots):
+        for slot in range(min(self.slots, buckets or self.slots)):
             self._buffer(slot, self.capacity)
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:

@@ -75,3 +75,15 @@ def test_separate_tensors_or_a_gap_keep_the_planned_buckets():
     groups = list(send_groups(iter(named), _buckets(named, 800), CPU, merge_direct=False))
     assert len(groups) == 3 and all(g.view is None for g, _ in groups)
     assert [last for _, last in groups] == [False, False, True]
+
+
+def test_one_packed_bucket_per_sync_reserves_one_buffer_not_two():
+    from slime_like.weights.transfer import BucketPacker
+
+    one = BucketPacker(CPU, capacity=1 << 20)
+    one.reserve(4096, buckets=1)
+    assert [b is not None for b in one._buffers] == [True, False]
+    assert one._buffers[0].numel() == 4096
+    many = BucketPacker(CPU, capacity=1 << 20)
+    many.reserve(4096, buckets=5)
+    assert all(b is not None and b.numel() == 4096 for b in many._buffers)
