@@ -16,7 +16,14 @@ from typing import Any
 # States every healthy run passes through at each start and weight update.
 ROUTINE_STATES = frozenset({"LAUNCHING", "LOADED", "REGISTERED", "UPDATING"})
 SERVING = "REGISTERED"
+ROUTER_SERVING = "READY"  # a router (engine "router/<model>") serves again once relaunched
 DEAD = "DEAD"
+
+
+def _serves(event: dict[str, Any]) -> bool:
+    if str(event["engine"]).startswith("router/"):
+        return event["state"] == ROUTER_SERVING
+    return event["state"] == SERVING
 
 
 @dataclass
@@ -56,7 +63,7 @@ class IncidentLog:
             self.incidents.append(incident)
             self._open[engine] = incident
             return "died", incident
-        if state == SERVING and open_ is not None:
+        if _serves(event) and open_ is not None:
             open_.recovered_at = t
             open_.version = None if event.get("version") is None else str(event["version"])
             open_.failure = None
@@ -66,7 +73,7 @@ class IncidentLog:
 
     def is_recovery(self, event: dict[str, Any]) -> bool:
         """Whether this SERVING event would close an open incident (call before `feed`)."""
-        return event["state"] == SERVING and event["engine"] in self._open
+        return _serves(event) and event["engine"] in self._open
 
 
 def incidents_of(events: Iterable[dict[str, Any]]) -> list[Incident]:

@@ -122,6 +122,18 @@ def test_a_failed_recovery_is_reported_as_not_recovered(tmp_path):
     assert "NOT recovered (recovery failed: no bundle)" in text
 
 
+def test_a_relaunched_router_counts_as_recovered(tmp_path):
+    report = RunReport(tmp_path)
+    report.log_step(0, {"reward_mean": 0.5}, time_s=1.0)
+    report.log_event("router/default", "READY", time_s=0.1, url="http://127.0.0.1:30000")
+    report.log_event("router/default", "DEAD", time_s=2.0, code=-9)
+    report.log_event("router/default", "READY", time_s=3.5, url="http://127.0.0.1:30000",
+                     restart_s=1.5, workers=2)
+    text = report.render().read_text()
+    assert "- router/default seen dead" in text and "recovered in 1.5 s" in text
+    assert "NOT recovered" not in text
+
+
 def test_sync_metrics_derive_gbps_from_the_bytes_moved():
     assert sync_metrics({"total_s": 0.5, "transfer": {"bytes": 2_000_000_000}}) == {
         "sync_s": 0.5, "sync_gbps": 4.0}
