@@ -27,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -358,8 +358,11 @@ class Fleet(OffloadMixin):
 
     @contextlib.contextmanager
     def updating(self, engine_ids: Sequence[str] | None = None, *,
-                 version: WeightVersion | None = None) -> Iterator[Update]:
-        """A weight update of the updatable engines (all syncable ones, or `engine_ids`).
+                 version: WeightVersion | None = None,
+                 exclude: Collection[str] = ()) -> Iterator[Update]:
+        """A weight update of the updatable engines (all syncable ones, or `engine_ids`),
+        less `exclude` (engines that do not answer now: they stay STALE and are resynced
+        once they do, or recovered).
 
         A full update installs the next version (or `version`, e.g. the loaded one after a
         resume); a resync (`engine_ids` given, no version) installs the current one. See the module docstring for what happens on exit.
@@ -370,7 +373,7 @@ class Fleet(OffloadMixin):
                 if self._full_update.is_set():
                     raise FleetError("a full weight update is already in progress")
                 self._full_update.set()
-            chosen = self._targets(engine_ids)
+            chosen = [e for e in self._targets(engine_ids) if e.engine_id not in exclude]
             if not chosen:
                 if full:
                     self._full_update.clear()
@@ -459,33 +462,70 @@ class Fleet(OffloadMixin):
         included): each attempt takes the STALE engines along.
         """
         self._syncing.set()
+        excluded: set[str] = set()
         try:
             for attempt in range(retries + 1):
-                self._wait_for_syncable(wait_for_engines_s)
+                excluded = self._wait_for_syncable(wait_for_engines_s, excluded)
                 try:
-                    with self.updating(version=version) as update:
+                    with self.updating(version=version, exclude=excluded) as update:
                         update.report = push(update) or {}
                     return update.report
                 except (WeightSyncError, FleetError) as err:
                     if attempt == retries:
                         raise
-                    logger.warning("weight sync failed (%s); retrying for the living engines",
-                                   err)
+                    # Give the exit watchers and probes a moment, then leave out whatever
+                    # does not answer now (a kill between attempts would fail them all).
+                    time.sleep(min(2.0, 0.25 * 2 ** attempt))
+                    with self._lock:
+                        candidates = self._targets(None)
+                    excluded = self._unresponsive(candidates)
+                    logger.warning("weight sync failed (%s); retrying for the living engines%s",
+                                   err, f" (leaving out {sorted(excluded)} for now)"
+                                   if excluded else "")
             raise AssertionError("unreachable")
         finally:
             self._syncing.clear()
             self._resync_stale_later()
 
-    def _wait_for_syncable(self, timeout: float) -> None:
+    def _wait_for_syncable(self, timeout: float, excluded: set[str] = frozenset()) -> set[str]:
+        """Wait (bounded) until an engine not in `excluded` can be synced; returns the
+        engines still to leave out (an excluded engine that answers again is taken back)."""
         deadline = time.monotonic() + timeout
-        while not self._targets(None):
+        last_check = time.monotonic()
+        while True:
+            with self._lock:
+                targets = self._targets(None)
+            if any(e.engine_id not in excluded for e in targets):
+                return set(excluded)
+            if excluded and time.monotonic() - last_check > 1.0:
+                excluded = self._unresponsive([e for e in targets if e.engine_id in excluded])
+                last_check = time.monotonic()
+                continue
             with self._lock:
                 coming = [e.engine_id for e in self.engines if e.update_weights
                           and e.state in (S.DEAD, S.RELAUNCHING, S.REATTACHING)]
-            if not coming or time.monotonic() > deadline:
+            if not (coming or excluded) or time.monotonic() > deadline:
                 raise FleetError("no engines to sync: " + ", ".join(
-                    f"{e.engine_id} {e.state.value}" for e in self.engines if e.update_weights))
+                    f"{e.engine_id} {e.state.value}"
+                    + (" (not answering)" if e.engine_id in excluded else "")
+                    for e in self.engines if e.update_weights))
             time.sleep(0.1)
+
+    def _unresponsive(self, engines: list[ManagedEngine]) -> set[str]:
+        """Which of `engines` do not answer /ping within a second; a dead one is recovered."""
+        def answers(e: ManagedEngine) -> bool:
+            try:
+                return e.handle is not None and e.handle.client.ping(timeout=1.0)
+            except Exception:  # noqa: BLE001 - not answering is the finding
+                return False
+        if not engines:
+            return set()
+        with ThreadPoolExecutor(len(engines)) as pool:
+            quiet = [e for e, ok in zip(engines, pool.map(answers, engines), strict=True) if not ok]
+        for e in quiet:
+            if not self._alive(e.engine_id):
+                self._on_dead(e.engine_id, "server gone after a failed weight update")
+        return {e.engine_id for e in quiet}
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -687,6 +727,8 @@ class Fleet(OffloadMixin):
             if e.state is not S.REGISTERED:
                 time.sleep(0.5)  # e.g. the router is being relaunched
         if e.state is not S.REGISTERED:
+            if self._closing:
+                raise FleetError(f"{e.engine_id}: the fleet closed before it was resynced")
             raise FleetError(f"{e.engine_id}: not at version {self.version} after {timeout:.0f}s")
 
     def _resync_stale_later(self) -> None:

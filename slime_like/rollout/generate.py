@@ -49,6 +49,10 @@ class Sample:
     reward: float | None = None
 
 
+# sglang-router's error code when no worker is routed (or every one is unhealthy).
+NO_WORKERS = "no_available_workers"
+
+
 class GenerationError(RuntimeError):
     """A request kept failing after every retry."""
 
@@ -63,6 +67,7 @@ class RouterGenerator:
     max_attempts: int = 6
     retry_backoff_s: float = 0.5
     request_timeout_s: float = 300.0
+    #: how long a router that is down, or has no engine routed, is waited for
     router_down_s: float = 120.0
 
     def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any],
@@ -133,6 +138,15 @@ class RouterGenerator:
                     status, out, last = None, None, f"{type(e).__name__}: {e}"
                 finally:
                     self._inflight.discard(task)
+            if status == 503 and NO_WORKERS in str(out):
+                # Every engine is out of the router for now (recovering, or being resynced
+                # after a failed sync): like a router that is down, wait for one to return.
+                down_since = down_since or loop.time()
+                last = f"HTTP 503: {str(out)[:300]}"
+                if loop.time() - down_since < self.router_down_s:
+                    attempt -= 1
+                    await asyncio.sleep(self.retry_backoff_s)
+                    continue
             down_since = None
             if status == 200:
                 sample = self._parse(index, prompt_ids, out)
