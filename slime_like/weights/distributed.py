@@ -147,14 +147,18 @@ class DistributedTransport(Transport):
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
         address = self.master_address or master_address_for(engines)
-        store = host_store(world_size, self.group_timeout_s, port=self.master_port or 0,
-                           host=address)
+        # Held only here (and by the group once it exists): a failed attempt must close the
+        # store, or engines still in its rendezvous wait out their own timeout (600 s in the
+        # reference engine, longer in sglang) and take no other control call meanwhile.
+        held = {"store": host_store(world_size, self.group_timeout_s,
+                                    port=self.master_port or 0, host=address)}
+        port = held["store"].port
         watch = Watch(self.group_timeout_s + 10)
         step = "init_weights_update_group"
         http = []
         for engine, offset in zip(engines, offsets, strict=True):
             req = p.InitWeightsUpdateGroupRequest(
-                master_address=address, master_port=store.port, rank_offset=offset,
+                master_address=address, master_port=port, rank_offset=offset,
                 world_size=world_size, group_name=name, backend=self.backend)
             self.asked.setdefault(engine.url, []).append(name)
             http.append(watch.add(EngineCall(engine, step, calls.submit(
@@ -164,23 +168,31 @@ class DistributedTransport(Transport):
         def rank0() -> None:
             try:
                 result["pg"] = init_custom_process_group(
-                    backend=self.backend, store=store, world_size=world_size, rank=0,
+                    backend=self.backend, store=held["store"], world_size=world_size, rank=0,
                     group_name=name, timeout=self.group_timeout_s)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                e.__traceback__ = None  # its frames would keep the store open
                 result["error"] = e
 
         # Rank 0 joins from a helper thread so an engine that refuses the group (its HTTP
         # call fails) stops the wait at once instead of after the rendezvous timeout.
         thread = threading.Thread(target=rank0, name="weight-group-rank0", daemon=True)
         thread.start()
-        watch.wait(lambda: not thread.is_alive(), step)
-        if "error" in result:
-            err = result["error"]
-            watch.check()  # an engine's own answer explains more than the rendezvous error
-            raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
-                                  f"({world_size} ranks): {err}{_hint(self.backend)}") from err
-        watch.wait_calls(http)
-        self.pg, self.group_name, self._store = result["pg"], name, store
+        try:
+            watch.wait(lambda: not thread.is_alive(), step)
+            if "error" in result:
+                err = result.pop("error")
+                watch.check()  # an engine's own answer explains more than the rendezvous error
+                raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
+                                      f"({world_size} ranks): {err}{_hint(self.backend)}")
+            watch.wait_calls(http)
+        except BaseException:
+            held.clear()  # closes the store (once rank 0's thread let go of it)
+            if "pg" in result:
+                destroy_process_group(result.pop("pg"))
+            gc.collect()
+            raise
+        self.pg, self.group_name, self._store = result["pg"], name, held.pop("store")
         self.members = tuple((e.url, e.tp_size) for e in engines)
         self.dirty = False
         log.info("weight group %s: %d ranks over %d engines (%s)", name, world_size,
@@ -190,7 +202,7 @@ class DistributedTransport(Transport):
         """Drop our side of the current group and ask engines to destroy every group they joined."""
         if self.pg is not None:
             destroy_process_group(self.pg)
-        self.pg, self.group_name, self.members = None, None, ()
+        self.pg, self.group_name, self.members, self._store = None, None, (), None
         asked, self.asked = self.asked, {}
         targets = [EngineHandle(url) for url in asked]
         if not targets:
@@ -213,7 +225,7 @@ class DistributedTransport(Transport):
         out the group timeout); the next sync builds a fresh group.
         """
         self.dirty = True
-        pg, self.pg = self.pg, None
+        pg, self.pg, self._store = self.pg, None, None
         if pg is not None:
             abort_process_group(pg)
             destroy_process_group(pg)
