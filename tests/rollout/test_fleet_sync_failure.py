@@ -92,3 +92,36 @@ def test_failed_sync_unroutes_every_unverified_engine_then_resyncs_them(fleet, t
 def checksums(fleet) -> dict[str, str]:
     return {e.engine_id: e.handle.check_weights()["ranks"][0]["per_gpu_checksum"]
             for e in fleet.engines}
+
+
+def test_a_retry_leaves_out_an_engine_that_stopped_answering(fleet, tiny_model_dir):
+    """A SIGSTOPped engine fails the first attempt (its pause times out); the retry goes
+    to the engines that answer, and the stopped one is brought to the version afterwards."""
+    import os
+    import signal
+
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    # No health monitor here to kill the stopped engine: the transfer already sent to it
+    # ends when the group times out (gloo), so keep that short.
+    weights = FleetWeights(fleet, transport="distributed", http_timeout_s=3.0, group_timeout_s=5.0)
+    weights.push(model)
+    frozen, other = fleet.engines[0], fleet.engines[1]
+    pid = ray.get(frozen.actors[0].server_pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        report = fleet.sync(lambda u: weights.sync.update(model, u.version.wire,
+                                                          engines=u.targets).as_dict(),
+                            retries=2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert report["engines"] == [other.url]
+    assert int(fleet.version) == 2 and other.handle.weight_version() == "2"
+    # the stopped engine rejoins at the new version (resynced, or relaunched if the health
+    # monitor gave it up meanwhile)
+    assert fleet.wait_recovered(timeout=120)
+    deadline = time.monotonic() + 60
+    while set(fleet.states().values()) != {"REGISTERED"} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(fleet.states().values()) == {"REGISTERED"}
+    assert {e.handle.weight_version() for e in fleet.engines} == {"2"}
+    weights.close()
