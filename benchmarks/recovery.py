@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = p.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     model_path = make_tiny_model(out / "model", seed=0)
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
     timeline = Timeline()
     t0 = time.time()
     fleet = launch_fleet(YAML, model_path=model_path, engine="reference", log_dir=out / "logs",

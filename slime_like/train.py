@@ -76,8 +76,9 @@ def init_ray(args: argparse.Namespace) -> None:
         has_gpus = torch.cuda.is_available()
     except ImportError:
         has_gpus = False
-    ray.init(num_cpus=max(4, bundles + 2), num_gpus=None if has_gpus else bundles,
-             include_dashboard=False, log_to_driver=True)
+    # address="local": a new cluster of our own, never one that `ray start` left running
+    ray.init(address="local", num_cpus=max(4, bundles + 2),
+             num_gpus=None if has_gpus else bundles, include_dashboard=False, log_to_driver=True)
 
 
 def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,

@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not ray.is_initialized():
         # A CPU box declares GPUs so placement runs the same code as on a GPU cluster.
-        ray.init(num_cpus=4, num_gpus=None if torch.cuda.is_available() else 2,
-                 include_dashboard=False)
+        # address="local": a cluster of our own, not one that `ray start` left running.
+        ray.init(address="local", num_cpus=4,
+                 num_gpus=None if torch.cuda.is_available() else 2, include_dashboard=False)
     events: list[tuple[str, str]] = []
     fleet = launch_fleet(HERE / "fleet.yaml", model_path=model_path, engine=a.engine,
                          log_dir=out / "logs", on_event=lambda e, s, **d: events.append((e, s)))

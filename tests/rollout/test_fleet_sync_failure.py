@@ -43,7 +43,7 @@ class BreaksAfterFirstBucket:
 
 @pytest.fixture
 def fleet(tmp_path, tiny_model_dir):
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
     f = launch_fleet(YAML, model_path=tiny_model_dir, engine="reference", log_dir=tmp_path)
     yield f
     f.shutdown()

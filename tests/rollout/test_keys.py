@@ -20,7 +20,7 @@ YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_model_dir):
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
     f = launch_fleet(YAML, model_path=tiny_model_dir, engine="reference",
                      log_dir=tmp_path_factory.mktemp("keys"))
     yield f
