@@ -170,7 +170,7 @@ class FlattenedPayloads:
     _PROTO, _EMPTY_DICT, _MARK, _SETITEMS, _STOP = b"\x80\x03", b"}", b"(", b"u", b"."
 
     def __init__(self, max_cached: int = 256):
-        self._metadata: dict[tuple, bytes] = {}
+        self._metadata: dict[Any, bytes] = {}
         self._max = max_cached
         self._keys = {k: self._piece(k) for k in ("flattened_tensor", "metadata")}
 
@@ -184,14 +184,15 @@ class FlattenedPayloads:
         assert raw.startswith(cls._PROTO) and raw.endswith(cls._STOP)
         return raw[len(cls._PROTO):-len(cls._STOP)]
 
-    def serialize(self, flat: torch.Tensor, metadata: list[FlattenedTensorMetadata],
-                  key: tuple) -> str:
-        """base64 payload; `key` identifies `metadata` (equal keys, equal metadata)."""
+    def serialize(self, flat: torch.Tensor, key: Any,
+                  metadata: Callable[[], list[FlattenedTensorMetadata]]) -> str:
+        """base64 payload; `key` identifies the metadata, which `metadata()` builds on the
+        first sight of a key (equal keys, equal metadata)."""
         meta = self._metadata.get(key)
         if meta is None:
             if len(self._metadata) >= self._max:
                 self._metadata.clear()
-            meta = self._metadata[key] = self._piece(metadata)
+            meta = self._metadata[key] = self._piece(metadata())
         raw = b"".join((self._PROTO, self._EMPTY_DICT, self._MARK,
                         self._keys["flattened_tensor"], self._piece(flat),
                         self._keys["metadata"], meta, self._SETITEMS, self._STOP))

@@ -114,6 +114,7 @@ class RouterGenerator:
         loop = asyncio.get_running_loop()
         while attempt < self.max_attempts:
             attempt += 1
+            unavailable: str | None = None
             async with limit:
                 task = asyncio.ensure_future(self._post(session, body))
                 self._inflight.add(task)
@@ -126,23 +127,21 @@ class RouterGenerator:
                         continue
                     raise
                 except aiohttp.ClientConnectorError as e:
-                    # Nothing listens: the router is down (being relaunched). Wait for it.
-                    down_since = down_since or loop.time()
-                    last = f"router unreachable: {e}"
-                    if loop.time() - down_since < self.router_down_s:
-                        attempt -= 1
-                        await asyncio.sleep(self.retry_backoff_s)
-                        continue
-                    status, out = None, None
+                    # Nothing listens: the router is down (being relaunched).
+                    status, out, unavailable = None, None, f"router unreachable: {e}"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     status, out, last = None, None, f"{type(e).__name__}: {e}"
                 finally:
                     self._inflight.discard(task)
             if status == 503 and NO_WORKERS in str(out):
                 # Every engine is out of the router for now (recovering, or being resynced
-                # after a failed sync): like a router that is down, wait for one to return.
+                # after a failed sync).
+                unavailable = f"HTTP 503: {str(out)[:300]}"
+            if unavailable is not None:
+                # Not this request's failure: wait (bounded) for the router, or an engine in
+                # it, to come back.
                 down_since = down_since or loop.time()
-                last = f"HTTP 503: {str(out)[:300]}"
+                last = unavailable
                 if loop.time() - down_since < self.router_down_s:
                     attempt -= 1
                     await asyncio.sleep(self.retry_backoff_s)

@@ -26,7 +26,6 @@ from slime_like.protocol.tensor_payload import FlattenedPayloads
 from slime_like.weights.transfer import BucketPacker, EngineCall, send_groups
 from slime_like.weights.transport import TransferContext, Transport
 
-MAX_LAYOUTS = 256  # distinct request layouts kept (the same few come back every sync)
 RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
 
 
@@ -39,8 +38,7 @@ class TensorTransport(Transport):
         self.device = torch.device(device)
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
         self._syncs = 0
-        # The same requests come back every sync: their layouts and metadata pickles too.
-        self._layouts: dict[tuple, list] = {}
+        # The same requests come back every sync: their metadata is laid out and pickled once.
         self.payloads = FlattenedPayloads()
 
     def transfer(self, ctx: TransferContext) -> None:
@@ -74,11 +72,7 @@ class TensorTransport(Transport):
                 if cuda:
                     packer.wait_packed()  # the engine reads it from another process, off our streams
             key = tuple(group.metas)
-            metadata = self._layouts.get(key)
-            if metadata is None:
-                if len(self._layouts) >= MAX_LAYOUTS:
-                    self._layouts.clear()
-                metadata = self._layouts[key] = layout(group.metas)
+            metas = group.metas
             step = f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)"
             # Each request carries its own handles and layout, so requests may reach an
             # engine in any order; only the last one (it sets weight_version) waits for the
@@ -87,8 +81,9 @@ class TensorTransport(Transport):
             calls = []
             for engine in ctx.engines:
                 req = p.UpdateWeightsFromTensorRequest(
-                    serialized_named_tensors=[self.payloads.serialize(buf, metadata, key)
-                                              for _ in range(engine.tp_size)],
+                    serialized_named_tensors=[
+                        self.payloads.serialize(buf, key, lambda metas=metas: layout(metas))
+                        for _ in range(engine.tp_size)],
                     load_format=p.FLATTENED_BUCKET, flush_cache=ctx.flush_flag(engine, last),
                     weight_version=ctx.weight_version if last else None)
                 call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)

@@ -11,13 +11,13 @@ import pathlib
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
 from slime_like.cluster.placement import JobPlacement, place, place_job
 from slime_like.config import parse_args
 from slime_like.config.layout import placement_group_layout
 from slime_like.errors import PlacementError
+from tests.simulated_nodes import simulated_nodes
 
 NODES = ("127.0.0.2", "127.0.0.3")
 GPUS_PER_NODE = 4
@@ -25,17 +25,8 @@ GPUS_PER_NODE = 4
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Token auth stays on, with the session's token (tests/conftest.py).
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    try:
-        for ip in NODES:
-            c.add_node(num_cpus=GPUS_PER_NODE, num_gpus=GPUS_PER_NODE, node_ip_address=ip)
-        ray.init(address=c.address, log_to_driver=False)
-        c.wait_for_nodes()
+    with simulated_nodes(NODES, cpus=GPUS_PER_NODE, gpus=GPUS_PER_NODE) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @ray.remote

@@ -49,8 +49,8 @@ def _cached_payload(buf, meta) -> str:
     """The transport's serializer: the second call reuses the metadata's pickle."""
     payloads = serialization.FlattenedPayloads()
     key = tuple((m.name, m.start_idx) for m in meta)
-    payloads.serialize(buf, meta, key)
-    return payloads.serialize(buf, meta, key)
+    payloads.serialize(buf, key, lambda: meta)
+    return payloads.serialize(buf, key, lambda: meta)
 
 
 @pytest.mark.parametrize("make", [

@@ -72,6 +72,16 @@ def test_each_tag_is_released_and_resumed_on_its_own(backup_engine):
     assert r.status_code == 400 and "not released" in r.json()["error"]["message"]
 
 
+def _start_running(pool: cf.ThreadPoolExecutor, e, body: dict) -> cf.Future:
+    """Send `body` from `pool`; return once the engine runs it."""
+    fut = pool.submit(e.generate, body, timeout=120)
+    deadline = time.monotonic() + 30
+    while e.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline, "the request never started running"
+        time.sleep(0.01)
+    return fut
+
+
 def test_the_colocated_cycle_keeps_retracted_requests_and_serves_the_same_weights(backup_engine):
     """pause(retract) -> release all -> resume all -> continue: the retracted request ends
     exactly as an uninterrupted one."""
@@ -79,11 +89,7 @@ def test_the_colocated_cycle_keeps_retracted_requests_and_serves_the_same_weight
     body = {**GREEDY, "sampling_params": {**GREEDY["sampling_params"], "max_new_tokens": 800}}
     want = e.generate(body).json()
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(e.generate, body, timeout=120)
-        deadline = time.monotonic() + 30
-        while e.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline, "the request never started running"
-            time.sleep(0.01)
+        fut = _start_running(pool, e, body)
         assert e.post("/pause_generation", {"mode": "retract"}).status_code == 200
         r = e.post("/release_memory_occupation", {"tags": None})  # null = every tag
         assert r.status_code == 200, r.text
@@ -102,11 +108,7 @@ def test_release_while_a_request_runs_is_refused(backup_engine):
     e = backup_engine
     body = {**GREEDY, "sampling_params": {**GREEDY["sampling_params"], "max_new_tokens": 800}}
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(e.generate, body, timeout=120)
-        deadline = time.monotonic() + 30
-        while e.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline, "the request never started running"
-            time.sleep(0.01)
+        fut = _start_running(pool, e, body)
         r = e.post("/release_memory_occupation", {"tags": ["kv_cache"]})
         assert r.status_code == 400 and "idle" in r.json()["error"]["message"]
         assert fut.result(timeout=120).status_code == 200

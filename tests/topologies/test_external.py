@@ -54,6 +54,16 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
+def wait_for_steps(run_dir, n: int, timeout_s: float = 300) -> None:
+    """Until the job has logged `n` steps (or the timeout passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if len(metrics(run_dir)) >= n:
+                return
+        time.sleep(0.1)
+
+
 def test_external_engines_are_synced_routed_and_waited_for(tmp_path, fresh_ray):
     # the tiny model the job makes for itself (same seed and size): same names and shapes
     model = make_tiny_model(tmp_path / "ext_model", layers=2, hidden=64, seed=1234)
@@ -64,12 +74,7 @@ def test_external_engines_are_synced_routed_and_waited_for(tmp_path, fresh_ray):
 
     def owner_restarts_engine_1() -> None:
         """Kill engine 1 once step 1 is logged, bring it back on its port 2 s later."""
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError):
-                if len(metrics(run_dir)) >= 2:
-                    break
-            time.sleep(0.1)
+        wait_for_steps(run_dir, 2)
         kill(procs[1])
         time.sleep(2)
         procs[1] = start(model, ports[1], tmp_path / "ext1.log", seed=2)
@@ -104,12 +109,7 @@ def test_an_external_engine_that_stays_away_is_given_up_after_the_timeout(tmp_pa
     run_dir = tmp_path / "run"
 
     def owner_kills_engine_1() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError):
-                if len(metrics(run_dir)) >= 1:
-                    break
-            time.sleep(0.1)
+        wait_for_steps(run_dir, 1)
         kill(procs[1])
 
     owner = threading.Thread(target=owner_kills_engine_1, daemon=True)

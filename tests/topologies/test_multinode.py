@@ -9,9 +9,8 @@ resyncs it before it serves again."""
 from __future__ import annotations
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
+from tests.simulated_nodes import simulated_nodes
 from tests.topologies.job_checks import check_run, no_process_outlives, run_job, states_of, timeline
 
 STEPS = 4
@@ -20,16 +19,8 @@ ENGINE = "default/g0/e0"
 
 @pytest.fixture
 def three_nodes():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    try:
-        for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
-            c.add_node(num_cpus=2, num_gpus=1, node_ip_address=ip)
-        ray.init(address=c.address, log_to_driver=False)
-        c.wait_for_nodes()
+    with simulated_nodes(("127.0.0.2", "127.0.0.3", "127.0.0.4"), cpus=2, gpus=1) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def test_engine_spanning_two_nodes_recovers_from_a_death_on_node_1(tmp_path, three_nodes):
