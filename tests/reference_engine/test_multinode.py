@@ -63,8 +63,22 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def start_two_nodes(model_dir: Path, log_dir: Path) -> TwoNodeEngine:
-    """Node 0 (HTTP) and node 1 of one TP=2 engine; returns once node 0 answers /health."""
+def start_two_nodes(model_dir: Path, log_dir: Path, attempts: int = 3) -> TwoNodeEngine:
+    """Node 0 (HTTP) and node 1 of one TP=2 engine; returns once node 0 answers /health.
+
+    A free port can be taken by another process before node 0 binds it (tests run in
+    parallel): then both nodes start again on new ports, as the project's launcher does.
+    """
+    for attempt in range(attempts):
+        try:
+            return _start_two_nodes(model_dir, log_dir)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_two_nodes(model_dir: Path, log_dir: Path) -> TwoNodeEngine:
     dist_init = f"{NODE_HOSTS[0]}:{free_port()}"
     common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", dist_init, "--weight-version", "v0"]
     env = {"SLIME_LIKE_REFERENCE_NODE_TIMEOUT": str(NODE_TIMEOUT_S),
