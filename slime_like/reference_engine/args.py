@@ -34,6 +34,7 @@ USED_DESTS = frozenset({
     "enable_metrics", "skip_server_warmup", "disaggregation_mode", "disaggregation_bootstrap_port",
     "nnodes", "node_rank", "dist_init_addr", "enable_memory_saver", "enable_weights_cpu_backup",
     "incremental_streaming_output", "skip_tokenizer_init", "dp_size", "pp_size", "log_level",
+    "soft_watchdog_timeout",
 })
 
 _SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -146,6 +147,9 @@ class EngineArgs:
     enable_weights_cpu_backup: bool = False
     incremental_streaming_output: bool = False
     skip_tokenizer_init: bool = False
+    # sglang dumps a stuck scheduler's stack after this long (off by default there); the
+    # reference engine always does, after 20 s unless the flag says otherwise.
+    soft_watchdog_timeout: float | None = None
     weight_update_gate: str = "strict"
     all_args: dict[str, Any] = field(default_factory=dict)
     ignored_flags: list[str] = field(default_factory=list)
@@ -256,6 +260,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         enable_weights_cpu_backup=values["enable_weights_cpu_backup"],
         incremental_streaming_output=values["incremental_streaming_output"],
         skip_tokenizer_init=values["skip_tokenizer_init"],
+        soft_watchdog_timeout=values["soft_watchdog_timeout"],
         weight_update_gate=values["reference_weight_update_gate"],
         all_args={k: v for k, v in values.items() if k != "reference_weight_update_gate"},
         ignored_flags=ignored,

@@ -79,7 +79,8 @@ class ReferenceEngine:
         self.scheduler = Scheduler(
             self.model, device=self.device, context_len=self.context_len, max_running=max_running,
             prefix_cache_tokens=max_running * self.context_len, weight_version=args.weight_version,
-            seed=args.random_seed, metrics=self.metrics, tokenizer=self.tokenizer)
+            seed=args.random_seed, metrics=self.metrics, tokenizer=self.tokenizer,
+            stall_report_s=args.soft_watchdog_timeout)
         # PD prefill: hand-offs by bootstrap room, served on --disaggregation-bootstrap-port.
         self.handoffs: HandoffStore | None = None
         self.bootstrap_server: BootstrapServer | None = None

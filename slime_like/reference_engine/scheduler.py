@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n")
 FLUSH_FAILED = "Flush cache failed.\n"
+STALL_REPORT_S = 20.0  # a command or step this long gets its stack logged
 
 
 def finish_abort() -> dict:
@@ -107,7 +110,8 @@ class Scheduler:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str, context_len: int,
                  max_running: int, prefix_cache_tokens: int, weight_version: str, seed: int,
-                 metrics: EngineMetrics, tokenizer: Tokenizer | None = None):
+                 metrics: EngineMetrics, tokenizer: Tokenizer | None = None,
+                 stall_report_s: float | None = None):
         self.model = model
         self.config = model.config
         self.device = torch.device(device)
@@ -133,12 +137,33 @@ class Scheduler:
         self._pending_flush: tuple[float, concurrent.futures.Future] | None = None
         self._thread = threading.Thread(target=self._loop, name="reference-scheduler", daemon=True)
         self.step_hooks: list[Callable[[], None]] = []  # run before every forward (profiler steps)
+        # When the thread entered its current command or step (None while it waits): a
+        # stall is then visible in the log with its stack, as sglang's soft watchdog shows.
+        self.busy_since: float | None = None
+        self.stall_report_s = stall_report_s or STALL_REPORT_S
+        self._stall_thread = threading.Thread(target=self._report_stalls,
+                                              name="reference-scheduler-stalls", daemon=True)
 
     # ---- thread-safe entry points --------------------------------------------------------
 
     def start(self) -> None:
         """Start the scheduler thread."""
         self._thread.start()
+        self._stall_thread.start()
+
+    def _report_stalls(self) -> None:
+        """Log the scheduler thread's stack once per command or step that runs too long."""
+        reported: float | None = None
+        while not self._stopping:
+            time.sleep(1.0)
+            since = self.busy_since
+            if since is None or since == reported or time.monotonic() - since < self.stall_report_s:
+                continue
+            reported = since
+            frame = sys._current_frames().get(self._thread.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            logger.warning("scheduler busy for %.0fs with one command or step; its stack:\n%s",
+                           time.monotonic() - since, stack)
 
     def stop(self) -> None:
         """Stop the thread after the current step."""
@@ -326,9 +351,12 @@ class Scheduler:
                         return
                     cmds, self._cmds = self._cmds, []
                 for cmd in cmds:
+                    self.busy_since = time.monotonic()
                     cmd()
+                    self.busy_since = None
                 self._check_pending_flush()
                 if self._can_step():
+                    self.busy_since = time.monotonic()
                     try:
                         self._step()
                     except Exception as e:  # noqa: BLE001 - a broken step must not kill the server
@@ -336,6 +364,8 @@ class Scheduler:
                         for r in [*self.running]:
                             self._finish(r, {"type": "abort", "message": f"Internal error: {e}",
                                              "status_code": 500, "err_type": "InternalError"})
+                    finally:
+                        self.busy_since = None
                     # A deferred flush fires as soon as the step that emptied the engine ends.
                     self._check_pending_flush()
                 self.metrics.set_queue(len(self.running), len(self.waiting),

@@ -16,9 +16,11 @@ per-tensor format stays sglang's: each tensor received into a fresh tensor, then
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import logging
 import time
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +34,7 @@ from slime_like.models.transformer import hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.io_struct import FLATTENED_BUCKET
 from slime_like.protocol.weight_group import (
+    abort_process_group,
     destroy_process_group,
     init_custom_process_group,
     tcp_init_method,
@@ -204,36 +207,61 @@ class WeightReceiver:
 
     def receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                             group_name: str, load_format: str | None) -> Completion:
-        """Join the trainer's broadcast(s) for one update request, then load by name."""
-        pg = self.groups.get(group_name)
-        if pg is None:
+        """Join the trainer's broadcast(s) for one update request, then load by name.
+
+        A receive that fails leaves the group at once (sglang keeps it): gloo relays a
+        broadcast along a tree, so ranks below this one wait on it, not on the trainer, and
+        only closing this rank's connections ends their wait before the group timeout. The
+        trainer builds a fresh group for its next attempt either way.
+        """
+        if group_name not in self.groups:
             return Completion(False, f"Failed to receive weights: Group {group_name} not in "
                                      f"{list(self.groups)}. Please call `init_weights_update_group` first.")
         try:
-            if not (len(names) == len(dtypes) == len(shapes)):
-                raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
-                                 f"({len(shapes)}) must have the same length")
-            if load_format == FLATTENED_BUCKET:
-                plan = self._plan(request_key(names, dtypes, shapes))
-                self._bound_in_flight()
-                buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
-                dist.broadcast(buffer, src=0, group=pg, async_op=True).wait()
-                if plan.problems:
-                    return self._refused(plan.problems)
-                return self._load_async(lambda: plan.apply(buffer), [buffer])
-            if load_format not in (None, "direct"):
-                raise ValueError(f"unknown load_format {load_format!r}; expected null or 'flattened_bucket'")
-            # sglang's per-tensor path, kept as it is there: a fresh tensor per broadcast,
-            # then a load by name.
-            metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
-                     for n, d, s in zip(names, dtypes, shapes, strict=True)]
+            return self._receive_distributed(names, dtypes, shapes, group_name, load_format)
+        except Exception as e:  # noqa: BLE001 - answered as sglang's 400 message
+            message = f"Failed to receive weights: {e}"
+            # The frames hold the pending works, which hold the group's connections open.
+            traceback.clear_frames(e.__traceback__)
+        self.abandon_group(group_name)
+        return Completion(False, message)
+
+    def abandon_group(self, group_name: str) -> None:
+        """Abort and drop a group whose collective failed, closing its connections now."""
+        pg = self.groups.pop(group_name, None)
+        if pg is None:
+            return
+        abort_process_group(pg)
+        destroy_process_group(pg)
+        del pg
+        gc.collect()  # the last reference gone, gloo closes its connections
+        logger.warning("left weight group %s after a failed receive", group_name)
+
+    def _receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                             group_name: str, load_format: str | None) -> Completion:
+        pg = self.groups[group_name]
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
+                             f"({len(shapes)}) must have the same length")
+        if load_format == FLATTENED_BUCKET:
+            plan = self._plan(request_key(names, dtypes, shapes))
             self._bound_in_flight()
-            named = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)) for m in metas]
-            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
-            for w in works:
-                w.wait()
-        except Exception as e:  # noqa: BLE001
-            return Completion(False, f"Failed to receive weights: {e}")
+            buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buffer, src=0, group=pg, async_op=True).wait()
+            if plan.problems:
+                return self._refused(plan.problems)
+            return self._load_async(lambda: plan.apply(buffer), [buffer])
+        if load_format not in (None, "direct"):
+            raise ValueError(f"unknown load_format {load_format!r}; expected null or 'flattened_bucket'")
+        # sglang's per-tensor path, kept as it is there: a fresh tensor per broadcast,
+        # then a load by name.
+        metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
+                 for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        self._bound_in_flight()
+        named = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)) for m in metas]
+        works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
+        for w in works:
+            w.wait()
         problems = self.check_loadable((n, t.shape) for n, t in named)
         if problems:
             return self._refused(problems)
