@@ -54,6 +54,9 @@ from slime_like.router.router import Router
 
 logger = logging.getLogger(__name__)
 
+# A recovery whose relaunched server dies too starts over, this many times at most.
+MAX_RECOVERY_ATTEMPTS = 5
+
 S = EngineState
 EventSink = Callable[..., None]
 # push(update): put the weights of `update.version` into `update.targets` (the trainer).
@@ -610,9 +613,20 @@ class Fleet(OffloadMixin):
 
     def _on_dead(self, engine_id: str, reason: str) -> None:
         with self._lock:
-            if self._closing or engine_id in self._recovering:
+            if self._closing:
                 return
             e = self.find(engine_id)
+            if engine_id in self._recovering:
+                # Relaunched (or back), then dead again before its recovery ended: the
+                # recovery sees DEAD, stops resyncing and starts over (or, if it had just
+                # finished, a new one starts).
+                if e.state not in (S.DEAD, S.STOPPED, S.RELAUNCHING, S.REATTACHING):
+                    e.died_while_recovering = reason
+                    self._unroute(e)
+                    self._move(e, S.DEAD, reason=reason)
+                    if self.monitor is not None:
+                        self.monitor.unwatch(engine_id)
+                return
             if e.state in (S.DEAD, S.STOPPED, S.RELAUNCHING, S.REATTACHING):
                 return
             self._recovering.add(engine_id)
@@ -626,16 +640,19 @@ class Fleet(OffloadMixin):
     def _recover(self, e: ManagedEngine, reason: str) -> None:
         t0 = time.time()
         try:
-            back = self._reattach(e) if e.external_address is not None else self._relaunch(e)
-            if not back:
-                return  # the fleet is shutting down
-            if self.monitor is not None:
-                self.monitor.watch(e.engine_id)
-            if not e.update_weights:
-                with self._lock:
-                    self._frozen_from_stale(e)
-            else:
-                self._resync(e)
+            for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
+                try:
+                    if not self._bring_back(e):
+                        return  # the fleet is shutting down
+                    break
+                except Exception as err:
+                    with self._lock:
+                        again, e.died_while_recovering = e.died_while_recovering, None
+                    if again is None or self._closing or attempt == MAX_RECOVERY_ATTEMPTS:
+                        raise
+                    logger.warning("%s died again before its recovery finished (%s); "
+                                   "recovering it again (attempt %d of %d): %s", e.engine_id,
+                                   again, attempt + 1, MAX_RECOVERY_ATTEMPTS, err)
             took = time.time() - t0
             self.recoveries.append({"engine": e.engine_id, "reason": reason,
                                     "recovery_s": round(took, 2), "version": str(self.version),
@@ -653,7 +670,27 @@ class Fleet(OffloadMixin):
                     self._move(e, S.DEAD, reason=f"recovery failed: {err}")
         finally:
             with self._lock:
-                self._recovering.discard(e.engine_id)
+                again, e.died_while_recovering = e.died_while_recovering, None
+                if again is None or self._closing:
+                    self._recovering.discard(e.engine_id)
+            if again is not None and not self._closing:  # died just as it was routed again
+                threading.Thread(target=self._recover, args=(e, again),
+                                 name=f"recover-{e.engine_id}", daemon=True).start()
+
+    def _bring_back(self, e: ManagedEngine) -> bool:
+        """Relaunch (or reattach) a dead engine and bring it to the fleet's version; False if
+        the fleet is shutting down."""
+        back = self._reattach(e) if e.external_address is not None else self._relaunch(e)
+        if not back:
+            return False
+        if self.monitor is not None:
+            self.monitor.watch(e.engine_id)
+        if not e.update_weights:
+            with self._lock:
+                self._frozen_from_stale(e)
+        else:
+            self._resync(e)
+        return True
 
     def _relaunch(self, e: ManagedEngine) -> bool:
         """Our engine: kill what is left of it, start it again on its bundle (STALE); False

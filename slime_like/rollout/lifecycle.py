@@ -95,6 +95,8 @@ class ManagedEngine:
     router_worker_id: str | None = None
     restarts: int = 0
     dead_at: float | None = None
+    # Why the server its recovery started died too, before that recovery finished.
+    died_while_recovering: str | None = None
 
     @property
     def url(self) -> str | None:

@@ -1,0 +1,64 @@
+"""An engine that dies again while it is being recovered is recovered again.
+
+Real Ray, the real sglang-router and two reference engines. Engine 0 is SIGKILLed; its
+recovery relaunches it, and the relaunched server is SIGKILLed too, at the moment its
+resync starts (found by the chaos long form: a kill armed for "the next sync" landed on a
+recovery's resync). That second death must not be lost: the recovery starts over, and the
+engine ends routed at the fleet's version.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from slime_like.api import FleetWeights, launch_fleet
+from slime_like.models import load_pretrained
+
+YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_model_dir):
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
+    f = launch_fleet(YAML, model_path=tiny_model_dir, engine="reference", log_dir=tmp_path)
+    yield f
+    f.shutdown()
+    ray.shutdown()
+
+
+def test_an_engine_killed_again_during_its_resync_is_recovered_again(fleet, tiny_model_dir):
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed")
+    weights.push(model)
+    weights.push(model)
+    victim = fleet.engines[0]
+    resync = fleet.weight_source
+    killed_during_resync: list[str] = []
+
+    def kill_at_first_resync(update):
+        if not update.full and not killed_during_resync:
+            killed_during_resync.append(update.targets[0].url)
+            fleet.kill_engine(0)  # the relaunched server, as its resync begins
+        return resync(update)
+
+    fleet.set_weight_source(kill_at_first_resync)
+    first_url = victim.url
+    fleet.kill_engine(0)
+    time.sleep(1.0)  # the exit watcher starts the recovery
+    assert fleet.wait_recovered(timeout=240)
+    # the second death happened to the relaunched server, and was recovered too
+    assert killed_during_resync and killed_during_resync[0] != first_url
+    assert victim.restarts == 2
+    assert victim.url not in (first_url, killed_during_resync[0])
+    assert fleet.states()[victim.engine_id] == "REGISTERED"
+    assert victim.handle.weight_version() == str(fleet.version) == "2"
+    routed = {w.url for w in fleet.routers["policy"].client.list_workers()}
+    assert routed == {e.url for e in fleet.engines}
+    mine = [r for r in fleet.recoveries if r["engine"] == victim.engine_id]
+    assert len(mine) == 1 and "error" not in mine[0] and mine[0]["url"] == victim.url
+    weights.close()
