@@ -68,6 +68,7 @@ class WeightSyncError(SlimeLikeError):
         self.engine = engine
         self.detail = message
         self.paused: list[str] = []  # engines left paused for the caller (resume_on_failure off)
+        self.unresponsive: list[str] = []  # engines that took no control call (a retry leaves them out)
         where = f" on engine {engine}" if engine else ""
         super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
 

@@ -19,6 +19,7 @@ import collections
 import gc
 import hashlib
 import logging
+import socket
 import time
 import traceback
 from collections.abc import Iterable
@@ -56,6 +57,24 @@ MAX_BUCKETS_IN_FLIGHT = 2
 IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank (a sender reuses a few buffers)
 
 
+def check_store_listening(host: str, port: int, timeout_s: float = 2.0) -> None:
+    """Fail at once when the trainer's store is gone (sglang would retry the connect for the
+    whole group timeout).
+
+    The trainer creates its store before it asks anyone to join, so a refused connection
+    means the attempt this join belonged to already failed and closed it: a join that
+    waited behind a busy scheduler must not then block that scheduler for 600 s more.
+    """
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=timeout_s).close()
+    except ConnectionRefusedError as e:
+        raise ConnectionError(f"the trainer's store at {host}:{port} is gone (the attempt this "
+                              "join belonged to has ended)") from e
+    except OSError:
+        pass  # slow or unreachable: the rendezvous reports it, within the group timeout
+
+
+@dataclass
 class Completion:
     """The outcome of a rank operation; on CUDA it may still be running on a stream."""
 
@@ -142,6 +161,7 @@ class WeightReceiver:
             if backend == "nccl" and self.device.type != "cuda":
                 raise ValueError("backend 'nccl' needs a CUDA engine; this engine runs on cpu "
                                  "(use backend 'gloo')")
+            check_store_listening(master_address, master_port)
             pg = init_custom_process_group(
                 backend=backend, init_method=tcp_init_method(master_address, master_port),
                 world_size=world_size, rank=rank, group_name=group_name,

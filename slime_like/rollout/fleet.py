@@ -481,7 +481,12 @@ class Fleet(OffloadMixin):
                     time.sleep(min(2.0, 0.25 * 2 ** attempt))
                     with self._lock:
                         candidates = self._targets(None)
-                    excluded = self._unresponsive(candidates)
+                    # Engines the failed attempt found taking no control call (e.g. never
+                    # answering their group join) are left out as well; the health monitor
+                    # relaunches them if their scheduler stays stuck.
+                    named = set(getattr(err, "unresponsive", None) or ())
+                    excluded = self._unresponsive(candidates) | {
+                        e.engine_id for e in candidates if e.url in named}
                     logger.warning("weight sync failed (%s); retrying for the living engines%s",
                                    err, f" (leaving out {sorted(excluded)} for now)"
                                    if excluded else "")

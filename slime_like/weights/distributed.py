@@ -24,6 +24,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future
 from urllib.parse import urlparse
 
 import torch
@@ -88,6 +89,42 @@ def nccl_env_hint() -> str:
             "(or set the same on every engine)")
 
 
+# After a failed rendezvous closed its store, how long engines get to answer their join.
+UNANSWERED_GRACE_S = 5.0
+# Each engine's latest join call, across transports of this process (a resync builds its own).
+_PENDING_JOINS: dict[str, Future] = {}
+
+
+def _join_pending(url: str) -> bool:
+    future = _PENDING_JOINS.get(url)
+    if future is not None and future.done():
+        _PENDING_JOINS.pop(url, None)
+        return False
+    return future is not None
+
+
+def _never_answered(calls: Sequence[EngineCall], grace_s: float) -> list[str]:
+    """Engines with no answer to their join `grace_s` after the store closed.
+
+    An engine that was in the rendezvous fails its join as soon as the store closes; one
+    that does not answer (still pending, or its HTTP call timed out) never started it: its
+    control loop is busy with something else (a collective of an older group, a hang), so
+    it is what kept the group from forming.
+    """
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not all(c.future.done() for c in calls):
+        time.sleep(0.05)
+    return sorted({c.engine.url for c in calls if not c.future.done() or (
+        isinstance(c.error, EngineError) and c.error.status is None)})
+
+
+def _not_joined(exc: WeightSyncError, stuck: list[str]) -> WeightSyncError:
+    err = WeightSyncError(exc.step, f"{exc.detail}; never answered its join (its control loop "
+                          f"is busy): {', '.join(stuck)}", stuck[0])
+    err.unresponsive = stuck
+    return err
+
+
 def _hint(backend: str) -> str:
     hint = nccl_env_hint() if backend == "nccl" else ""
     return f" [{hint}]" if hint else ""
@@ -143,6 +180,12 @@ class DistributedTransport(Transport):
             self.packer.reserve(max(packed), len(packed))
 
     def _create(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
+        busy = sorted(e.url for e in engines if _join_pending(e.url))
+        if busy:  # another join would only queue behind it, on the same stuck control loop
+            err = WeightSyncError("init_weights_update_group", "an earlier join is still "
+                                  f"unanswered by: {', '.join(busy)}", busy[0])
+            err.unresponsive = busy
+            raise err
         self.attempt += 1
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
@@ -161,8 +204,10 @@ class DistributedTransport(Transport):
                 master_address=address, master_port=port, rank_offset=offset,
                 world_size=world_size, group_name=name, backend=self.backend)
             self.asked.setdefault(engine.url, []).append(name)
-            http.append(watch.add(EngineCall(engine, step, calls.submit(
-                engine, engine.client.init_weights_update_group, req, self.group_timeout_s + 5))))
+            future = calls.submit(engine, engine.client.init_weights_update_group, req,
+                                  self.group_timeout_s + 5)
+            _PENDING_JOINS[engine.url] = future
+            http.append(watch.add(EngineCall(engine, step, future)))
         result: dict = {}
 
         def rank0() -> None:
@@ -186,11 +231,15 @@ class DistributedTransport(Transport):
                 raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
                                       f"({world_size} ranks): {err}{_hint(self.backend)}")
             watch.wait_calls(http)
-        except BaseException:
+        except BaseException as exc:
             held.clear()  # closes the store (once rank 0's thread let go of it)
             if "pg" in result:
                 destroy_process_group(result.pop("pg"))
             gc.collect()
+            if isinstance(exc, WeightSyncError) and exc.step == step and exc.engine is None:
+                stuck = _never_answered(http, UNANSWERED_GRACE_S)
+                if stuck:
+                    raise _not_joined(exc, stuck) from exc
             raise
         self.pg, self.group_name, self._store = result["pg"], name, held.pop("store")
         self.members = tuple((e.url, e.tp_size) for e in engines)

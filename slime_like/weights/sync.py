@@ -424,6 +424,7 @@ class WeightSync:
                     on_all(unverified, "verify_weight_version", lambda e: self._verify(e, version))
         except BaseException as e:
             failure = e
+            error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
             calls.cancel_pending()
             _settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
             error = self._failed(e, steps.current, begun)

@@ -370,6 +370,8 @@ def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:
     if isinstance(exc, WeightSyncError):
         return exc
     err = WeightSyncError(call.step, describe(exc), call.engine.url)
+    if isinstance(exc, EngineError) and exc.status is None:
+        err.unresponsive = [call.engine.url]  # no answer (gone, or its control loop is stuck)
     err.__cause__ = exc
     return err
 

@@ -8,6 +8,7 @@ resynced; then both are routed again at the fleet's version.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,3 +126,52 @@ def test_a_retry_leaves_out_an_engine_that_stopped_answering(fleet, tiny_model_d
     assert set(fleet.states().values()) == {"REGISTERED"}
     assert {e.handle.weight_version() for e in fleet.engines} == {"2"}
     weights.close()
+
+
+def test_a_retry_leaves_out_an_engine_whose_scheduler_is_busy(fleet, tiny_model_dir):
+    """An engine that answers /ping but whose scheduler is held (here: inside another
+    group's rendezvous, as a real engine stuck in a collective would be) never answers its
+    join of the first sync's group; the retry goes to the others, and the held one catches
+    up once it is free."""
+    import gc
+    import threading
+
+    from slime_like.engine.handle import EngineHandle
+    from slime_like.protocol import io_struct as p
+    from slime_like.protocol.weight_group import host_store
+
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", group_timeout_s=3.0)
+    held_engine, other = fleet.engines[0], fleet.engines[1]
+    held = {"store": host_store(2, 600.0, host="127.0.0.1")}
+    join = p.InitWeightsUpdateGroupRequest(
+        master_address="127.0.0.1", master_port=held["store"].port, rank_offset=1,
+        world_size=2, group_name="held", backend="gloo")
+    client = EngineHandle(held_engine.url, api_key=held_engine.handle.api_key,
+                          admin_api_key=held_engine.handle.admin_api_key).client
+    stuck = threading.Thread(target=_quietly, args=(client.init_weights_update_group, join, 700),
+                             daemon=True)
+    stuck.start()
+    time.sleep(1.0)
+    try:
+        assert held_engine.handle.client.ping(timeout=2.0)  # it still answers /ping
+        report = weights.push(model)  # the fleet's sync, retried for the living
+        assert report["engines"] == [other.url]
+        assert int(fleet.version) == 1 and other.handle.weight_version() == "1"
+        assert fleet.states()[held_engine.engine_id] in ("LOADED", "STALE", "UPDATING")
+    finally:
+        held.clear()  # its scheduler is free again
+        gc.collect()
+        stuck.join(timeout=30)
+    assert fleet.wait_recovered(timeout=120)
+    deadline = time.monotonic() + 60
+    while set(fleet.states().values()) != {"REGISTERED"} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(fleet.states().values()) == {"REGISTERED"}
+    assert {e.handle.weight_version() for e in fleet.engines} == {"1"}
+    weights.close()
+
+
+def _quietly(fn, *args) -> None:
+    with contextlib.suppress(Exception):  # the held call fails once its store closes
+        fn(*args)

@@ -42,6 +42,8 @@ def test_a_group_that_cannot_form_releases_the_engines_that_joined(tiny_model_di
     try:
         with pytest.raises(WeightSyncError, match="init_weights_update_group") as failed:
             sync.update(policy)
+        # the error names B, the engine that never took its join (a retry leaves it out)
+        assert failed.value.engine == b.url and failed.value.unresponsive == [b.url]
         # A's scheduler is free again: a call it runs there answers at once, although the
         # error (and its traceback) is still held here.
         t0 = time.monotonic()
