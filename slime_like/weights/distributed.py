@@ -47,6 +47,7 @@ from slime_like.weights.transfer import (
     bucket_tensors,
     direct_view,
     metas_body,
+    no_answer,
 )
 from slime_like.weights.transport import TransferContext, Transport
 
@@ -114,8 +115,7 @@ def _never_answered(calls: Sequence[EngineCall], grace_s: float) -> list[str]:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and not all(c.future.done() for c in calls):
         time.sleep(0.05)
-    return sorted({c.engine.url for c in calls if not c.future.done() or (
-        isinstance(c.error, EngineError) and c.error.status is None)})
+    return sorted({c.engine.url for c in calls if not c.future.done() or no_answer(c.error)})
 
 
 def _not_joined(exc: WeightSyncError, stuck: list[str]) -> WeightSyncError:

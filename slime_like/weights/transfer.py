@@ -356,10 +356,16 @@ _COLLATERAL = ("pair.cc", "Connection closed by peer", "Connection reset by peer
                "NCCL error", "ncclRemoteError", "ncclSystemError")
 
 
+def no_answer(exc: BaseException | None) -> bool:
+    """An engine call that got no HTTP answer at all: the engine is gone, or its control
+    loop is stuck (a refusal, by contrast, is an answer)."""
+    return isinstance(exc, EngineError) and exc.status is None
+
+
 def _blame_rank(exc: BaseException) -> int:
     if isinstance(exc, CallCancelled):
         return 3  # never sent: a consequence of the failure, not a cause
-    if isinstance(exc, EngineError) and exc.status is None:
+    if no_answer(exc):
         return 0  # no answer at all: the engine is gone
     if not any(marker in str(exc) for marker in _COLLATERAL):
         return 1  # a refusal of its own (unknown group, bad layout, closed session...)
@@ -370,7 +376,7 @@ def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:
     if isinstance(exc, WeightSyncError):
         return exc
     err = WeightSyncError(call.step, describe(exc), call.engine.url)
-    if isinstance(exc, EngineError) and exc.status is None:
+    if no_answer(exc):
         err.unresponsive = [call.engine.url]  # no answer (gone, or its control loop is stuck)
     err.__cause__ = exc
     return err

@@ -11,18 +11,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
 import torch
+from fleet_checks import routed_urls, wait_all_registered
 
-from slime_like.api import FleetWeights, launch_fleet
+from slime_like.api import FleetWeights
 from slime_like.errors import WeightSyncError
 from slime_like.models import load_pretrained
 from slime_like.weights.source import ModelWeights
-
-YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
 
 
 class BreaksAfterFirstBucket:
@@ -41,18 +39,6 @@ class BreaksAfterFirstBucket:
                 raise RuntimeError("trainer lost its weights mid-sync")
             yield name, t + 1.0
 
-
-@pytest.fixture
-def fleet(tmp_path, tiny_model_dir):
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
-    f = launch_fleet(YAML, model_path=tiny_model_dir, engine="reference", log_dir=tmp_path)
-    yield f
-    f.shutdown()
-    ray.shutdown()
-
-
-def routed_urls(fleet) -> set[str]:
-    return {w.url for w in fleet.routers["policy"].client.list_workers()}
 
 
 def test_failed_sync_unroutes_every_unverified_engine_then_resyncs_them(fleet, tiny_model_dir):
@@ -119,11 +105,7 @@ def test_a_retry_leaves_out_an_engine_that_stopped_answering(fleet, tiny_model_d
     assert int(fleet.version) == 2 and other.handle.weight_version() == "2"
     # the stopped engine rejoins at the new version (resynced, or relaunched if the health
     # monitor gave it up meanwhile)
-    assert fleet.wait_recovered(timeout=120)
-    deadline = time.monotonic() + 60
-    while set(fleet.states().values()) != {"REGISTERED"} and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert set(fleet.states().values()) == {"REGISTERED"}
+    wait_all_registered(fleet)
     assert {e.handle.weight_version() for e in fleet.engines} == {"2"}
     weights.close()
 
@@ -163,11 +145,7 @@ def test_a_retry_leaves_out_an_engine_whose_scheduler_is_busy(fleet, tiny_model_
         held.clear()  # its scheduler is free again
         gc.collect()
         stuck.join(timeout=30)
-    assert fleet.wait_recovered(timeout=120)
-    deadline = time.monotonic() + 60
-    while set(fleet.states().values()) != {"REGISTERED"} and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert set(fleet.states().values()) == {"REGISTERED"}
+    wait_all_registered(fleet)
     assert {e.handle.weight_version() for e in fleet.engines} == {"1"}
     weights.close()
 

@@ -10,25 +10,12 @@ engine ends routed at the fleet's version.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import pytest
-import ray
 import torch
+from fleet_checks import routed_urls
 
-from slime_like.api import FleetWeights, launch_fleet
+from slime_like.api import FleetWeights
 from slime_like.models import load_pretrained
-
-YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
-
-
-@pytest.fixture
-def fleet(tmp_path, tiny_model_dir):
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
-    f = launch_fleet(YAML, model_path=tiny_model_dir, engine="reference", log_dir=tmp_path)
-    yield f
-    f.shutdown()
-    ray.shutdown()
 
 
 def test_an_engine_killed_again_during_its_resync_is_recovered_again(fleet, tiny_model_dir):
@@ -57,8 +44,7 @@ def test_an_engine_killed_again_during_its_resync_is_recovered_again(fleet, tiny
     assert victim.url not in (first_url, killed_during_resync[0])
     assert fleet.states()[victim.engine_id] == "REGISTERED"
     assert victim.handle.weight_version() == str(fleet.version) == "2"
-    routed = {w.url for w in fleet.routers["policy"].client.list_workers()}
-    assert routed == {e.url for e in fleet.engines}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
     mine = [r for r in fleet.recoveries if r["engine"] == victim.engine_id]
     assert len(mine) == 1 and "error" not in mine[0] and mine[0]["url"] == victim.url
     weights.close()
