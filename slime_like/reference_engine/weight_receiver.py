@@ -74,7 +74,6 @@ def check_store_listening(host: str, port: int, timeout_s: float = 2.0) -> None:
         pass  # slow or unreachable: the rendezvous reports it, within the group timeout
 
 
-@dataclass
 class Completion:
     """The outcome of a rank operation; on CUDA it may still be running on a stream."""
 
