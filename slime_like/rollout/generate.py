@@ -51,6 +51,13 @@ class Sample:
 
 # sglang-router's error code when no worker is routed (or every one is unhealthy).
 NO_WORKERS = "no_available_workers"
+ROUTER_DOWN_S = 120.0  # how long a router that is down, or has no engine routed, is waited for
+
+
+def no_engine_routed(status: int | None, body: Any) -> bool:
+    """The router's answer while every engine is out of it (recovering, or being resynced):
+    not the request's failure, so callers wait (bounded) instead of spending a retry."""
+    return status == 503 and NO_WORKERS in str(body)
 
 
 class GenerationError(RuntimeError):
@@ -68,7 +75,7 @@ class RouterGenerator:
     retry_backoff_s: float = 0.5
     request_timeout_s: float = 300.0
     #: how long a router that is down, or has no engine routed, is waited for
-    router_down_s: float = 120.0
+    router_down_s: float = ROUTER_DOWN_S
 
     def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any],
                  on_sample: Callable[[int], None] | None = None) -> list[Sample]:
@@ -133,7 +140,7 @@ class RouterGenerator:
                     status, out, last = None, None, f"{type(e).__name__}: {e}"
                 finally:
                     self._inflight.discard(task)
-            if status == 503 and NO_WORKERS in str(out):
+            if no_engine_routed(status, out):
                 # Every engine is out of the router for now (recovering, or being resynced
                 # after a failed sync).
                 unavailable = f"HTTP 503: {str(out)[:300]}"

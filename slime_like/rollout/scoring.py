@@ -5,8 +5,9 @@ term of `--use-kl-loss` / `--kl-coef`. Each pair is one `/generate` with `input_
 prompt + output`, `return_logprob` and `logprob_start_len = len(prompt)`: sglang answers
 the prompt window's `input_token_logprobs`, which are exactly log p_ref(output_t | prefix).
 One token is generated and dropped (sglang needs `max_new_tokens >= 1` to run the request).
-Requests are retried a bounded number of times, so an engine recovering behind the router
-costs a retry, not the step.
+Requests are retried a bounded number of times, and while the router is down or has no
+engine routed (its only engine being recovered) they wait, bounded, as rollouts do: an
+engine recovering behind the router costs a wait, not the step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from slime_like.errors import SlimeLikeError
+from slime_like.rollout.generate import ROUTER_DOWN_S, no_engine_routed
 
 
 class ScoringError(SlimeLikeError):
@@ -24,12 +26,16 @@ class ScoringError(SlimeLikeError):
 
 
 async def _score_one(session: aiohttp.ClientSession, url: str, limit: asyncio.Semaphore,
-                     prompt: list[int], output: list[int], attempts: int) -> list[float]:
+                     prompt: list[int], output: list[int], attempts: int,
+                     router_down_s: float) -> list[float]:
     body = {"input_ids": list(prompt) + list(output), "return_logprob": True,
             "logprob_start_len": len(prompt),
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    last = ""
-    for attempt in range(1, attempts + 1):
+    loop = asyncio.get_running_loop()
+    last, attempt, down_since = "", 0, None
+    while attempt < attempts:
+        attempt += 1
+        unavailable = False  # the router down or without engines: waited for, not a failure
         async with limit:
             try:
                 async with session.post(f"{url}/generate", json=body) as resp:
@@ -44,28 +50,43 @@ async def _score_one(session: aiohttp.ClientSession, url: str, limit: asyncio.Se
                             return [float(lp) for lp in lps]
                         last = f"expected {len(output)} logprobs, got {len(window)}"
                     else:
-                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                        text = await resp.text()
+                        unavailable = no_engine_routed(resp.status, text)
+                        last = f"HTTP {resp.status}: {text[:200]}"
+            except aiohttp.ClientConnectorError as e:
+                unavailable, last = True, f"router unreachable: {e}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
+        if unavailable:
+            down_since = down_since or loop.time()
+            if loop.time() - down_since < router_down_s:
+                attempt -= 1
+                await asyncio.sleep(0.5)
+                continue
+        down_since = None
         await asyncio.sleep(0.5 * attempt)
     raise ScoringError(f"log-probabilities via {url} failed {attempts} times; last: {last}")
 
 
 async def _score_all(url: str, pairs: Sequence[tuple[list[int], list[int]]], api_key: str | None,
-                     concurrency: int, timeout_s: float, attempts: int) -> list[list[float]]:
+                     concurrency: int, timeout_s: float, attempts: int,
+                     router_down_s: float) -> list[list[float]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        return list(await asyncio.gather(*[_score_one(session, url, limit, p, o, attempts)
+        return list(await asyncio.gather(*[_score_one(session, url, limit, p, o, attempts,
+                                                      router_down_s)
                                            for p, o in pairs]))
 
 
 def token_logprobs(router_url: str, pairs: Sequence[tuple[list[int], list[int]]], *,
                    api_key: str | None = None, concurrency: int = 64, timeout_s: float = 300.0,
-                   attempts: int = 6) -> list[list[float]]:
+                   attempts: int = 6, router_down_s: float = ROUTER_DOWN_S) -> list[list[float]]:
     """Per pair (prompt_ids, output_ids): log p(output_t | prompt, output_<t) under the model
-    behind `router_url`."""
+    behind `router_url`. A router that is down or has no engine routed (its engine being
+    recovered) is waited for, up to `router_down_s`, as rollouts do."""
     if not pairs:
         return []
-    return asyncio.run(_score_all(router_url, pairs, api_key, concurrency, timeout_s, attempts))
+    return asyncio.run(_score_all(router_url, pairs, api_key, concurrency, timeout_s, attempts,
+                                  router_down_s))

@@ -1,7 +1,9 @@
 """A rollout waits (bounded) while no engine is routed, instead of failing its requests.
 
 After a failed sync every engine may be out of the router for a moment (unrouted, then
-resynced); the real sglang-router answers 503 `no_available_workers` meanwhile.
+resynced); the real sglang-router answers 503 `no_available_workers` meanwhile. The same
+holds for scoring through a frozen reference model's router while its only engine is
+being recovered (seen failing a CI run: the recovery took 10.7 s, scoring gave up at 7.5).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 import pytest
 
 from slime_like.rollout.generate import GenerationError, RouterGenerator
+from slime_like.rollout.scoring import token_logprobs
 from tests.reference_engine.conftest import start_engine, stop_engine
 
 PARAMS = {"max_new_tokens": 3, "temperature": 1.0}
@@ -54,3 +57,25 @@ def test_a_router_without_engines_fails_the_requests_after_the_bound(router):
     with pytest.raises(GenerationError, match="no_available_workers"):
         gen.generate([[1, 2, 3]], 1, PARAMS)
     assert time.monotonic() - t0 < 30
+
+
+def test_scoring_waits_for_an_engine_to_be_routed_again(router, engine):
+    assert router.client.list_workers() == []
+    routing_at: list[float] = []
+
+    def route_later() -> None:
+        time.sleep(10.0)  # longer than the retries alone last (about 7.5 s)
+        routing_at.append(time.monotonic())
+        router.client.add_worker(engine.url)
+
+    adder = threading.Thread(target=route_later, daemon=True)
+    adder.start()
+    try:
+        logprobs = token_logprobs(router.url, [([1, 2, 3], [4, 5]), ([6], [7, 8, 9])],
+                                  router_down_s=60.0)
+        done = time.monotonic()
+    finally:
+        adder.join(timeout=60)
+        router.client.remove_worker(url=engine.url)
+    assert [len(x) for x in logprobs] == [2, 3] and all(lp <= 0 for x in logprobs for lp in x)
+    assert routing_at and done >= routing_at[0]
