@@ -10,9 +10,14 @@ caller gives resources and placement (placement group + bundle index) with `.opt
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import ray
 
 from slime_like.engine.server import EngineConfig, EngineServer
+
+logger = logging.getLogger(__name__)
 
 MAX_CONCURRENCY = 16
 
@@ -32,3 +37,17 @@ class _EngineActor(EngineServer):
 
 
 EngineActor = ray.remote(max_concurrency=MAX_CONCURRENCY, num_cpus=0)(_EngineActor)
+
+
+def crash_server(actor: Any, timeout: float | None = 30.0) -> None:
+    """SIGKILL the server behind `actor` (chaos and demos) and return once it is dead.
+
+    The actor is threaded, so the fleet's exit watcher can see the death and `ray.kill`
+    the actor to relaunch the engine before this call's answer is sent: the answer is then
+    lost, but the crash has landed. An actor that is gone means its server is gone too.
+    """
+    try:
+        ray.get(actor.simulate_crash.remote(), timeout=timeout)
+    except ray.exceptions.RayActorError as e:
+        logger.info("engine actor gone while crashing its server (recovery took it): %s",
+                    str(e).splitlines()[0])

@@ -38,7 +38,7 @@ import ray
 from slime_like.cluster.placement import JobPlacement
 from slime_like.config.layout import EnginePlacement
 from slime_like.config.slices import FleetSettings
-from slime_like.engine.actor import EngineActor
+from slime_like.engine.actor import EngineActor, crash_server
 from slime_like.engine.external import CHECKED_FIELDS, ExternalEngine
 from slime_like.engine.from_placement import engine_config
 from slime_like.engine.handle import EngineHandle
@@ -610,7 +610,7 @@ class Fleet(OffloadMixin):
         e = pool[index]
         if e.external_address is not None:
             raise FleetError(f"{e.engine_id} is external: it is never killed by the job")
-        ray.get(e.actors[node_rank].simulate_crash.remote())
+        crash_server(e.actors[node_rank], timeout=None)
         logger.warning("simulated a crash of %s node %d (%s)", e.engine_id, node_rank, e.url)
         return e.engine_id
 

@@ -19,6 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from slime_like.engine.actor import crash_server
 from slime_like.engine.handle import EngineHandle
 from slime_like.trainer.checkpoint import load_rank_state, save_rank_state
 from slime_like.trainer.policy import PolicyTrainer
@@ -145,7 +146,7 @@ class TrainerRank:
         armed = getattr(self, "_armed", None)
         if armed is not None and armed[0] == step:
             self._armed = None
-            ray.get(armed[1].simulate_crash.remote(), timeout=30)  # landed before we go on
+            crash_server(armed[1])  # landed before we go on
 
     def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True) -> dict:
         """Put the current weights into `targets` (the fleet's update) and report.

@@ -146,3 +146,39 @@ def test_server_exiting_during_start_up_fails_init_within_seconds_with_its_log_t
         assert ray.get(actor.is_alive.remote()) is False
     finally:
         ray.kill(actor)
+
+
+@ray.remote(max_concurrency=2)
+class _AnswerOvertakenByKill:
+    """Stands in for an engine actor whose answer to `simulate_crash` is overtaken by the
+    recovery's `ray.kill` (the exit watcher saw the death first): a timing race that
+    cannot be caused on demand with a real engine, so the answer here never comes."""
+
+    def simulate_crash(self) -> None:
+        time.sleep(120)
+
+
+def test_crashing_a_server_whose_actor_recovery_kills_first_counts_as_done(ray_local):
+    import threading
+
+    from slime_like.engine.actor import crash_server
+
+    actor = _AnswerOvertakenByKill.remote()
+    ray.get(actor.__ray_ready__.remote())
+    killer = threading.Timer(1.0, ray.kill, args=(actor,))
+    killer.start()
+    t0 = time.monotonic()
+    crash_server(actor, timeout=60)  # the chaos step goes on: the crash landed
+    assert time.monotonic() - t0 < 30
+    killer.join()
+
+
+def test_crashing_a_server_whose_actor_hangs_alive_times_out(ray_local):
+    from slime_like.engine.actor import crash_server
+
+    actor = _AnswerOvertakenByKill.remote()
+    try:
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            crash_server(actor, timeout=2)
+    finally:
+        ray.kill(actor)

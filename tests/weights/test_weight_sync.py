@@ -60,15 +60,18 @@ def _start_long_requests(pool, engine, n: int, max_new_tokens: int = LONG):
             for _ in range(n)]
 
 
-def _wait_running(engine, n: int, timeout: float = 30.0) -> None:
+def _wait_running(engine, n: int, futures, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
+    loads: dict = {}
     while time.monotonic() < deadline:
         loads = engine.get("/v1/loads").json()["loads"][0]
         if loads["num_running_reqs"] >= n:
             time.sleep(0.05)  # a few tokens under the old weights
             return
         time.sleep(0.02)
-    raise AssertionError(f"{engine.url}: {n} requests never ran")
+    done = [f.exception() or f.result() for f in futures if f.done()]
+    raise AssertionError(f"{engine.url}: {n} requests never ran; loads {loads}; finished "
+                         f"requests {done}; engine log:\n{engine.process.log_tail(4000)}")
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
@@ -81,7 +84,7 @@ def test_pause_modes_with_requests_in_flight(engines, tiny_model_dir, pause_mode
         with ThreadPoolExecutor(8) as pool:
             pending = {e.url: _start_long_requests(pool, e, 2) for e in engines}
             for e in engines:
-                _wait_running(e, 2)
+                _wait_running(e, 2, pending[e.url])
             report = sync.update(model)
             results = {url: [f.result(timeout=120) for f in fs] for url, fs in pending.items()}
     finally:
