@@ -85,8 +85,13 @@ class RWLock:
             self._writers_waiting += 1
             try:
                 await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
-            finally:
+            except BaseException:
+                # Cancelled while waiting: the readers it held back must be woken, or they
+                # wait for a writer that will never come.
                 self._writers_waiting -= 1
+                self._cond.notify_all()
+                raise
+            self._writers_waiting -= 1
             self._writer = True
         try:
             yield
