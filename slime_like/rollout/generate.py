@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,29 @@ def no_engine_routed(status: int | None, body: Any) -> bool:
     """The router's answer while every engine is out of it (recovering, or being resynced):
     not the request's failure, so callers wait (bounded) instead of spending a retry."""
     return status == 503 and NO_WORKERS in str(body)
+
+
+class RouterOutage:
+    """One request's bounded wait while its router is down or has no engine routed.
+
+    Such an answer is not the request's failure: the caller tries again without counting
+    an attempt while `waiting` says so, and counts one once the outage outlasts `bound_s`.
+    """
+
+    def __init__(self, bound_s: float):
+        self.bound_s = bound_s
+        self._since: float | None = None
+
+    def waiting(self, unavailable: bool) -> bool:
+        """After each answer: True to wait and try again uncounted (the outage is within
+        its bound); False to go on as usual (it ended, or outlasted the bound)."""
+        if unavailable:
+            now = time.monotonic()
+            self._since = self._since or now
+            if now - self._since < self.bound_s:
+                return True
+        self._since = None
+        return False
 
 
 class GenerationError(RuntimeError):
@@ -117,8 +141,7 @@ class RouterGenerator:
                 "return_logprob": True}
         last = ""
         attempt = 0
-        down_since: float | None = None
-        loop = asyncio.get_running_loop()
+        outage = RouterOutage(self.router_down_s)
         while attempt < self.max_attempts:
             attempt += 1
             unavailable: str | None = None
@@ -145,15 +168,13 @@ class RouterGenerator:
                 # after a failed sync).
                 unavailable = f"HTTP 503: {str(out)[:300]}"
             if unavailable is not None:
+                last = unavailable
+            if outage.waiting(unavailable is not None):
                 # Not this request's failure: wait (bounded) for the router, or an engine in
                 # it, to come back.
-                down_since = down_since or loop.time()
-                last = unavailable
-                if loop.time() - down_since < self.router_down_s:
-                    attempt -= 1
-                    await asyncio.sleep(self.retry_backoff_s)
-                    continue
-            down_since = None
+                attempt -= 1
+                await asyncio.sleep(self.retry_backoff_s)
+                continue
             if status == 200:
                 sample = self._parse(index, prompt_ids, out)
                 if sample is not None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from slime_like.errors import SlimeLikeError
-from slime_like.rollout.generate import ROUTER_DOWN_S, no_engine_routed
+from slime_like.rollout.generate import ROUTER_DOWN_S, RouterOutage, no_engine_routed
 
 
 class ScoringError(SlimeLikeError):
@@ -31,8 +31,7 @@ async def _score_one(session: aiohttp.ClientSession, url: str, limit: asyncio.Se
     body = {"input_ids": list(prompt) + list(output), "return_logprob": True,
             "logprob_start_len": len(prompt),
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    loop = asyncio.get_running_loop()
-    last, attempt, down_since = "", 0, None
+    last, attempt, outage = "", 0, RouterOutage(router_down_s)
     while attempt < attempts:
         attempt += 1
         unavailable = False  # the router down or without engines: waited for, not a failure
@@ -57,13 +56,10 @@ async def _score_one(session: aiohttp.ClientSession, url: str, limit: asyncio.Se
                 unavailable, last = True, f"router unreachable: {e}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
-        if unavailable:
-            down_since = down_since or loop.time()
-            if loop.time() - down_since < router_down_s:
-                attempt -= 1
-                await asyncio.sleep(0.5)
-                continue
-        down_since = None
+        if outage.waiting(unavailable):
+            attempt -= 1
+            await asyncio.sleep(0.5)
+            continue
         await asyncio.sleep(0.5 * attempt)
     raise ScoringError(f"log-probabilities via {url} failed {attempts} times; last: {last}")
 
