@@ -23,7 +23,8 @@ from pathlib import Path
 import ray
 import torch
 
-from slime_like.api import FleetWeights, launch_fleet
+from slime_like.api import FleetEvent, FleetWeights, launch_fleet
+from slime_like.chaos import kill_engine, stop_engine
 from slime_like.models import load_pretrained
 from slime_like.models.tiny import make_tiny_model
 
@@ -38,9 +39,9 @@ class Timeline:
         self.events: list[tuple[float, str, str]] = []
         self.lock = threading.Lock()
 
-    def __call__(self, engine: str, state: str, **details) -> None:
+    def __call__(self, event: FleetEvent) -> None:
         with self.lock:
-            self.events.append((time.time(), engine, state))
+            self.events.append((time.time(), event.subject, event.kind.value))
 
     def first(self, engine: str, state: str, after: float) -> float:
         with self.lock:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             engine = engines[index]
             time.sleep(1.0)
             start = time.time()
-            (fleet.stop_engine if hang else fleet.kill_engine)(index)
+            (stop_engine if hang else kill_engine)(fleet, index)
             row = {"kind": "hang" if hang else "kill", "engine": engine}
             if hang:
                 row["unrouted_s"] = timeline.wait(engine, "SUSPECT", start) - start

@@ -57,14 +57,14 @@ PY
   stop_cluster() {
     # Every process of this cluster and their children (agents, workers, client server);
     # `ray stop` would stop every Ray cluster of the machine.
-    python -m slime_like.local_cluster stop --temp-dir "$ray_tmp" ${gcs_port:+--gcs-port "$gcs_port"} || true
+    python -m slime_like.submit.local_cluster stop --temp-dir "$ray_tmp" ${gcs_port:+--gcs-port "$gcs_port"} || true
     rm -rf "$ray_tmp"
   }
   trap stop_cluster EXIT
   echo "[slime_like] starting a private Ray cluster ($gpus GPUs declared, $bundles bundles needed)"
   # Free ports for all of Ray's fixed defaults: another cluster on the machine holding the
   # dashboard agent's 52365 would leave this one without a job agent.
-  ports="$(python -m slime_like.local_cluster start --temp-dir "$ray_tmp" \
+  ports="$(python -m slime_like.submit.local_cluster start --temp-dir "$ray_tmp" \
     --num-cpus "$((bundles + 4))" --num-gpus "$gpus")" || exit 1
   read -r gcs_port dash_port <<<"$ports"
   export RAY_ADDRESS="http://127.0.0.1:$dash_port"
@@ -72,6 +72,6 @@ fi
 
 # Waits for the dashboard and the head node's job agent, follows the job's logs, and
 # exits non-zero unless the job succeeded.
-python -m slime_like.ray_job --address "$RAY_ADDRESS" --timeout "${SLIME_LIKE_SUBMIT_TIMEOUT:-120}" \
+python -m slime_like.submit.ray_job --address "$RAY_ADDRESS" --timeout "${SLIME_LIKE_SUBMIT_TIMEOUT:-120}" \
   --env '{"NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}' \
   -- python -m slime_like.train "${args[@]}"

@@ -8,7 +8,7 @@
     weights = FleetWeights(fleet, transport="distributed")
     weights.push(model)                       # engines serve version 1, verified
     samples = fleet.generate(prompt_ids, n=4, sampling_params={"temperature": 1.0})
-    fleet.subscribe(lambda engine, state, **d: print(engine, state, d))
+    fleet.subscribe(lambda event: print(event.subject, event.kind, event.details))
     fleet.shutdown()
 
 `fleet.router_url()` is the router to send your own `/generate` traffic to; the job
@@ -22,14 +22,15 @@ from pathlib import Path
 
 from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.parse import parse_args
-from slime_like.config.slices import fleet_settings, make_keys
+from slime_like.config.slices import fleet_settings, make_keys, placement_settings
+from slime_like.errors import FleetError
+from slime_like.fleet.events import EngineState, EventSink, FleetEvent, Happening, RouterState
+from slime_like.fleet.fleet import Fleet, Update
+from slime_like.fleet.push import FleetWeights
 from slime_like.protocol.weight_version import WeightVersion
-from slime_like.rollout.fleet import EventSink, Fleet, FleetError, Update
-from slime_like.rollout.lifecycle import EngineState
-from slime_like.weights.fleet_sync import FleetWeights
 
-__all__ = ["EngineState", "Fleet", "FleetError", "FleetWeights", "Update", "WeightVersion",
-           "launch_fleet"]
+__all__ = ["EngineState", "Fleet", "FleetError", "FleetEvent", "FleetWeights", "Happening",
+           "RouterState", "Update", "WeightVersion", "launch_fleet"]
 
 
 def launch_fleet(sglang_config: str | Path | None = None, *, model_path: str | Path,
@@ -47,7 +48,7 @@ def launch_fleet(sglang_config: str | Path | None = None, *, model_path: str | P
     if sglang_config is not None:
         argv += ["--sglang-config", str(sglang_config)]
     args = parse_args(argv)
-    placement: JobPlacement = place_job(args, timeout_s=placement_timeout_s)
+    placement: JobPlacement = place_job(placement_settings(args), timeout_s=placement_timeout_s)
     logs = Path(log_dir) if log_dir else Path("runs") / "fleet-logs"
     updatable = {m.name: str(model_path) for m in args.topology.models if m.update_weights}
     fleet = Fleet(fleet_settings(args, log_dir=str(logs.resolve()), keys=make_keys(args),

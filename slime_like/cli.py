@@ -18,7 +18,7 @@ PROG = "slime-like"
 
 def package_version() -> str:
     """This package's version from its installed metadata ("unknown" when not installed)."""
-    from slime_like.run_info import package_version as installed
+    from slime_like.observe.run_info import package_version as installed
 
     return installed("slime_like") or "unknown"
 
@@ -50,7 +50,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from slime_like.report import RunReport
+    from slime_like.observe.report import RunReport
 
     p = argparse.ArgumentParser(prog=f"{PROG} report", description=COMMANDS["report"].help)
     p.add_argument("run_dir", help="A run folder (holds metrics.jsonl and engine_timeline.jsonl).")

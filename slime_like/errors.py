@@ -88,6 +88,10 @@ class UnsafePayloadError(SlimeLikeError, pickle.UnpicklingError):
         super().__init__(message)
 
 
+class FleetError(SlimeLikeError):
+    """The fleet cannot do what was asked (no engines to sync, routing refused, ...)."""
+
+
 class PlacementError(SlimeLikeError):
     """The placement group could not be created or probed (e.g. not enough GPUs in time)."""
 

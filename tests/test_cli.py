@@ -6,8 +6,8 @@ import subprocess
 import sys
 from importlib.metadata import version
 
-from slime_like.endpoints import MetricsEndpoint
-from slime_like.report import RunReport
+from slime_like.observe.endpoints import MetricsEndpoint
+from slime_like.observe.report import RunReport
 
 
 def _cli(*argv: str, cwd=None) -> subprocess.CompletedProcess:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from slime_like.job.checks import LogprobMismatch, check_logprobs
 from slime_like.rollout.generate import Sample
-from slime_like.train import LogprobMismatch, check_logprobs
 
 
 class _Trainer:

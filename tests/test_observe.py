@@ -6,22 +6,26 @@ import json
 import urllib.request
 
 from slime_like.config.parse import parse_args
+from slime_like.config.slices import observe_settings
+from slime_like.fleet.events import EngineState, FleetEvent, RouterState
 from slime_like.observe import RunObservers
 
 
 def test_events_and_steps_reach_report_tracking_and_console(tmp_path, capsys):
     args = parse_args(["--config", "configs/quickstart.yaml", "--num-rollout", "2",
                        "--job-metrics-port", "0", "--output-dir", str(tmp_path)])
-    obs = RunObservers.from_args(args, tmp_path)
+    obs = RunObservers.start(observe_settings(args), tmp_path)
     try:
         job_url = obs.tracker.metrics_url
         assert job_url and job_url.endswith("/metrics")
-        obs.on_event("router", "READY", url="http://127.0.0.1:30000", pid=1)
+        obs.on_event(FleetEvent("router", RouterState.READY,
+                                details={"url": "http://127.0.0.1:30000", "pid": 1}))
         obs.add_router("default", "http://127.0.0.1:29000/metrics")
         for n in range(2):
-            obs.on_event(f"default/g0/e{n}", "LAUNCHING")
-            obs.on_event(f"default/g0/e{n}", "LOADED", url=f"http://127.0.0.1:3100{n}",
-                         version="0", pid=10 + n)
+            obs.on_event(FleetEvent(f"default/g0/e{n}", EngineState.LAUNCHING))
+            obs.on_event(FleetEvent(f"default/g0/e{n}", EngineState.LOADED, EngineState.LAUNCHING,
+                                    {"url": f"http://127.0.0.1:3100{n}", "version": "0",
+                                     "pid": 10 + n}))
         obs.log_step(0, {"reward_mean": 0.25, "sync_s": 0.1})
         obs.log_step(1, {"reward_mean": 0.5, "sync_s": 0.1})
         port = obs.tracker.backends[0].port

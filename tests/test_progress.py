@@ -11,8 +11,8 @@ import sys
 
 from rich.console import Console
 
-from slime_like import progress as progress_mod
-from slime_like.progress import RunProgress
+from slime_like.observe import progress as progress_mod
+from slime_like.observe.progress import RunProgress
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

@@ -13,22 +13,40 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from slime_like.endpoints import metrics_endpoints  # noqa: E402
-from slime_like.incidents import incidents_of  # noqa: E402
-from slime_like.report import RunReport, sync_metrics  # noqa: E402
-from slime_like.report_plots import _mark_incidents  # noqa: E402
-from slime_like.run_info import git_revision, json_safe  # noqa: E402
+from slime_like.fleet.events import FleetEvent, Happening, kind_of  # noqa: E402
+from slime_like.observe.endpoints import metrics_endpoints  # noqa: E402
+from slime_like.observe.incidents import incidents_of  # noqa: E402
+from slime_like.observe.plots import _mark_incidents  # noqa: E402
+from slime_like.observe.report import RunReport, sync_metrics  # noqa: E402
+from slime_like.observe.run_info import git_revision, json_safe  # noqa: E402
 
 E0, E1 = "default/g0/e0", "default/g0/e1"
 STEPS, DEATH_STEP = 150, 10
 
 
+class Events:
+    """Logs fleet events into a report as the fleet emits them: each state change carries
+    the state its subject left."""
+
+    def __init__(self, report: RunReport):
+        self.report = report
+        self.last: dict = {}
+
+    def __call__(self, subject: str, state: str, *, time_s: float, **details) -> None:
+        kind = kind_of(state, subject)
+        previous = None
+        if not isinstance(kind, Happening):
+            previous, self.last[subject] = self.last.get(subject), kind
+        self.report.log_event(FleetEvent(subject, kind, previous, details), time_s=time_s)
+
+
 def _quickstart_like_run(report: RunReport) -> None:
     """What the quickstart logs: two engines, a sync per step, e0 killed during step 10."""
     t = 0.0
+    log = Events(report)
 
     def event(engine: str, state: str, **details) -> None:
-        report.log_event(engine, state, time_s=round(t, 3), **details)
+        log(engine, state, time_s=round(t, 3), **details)
 
     event("router", "READY", url="http://127.0.0.1:30000", pid=100)
     for e in (E0, E1):
@@ -114,9 +132,10 @@ def test_reward_plot_marks_death_and_recovery_at_their_steps(tmp_path):
 def test_a_failed_recovery_is_reported_as_not_recovered(tmp_path):
     report = RunReport(tmp_path)
     report.log_step(0, {"reward_mean": 0.5}, time_s=1.0)
-    report.log_event(E0, "DEAD", time_s=0.5, reason="3 failed probes")
-    report.log_event(E0, "RELAUNCHING", time_s=0.6)
-    report.log_event(E0, "DEAD", time_s=0.9, reason="recovery failed: no bundle")
+    log = Events(report)
+    log(E0, "DEAD", time_s=0.5, reason="3 failed probes")
+    log(E0, "RELAUNCHING", time_s=0.6)
+    log(E0, "DEAD", time_s=0.9, reason="recovery failed: no bundle")
     text = report.render().read_text()
     assert "- engine deaths: 1" in text
     assert "NOT recovered (recovery failed: no bundle)" in text
@@ -125,10 +144,11 @@ def test_a_failed_recovery_is_reported_as_not_recovered(tmp_path):
 def test_a_relaunched_router_counts_as_recovered(tmp_path):
     report = RunReport(tmp_path)
     report.log_step(0, {"reward_mean": 0.5}, time_s=1.0)
-    report.log_event("router/default", "READY", time_s=0.1, url="http://127.0.0.1:30000")
-    report.log_event("router/default", "DEAD", time_s=2.0, code=-9)
-    report.log_event("router/default", "READY", time_s=3.5, url="http://127.0.0.1:30000",
-                     restart_s=1.5, workers=2)
+    log = Events(report)
+    log("router/default", "READY", time_s=0.1, url="http://127.0.0.1:30000")
+    log("router/default", "DEAD", time_s=2.0, code=-9)
+    log("router/default", "READY", time_s=3.5, url="http://127.0.0.1:30000", restart_s=1.5,
+        workers=2)
     text = report.render().read_text()
     assert "- router/default seen dead" in text and "recovered in 1.5 s" in text
     assert "NOT recovered" not in text

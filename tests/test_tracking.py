@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import urllib.error
 import urllib.request
@@ -10,8 +9,10 @@ import urllib.request
 import pytest
 
 from slime_like.config.parse import parse_args
+from slime_like.config.slices import TrackingSettings
 from slime_like.errors import ConfigError
-from slime_like.tracking import (
+from slime_like.fleet.events import FleetEvent, kind_of
+from slime_like.observe.tracking import (
     TensorBoardBackend,
     Tracker,
     TrackingError,
@@ -21,18 +22,22 @@ from slime_like.tracking import (
 )
 
 
-def _args(**kw) -> argparse.Namespace:
+def _args(**kw) -> TrackingSettings:
     base = dict(use_wandb=False, wandb_project="slime_like-test", wandb_group=None,
                 wandb_mode="offline", wandb_dir=None, use_tensorboard=False,
                 tensorboard_dir=None, job_metrics_port=None)
-    return argparse.Namespace(**{**base, **kw})
+    return TrackingSettings(**{**base, **kw})
+
+
+def _event(subject: str, state: str, **details) -> FleetEvent:
+    return FleetEvent(subject, kind_of(state, subject), details=details)
 
 
 def test_no_backend_enabled_is_a_no_op(tmp_path):
     tracker = build_tracker(_args(), tmp_path)
     assert not tracker.enabled and tracker.metrics_url is None
     tracker.log_step(0, {"reward_mean": 1.0})
-    tracker.log_event("e0", "DEAD")
+    tracker.log_event(_event("e0", "DEAD"))
     tracker.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -49,7 +54,7 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     tracker = build_tracker(_args(use_tensorboard=True), tmp_path)
     for step in range(3):
         tracker.log_step(step, {"reward_mean": 0.25 * step, "sync_s": 0.1, "engines": {}})
-    tracker.log_event("default/g0/e0", "DEAD", reason="exit -9")
+    tracker.log_event(_event("default/g0/e0", "DEAD", reason="exit -9"))
     tracker.close()
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -67,8 +72,8 @@ def test_wandb_offline_writes_a_run_directory_without_network(tmp_path, monkeypa
                             config={"lr": 1e-6})
     assert [b.name for b in tracker.backends] == ["wandb"]
     tracker.log_step(0, {"reward_mean": 0.5})
-    tracker.log_event("e0", "DEAD", reason="exit -9")
-    tracker.log_event("e0", "REGISTERED", version="2")
+    tracker.log_event(_event("e0", "DEAD", reason="exit -9"))
+    tracker.log_event(_event("e0", "REGISTERED", version="2"))
     run = tracker.backends[0].run
     assert run.summary["engine_events/DEAD"] == 1
     assert run.summary["engine_recovery_s/e0"] >= 0
@@ -109,14 +114,14 @@ def test_job_metrics_endpoint_serves_steps_engine_states_and_recoveries(tmp_path
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         for engine in ("e0", "e1"):
-            tracker.log_event(engine, "LOADED")
-            tracker.log_event(engine, "REGISTERED", version="1")
+            tracker.log_event(_event(engine, "LOADED"))
+            tracker.log_event(_event(engine, "REGISTERED", version="1"))
         tracker.log_step(3, {"reward_mean": 0.5, "sync_s": 0.25, "sync_gbps": 2.0})
-        tracker.log_event("e0", "DEAD", reason="exit -9")
-        tracker.log_event("e0", "RELAUNCHING")
-        tracker.log_event("e0", "STALE")
+        tracker.log_event(_event("e0", "DEAD", reason="exit -9"))
+        tracker.log_event(_event("e0", "RELAUNCHING"))
+        tracker.log_event(_event("e0", "STALE"))
         mid = _get(url)
-        tracker.log_event("e0", "REGISTERED", version="5")
+        tracker.log_event(_event("e0", "REGISTERED", version="5"))
         body = _get(url)
     finally:
         tracker.close()

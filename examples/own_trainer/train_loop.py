@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
         # address="local": a cluster of our own, not one that `ray start` left running.
         ray.init(address="local", num_cpus=4,
                  num_gpus=None if torch.cuda.is_available() else 2, include_dashboard=False)
-    events: list[tuple[str, str]] = []
+    events: list[tuple[str, str]] = []  # (engine id, state name)
     fleet = launch_fleet(HERE / "fleet.yaml", model_path=model_path, engine=a.engine,
-                         log_dir=out / "logs", on_event=lambda e, s, **d: events.append((e, s)))
+                         log_dir=out / "logs",
+                         on_event=lambda ev: events.append((ev.subject, ev.kind.value)))
     try:
         model = load_pretrained(model_path, dtype=torch.float32)
         weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20)

@@ -21,10 +21,10 @@ from slime_like.config.layout import (
     EnginePlacement,
     JobPlan,
     PlacementGroupLayout,
-    layout_from_args,
     plan_job,
     sort_bundles,
 )
+from slime_like.config.slices import PlacementSettings
 from slime_like.config.topology import Topology
 from slime_like.errors import PlacementError
 
@@ -163,6 +163,6 @@ def place(topology: Topology, layout: PlacementGroupLayout, *, timeout_s: float 
         raise
 
 
-def place_job(args: Any, *, timeout_s: float | None = None) -> JobPlacement:
-    """`place` for parsed flags (`slime_like.config.parse_args` output)."""
-    return place(args.topology, layout_from_args(args), timeout_s=timeout_s)
+def place_job(settings: PlacementSettings, *, timeout_s: float | None = None) -> JobPlacement:
+    """`place` for the job's placement slice (`config.slices.placement_settings`)."""
+    return place(settings.topology, settings.layout, timeout_s=timeout_s)

@@ -129,7 +129,7 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
         router_port=args.sglang_router_port)
 
 
-def sync_settings(args: argparse.Namespace, model_dir: str) -> SyncSettings:
+def sync_settings(args: argparse.Namespace, model_dir: str | None) -> SyncSettings:
     """The trainer's weight-sync slice (`nccl` is slime's name: IPC colocated, else a group)."""
     transport = args.update_weight_transport
     if transport == "nccl":
@@ -140,3 +140,231 @@ def sync_settings(args: argparse.Namespace, model_dir: str) -> SyncSettings:
                         update_weight_buffer_size=args.update_weight_buffer_size,
                         disk_dir=args.update_weight_disk_dir, model_dir=model_dir,
                         http_timeout_s=timeout, group_timeout_s=timeout)
+
+
+# ---- the job's own slices ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """What placement needs: the resolved topology and the placement group's layout."""
+
+    topology: Any          # config.topology.Topology
+    layout: Any            # config.layout.PlacementGroupLayout
+
+
+def placement_settings(args: argparse.Namespace) -> PlacementSettings:
+    from slime_like.config.layout import layout_from_args
+
+    return PlacementSettings(topology=args.topology, layout=layout_from_args(args))
+
+
+@dataclass(frozen=True)
+class TrackingSettings:
+    """wandb, TensorBoard and the job's own Prometheus endpoint (`--use-*`, `--job-metrics-port`)."""
+
+    job_metrics_port: int | None = None
+    use_tensorboard: bool = False
+    tensorboard_dir: str | None = None
+    use_wandb: bool = False
+    wandb_project: str | None = None
+    wandb_group: str | None = None
+    wandb_mode: str | None = None
+    wandb_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class ObserveSettings:
+    """The operator's view: how many steps, how many engines to wait for, tracking, and the
+    resolved flags written into config.json."""
+
+    num_steps: int
+    expected_engines: int | None
+    tracking: TrackingSettings
+    flags: dict[str, Any] = field(default_factory=dict)
+
+
+DEFAULT_STEPS = 10  # the job's step count when --num-rollout is not given
+
+
+def observe_settings(args: argparse.Namespace) -> ObserveSettings:
+    plan = getattr(args, "nominal_plan", None)
+    try:
+        engines = len(plan.http_engines()) if plan is not None else None
+    except (AttributeError, TypeError):
+        engines = None
+    return ObserveSettings(
+        num_steps=args.num_rollout or DEFAULT_STEPS, expected_engines=engines,
+        tracking=TrackingSettings(
+            job_metrics_port=args.job_metrics_port, use_tensorboard=bool(args.use_tensorboard),
+            tensorboard_dir=args.tensorboard_dir, use_wandb=bool(args.use_wandb),
+            wandb_project=args.wandb_project, wandb_group=args.wandb_group,
+            wandb_mode=args.wandb_mode, wandb_dir=args.wandb_dir),
+        flags=dict(vars(args)))
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """Where prompts come from: `--prompt-data` (with its keys) or the toy task."""
+
+    prompt_data: str | None = None
+    input_key: str = "input"
+    label_key: str | None = None
+    metadata_key: str | None = None
+    apply_chat_template: bool = False
+    shuffle: bool = False
+    rollout_seed: int = 42
+    seed: int = 1234
+
+
+def prompt_settings(args: argparse.Namespace) -> PromptSettings:
+    return PromptSettings(prompt_data=args.prompt_data, input_key=args.input_key,
+                          label_key=args.label_key, metadata_key=args.metadata_key,
+                          apply_chat_template=bool(args.apply_chat_template),
+                          shuffle=bool(args.rollout_shuffle), rollout_seed=args.rollout_seed,
+                          seed=args.seed)
+
+
+@dataclass(frozen=True)
+class ChaosSettings:
+    """`--chaos-seed` faults and the `--simulate-engine-crash-*` demo crash."""
+
+    seed: int | None = None
+    faults: tuple[str, ...] = ()
+    detection_grace_s: float = 3.0  # how long a routed engine may not answer
+    crash_at: int | None = None
+    crash_model: str | None = None
+    crash_node_rank: int = 0
+
+
+def chaos_settings(args: argparse.Namespace) -> ChaosSettings:
+    return ChaosSettings(seed=args.chaos_seed, faults=tuple(args.chaos_faults or ()),
+                         detection_grace_s=args.rollout_health_check_interval
+                         + args.rollout_health_check_timeout + 1.5,
+                         crash_at=args.simulate_engine_crash_at,
+                         crash_model=args.simulate_engine_crash_model,
+                         crash_node_rank=args.simulate_engine_crash_node_rank)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """One step's rollout: how many prompts, samples per prompt, and how they are sampled."""
+
+    batch_size: int = 8
+    n_samples_per_prompt: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+
+    @property
+    def sampling_params(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+                "ignore_eos": True}
+
+
+@dataclass(frozen=True)
+class KLSettings:
+    """The KL term against a frozen reference model (slime's flags)."""
+
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    kl_coef: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.use_kl_loss or self.kl_coef > 0
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """`--save DIR` every `--save-interval` steps (and after the last), `--load DIR`."""
+
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What the trainer and the engines load: `--hf-checkpoint`, or a tiny model made here."""
+
+    hf_checkpoint: str | None = None
+    program: str = "reference"
+    tiny_layers: int = 2
+    tiny_hidden: int = 64
+    seed: int = 1234
+    engine_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The trainer group: learning rate, seed, and what it moves off the GPU."""
+
+    lr: float = 1e-6
+    seed: int = 1234
+    offload_train: bool = False
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Every slice of one job, built once from the parsed flags (`job_settings`)."""
+
+    num_steps: int
+    rollout: RolloutSettings
+    kl: KLSettings
+    checkpoints: CheckpointSettings
+    model: ModelSettings
+    trainer: TrainerSettings
+    placement: PlacementSettings
+    observe: ObserveSettings
+    prompts: PromptSettings
+    chaos: ChaosSettings
+    offload_rollout: bool = False
+    update_weights_interval: int = 1
+    logprob_check_tolerance: float = 1e-4
+    output_dir: str | None = None
+    # Plug-ins (`--custom-rm-path`, `--rollout-function-path`, ...) get slime's `args`.
+    plugin_args: argparse.Namespace | None = None
+
+
+def job_settings(args: argparse.Namespace) -> JobSettings:
+    """The job's slices; the fleet's and the sync's are built once the model path is known."""
+    return JobSettings(
+        num_steps=args.num_rollout or DEFAULT_STEPS,
+        rollout=RolloutSettings(batch_size=args.rollout_batch_size or 8,
+                                n_samples_per_prompt=args.n_samples_per_prompt,
+                                temperature=args.rollout_temperature,
+                                max_new_tokens=args.rollout_max_response_len or 16),
+        kl=KLSettings(use_kl_loss=bool(args.use_kl_loss), kl_loss_coef=args.kl_loss_coef,
+                      kl_loss_type=args.kl_loss_type, kl_coef=args.kl_coef),
+        checkpoints=CheckpointSettings(save=args.save, save_interval=args.save_interval,
+                                       load=args.load),
+        model=ModelSettings(hf_checkpoint=args.hf_checkpoint, program=args.engine,
+                            tiny_layers=args.tiny_model_layers,
+                            tiny_hidden=args.tiny_model_hidden, seed=args.seed,
+                            engine_dtype=args.sglang_flags.get("dtype")),
+        trainer=TrainerSettings(lr=args.lr, seed=args.seed,
+                                offload_train=bool(args.offload_train)),
+        placement=placement_settings(args), observe=observe_settings(args),
+        prompts=prompt_settings(args), chaos=chaos_settings(args),
+        offload_rollout=bool(args.offload_rollout),
+        update_weights_interval=args.update_weights_interval,
+        logprob_check_tolerance=args.logprob_check_tolerance,
+        output_dir=args.output_dir, plugin_args=args)
+
+
+@dataclass(frozen=True)
+class DryRunSettings:
+    """What `--dry-run` prints: the nominal plan, the models, and how engines start."""
+
+    plan: Any                       # config.layout.JobPlan over nominal bundles
+    topology: Any                   # config.topology.Topology
+    gpus_per_node: int
+    engine: EngineSettings
+    external_addrs: tuple[str, ...] = ()
+
+
+def dry_run_settings(args: argparse.Namespace) -> DryRunSettings:
+    return DryRunSettings(plan=args.nominal_plan, topology=args.topology,
+                          gpus_per_node=args.num_gpus_per_node, engine=engine_settings(args),
+                          external_addrs=tuple(args.rollout_external_engine_addrs or ()))

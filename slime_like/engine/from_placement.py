@@ -7,13 +7,12 @@ contract tests) compose server args through the same `EngineServer.compose_args`
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from typing import Any
 
 from slime_like.cluster.hosts import format_host
 from slime_like.config.layout import EnginePlacement
-from slime_like.config.slices import EngineSettings, engine_settings
+from slime_like.config.slices import EngineSettings
 from slime_like.engine.launch import ComposedArgs, render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
@@ -50,7 +49,7 @@ def engine_config(engine: EnginePlacement, settings: EngineSettings, *,
         + (f"-node{engine.node_rank}" if engine.nnodes > 1 else ""))
 
 
-def engine_server_args(engine: EnginePlacement, args: argparse.Namespace, *, port: int,
+def engine_server_args(engine: EnginePlacement, settings: EngineSettings, *, port: int,
                        nccl_port: int | None = None, dist_init_port: int | None = None,
                        bootstrap_port: int | None = None,
                        model_path: str | None = None) -> ComposedArgs:
@@ -58,13 +57,13 @@ def engine_server_args(engine: EnginePlacement, args: argparse.Namespace, *, por
     if engine.nnodes > 1 and dist_init_port is None:
         raise ConfigError("dist_init_port", f"engine {engine.engine_id} spans {engine.nnodes} "
                                             "nodes and needs the port its node_rank 0 reserved")
-    e = EngineServer(engine_config(engine, engine_settings(args), model_path=model_path))
+    e = EngineServer(engine_config(engine, settings, model_path=model_path))
     if engine.dist_init_host and dist_init_port is not None:
         e.dist_init_addr = f"{format_host(engine.dist_init_host)}:{dist_init_port}"
     return e.compose_args(host=engine.node_ip, port=port, nccl_port=nccl_port,
                           bootstrap_port=bootstrap_port if engine.worker_type == "prefill" else None)
 
 
-def engine_argv(engine: EnginePlacement, args: argparse.Namespace, **kw: Any) -> list[str]:
+def engine_argv(engine: EnginePlacement, settings: EngineSettings, **kw: Any) -> list[str]:
     """The command line of one engine actor's server, for `--engine sglang|reference`."""
-    return render_argv(engine_server_args(engine, args, **kw).args, args.engine)
+    return render_argv(engine_server_args(engine, settings, **kw).args, settings.program)

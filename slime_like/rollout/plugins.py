@@ -34,8 +34,8 @@ import aiohttp
 
 from slime_like.errors import ConfigError, PluginError
 from slime_like.models.hf_tokenizer import Tokenizer
-from slime_like.rollout.data import PromptItem
 from slime_like.rollout.generate import RouterGenerator, Sample
+from slime_like.rollout.prompts import PromptItem
 from slime_like.rollout.task import letter_credit
 
 logger = logging.getLogger(__name__)

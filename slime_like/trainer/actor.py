@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +20,6 @@ import ray
 import torch
 import torch.distributed as dist
 
-from slime_like.engine.actor import crash_server
 from slime_like.engine.handle import EngineHandle
 from slime_like.trainer.checkpoint import load_rank_state, save_rank_state
 from slime_like.trainer.policy import PolicyTrainer
@@ -60,6 +60,7 @@ class TrainerRank:
         self.version = 0
         self._dirty = False
         self._weights_lock = threading.Condition()
+        self._sync_step_hook: tuple[str, Callable[[], Any]] | None = None
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -138,15 +139,16 @@ class TrainerRank:
             self.weight_sync.on_step = self._on_sync_step
         return self.weight_sync
 
-    def arm_fault(self, step: str, engine_actor: Any) -> None:
-        """Chaos runs: SIGKILL this engine's server when the next full sync reaches `step`."""
-        self._armed = (step, engine_actor)
+    def on_sync_step(self, step: str, action: Callable[[], Any]) -> None:
+        """Run `action` once, when the next sync reaches `step` (a WeightSync step name),
+        before that step runs: chaos runs crash an engine there."""
+        self._sync_step_hook = (step, action)
 
     def _on_sync_step(self, step: str) -> None:
-        armed = getattr(self, "_armed", None)
-        if armed is not None and armed[0] == step:
-            self._armed = None
-            crash_server(armed[1])  # landed before we go on
+        hook = self._sync_step_hook
+        if hook is not None and hook[0] == step:
+            self._sync_step_hook = None
+            hook[1]()  # done before the step goes on
 
     def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True) -> dict:
         """Put the current weights into `targets` (the fleet's update) and report.

@@ -72,9 +72,9 @@ class TrainerGroup:
                 raise cause from None
             raise
 
-    def arm_fault(self, step: str, engine_actor) -> None:
-        """Chaos runs: kill an engine when rank 0's next full sync reaches `step`."""
-        ray.get(self.rank0.arm_fault.remote(step, engine_actor))
+    def on_sync_step(self, step: str, action) -> None:
+        """Run `action` (picklable) in rank 0 when its next sync reaches `step`."""
+        ray.get(self.rank0.on_sync_step.remote(step, action))
 
     def save_checkpoint(self, out_dir: str) -> None:
         """Every rank writes its part into `out_dir` (a directory all ranks can reach)."""

@@ -1,7 +1,10 @@
 """Imports run only downward through the layers of docs/ARCHITECTURE.md, with no circles.
 
 A module may import its own layer or any layer below it. The reference engine is its own
-program: it sees the protocol and the models, never the framework above them.
+program: it sees the protocol and the models, never the framework above them. The package
+root holds only the entry points and the shared tables; `weights/`, `protocol/` and the
+reference engine run without Ray or sglang; a fleet event's kind is always one of the
+fleet's enums, never a bare state name.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "slime_like"
 
 # Lowest first. A module's layer is the first entry its dotted name starts with.
 LAYERS: list[tuple[str, ...]] = [
-    ("slime_like.errors", "slime_like.flag_tables", "slime_like.models", "slime_like.version"),
+    ("slime_like.errors", "slime_like.flag_tables", "slime_like.models"),
     ("slime_like.config",),
     ("slime_like.cluster",),
     ("slime_like.protocol",),
@@ -24,9 +27,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("slime_like.router",),
     ("slime_like.rollout",),
     ("slime_like.weights",),
+    ("slime_like.fleet",),
     ("slime_like.trainer",),
-    ("slime_like.api", "slime_like.train", "slime_like.cli", "slime_like.report",
-     "slime_like.tracking", "slime_like.progress", "slime_like.job", "slime_like"),
+    ("slime_like.chaos",),
+    ("slime_like.observe",),
+    ("slime_like.submit",),
+    ("slime_like.job",),
+    ("slime_like.api", "slime_like.train", "slime_like.cli", "slime_like"),
 ]
 
 # What the reference engine (a separate program) may import from the framework.
@@ -54,10 +61,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
+def _typing_only(tree: ast.AST) -> set[int]:
+    """Ids of the import nodes under `if TYPE_CHECKING:` (they name types, never run)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            out.update(id(n) for child in node.body for n in ast.walk(child))
+    return out
+
+
+def imports_of(path: Path, *, typing: bool = True) -> list[tuple[int, str]]:
+    """(line, module) of every slime_like import; `typing=False` leaves out the imports under
+    `if TYPE_CHECKING:` (a part naming the type of the object that owns it)."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    skip = set() if typing else _typing_only(tree)
     out = []
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.startswith("slime_like")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
@@ -95,7 +116,7 @@ def test_reference_engine_imports_only_protocol_and_models():
 
 
 def test_no_import_cycles_between_modules():
-    graph = {module_name(p): {t for _, t in imports_of(p)} for p in MODULES}
+    graph = {module_name(p): {t for _, t in imports_of(p, typing=False)} for p in MODULES}
     # resolve package imports to their __init__ module name
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -117,3 +138,102 @@ def test_no_import_cycles_between_modules():
     for m in graph:
         if m not in state:
             visit(m)
+
+
+# The package root: entry points (train, cli), the public API, and what every layer shares.
+ROOT_MODULES = {"__init__", "api", "cli", "errors", "flag_tables", "train"}
+
+
+def test_package_root_holds_only_the_allowed_modules():
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ROOT_MODULES)
+    assert not loose, (f"modules at the package root outside {sorted(ROOT_MODULES)}: {loose}; "
+                       "put them in the package of their concern (see ARCHITECTURE.md)")
+    packages = [d for d in PACKAGE.iterdir() if d.is_dir() and any(d.glob("*.py"))]
+    assert all((d / "__init__.py").is_file() for d in packages), \
+        [d.name for d in packages if not (d / "__init__.py").is_file()]
+
+
+def _third_party(path: Path, typing: bool = False) -> list[tuple[int, str]]:
+    """(line, top-level name) of every non-slime_like import, wherever it sits (functions too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = set() if typing else _typing_only(tree)
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module.split(".")[0]))
+    return out
+
+
+# Plain processes on a GPU host (the benchmarks run them so): no Ray, no sglang, down to
+# everything they import from the framework.
+WITHOUT_RAY = ("slime_like.weights", "slime_like.protocol", "slime_like.reference_engine")
+
+
+@pytest.mark.parametrize("package", WITHOUT_RAY)
+def test_weights_protocol_and_reference_engine_import_neither_ray_nor_sglang(package: str):
+    by_name = {module_name(p): p for p in MODULES}
+    graph = {m: {t for _, t in imports_of(p, typing=False) if t in by_name}
+             for m, p in by_name.items()}
+    for start in [m for m in by_name if m == package or m.startswith(package + ".")]:
+        seen, todo = set(), [start]
+        while todo:  # every framework module it imports, directly or through others
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            todo += graph.get(m, ())
+        bad = [f"{m} line {line}: {name}" for m in sorted(seen)
+               for line, name in _third_party(by_name[m]) if name in ("ray", "sglang")]
+        assert not bad, f"{start} reaches Ray or sglang: {bad}"
+
+
+def _state_names() -> set[str]:
+    from slime_like.fleet.events import KINDS
+
+    return {member.value for kind in KINDS for member in kind}
+
+
+# Calls that make or move a fleet event: their kind is an enum member, never its name.
+EVENT_CALLS = {"emit", "move", "_moved", "FleetEvent"}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_fleet_event_kinds_are_the_enums_not_strings(path: Path):
+    names = _state_names()
+    tree = ast.parse(path.read_text(), filename=str(path))
+
+    def literal(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            return node.value
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            found = [literal(e) for e in node.elts]
+            return next((f for f in found if f), None)
+        return None
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                getattr(node.func, "id", "")
+            if func in EVENT_CALLS:
+                bad += [(node.lineno, x) for a in node.args if (x := literal(a))]
+        elif isinstance(node, ast.Compare):
+            bad += [(node.lineno, x) for o in [node.left, *node.comparators] if (x := literal(o))]
+        elif isinstance(node, ast.Dict):
+            bad += [(node.lineno, x) for k in node.keys if k is not None and (x := literal(k))]
+    assert not bad, (f"{module_name(path)} names fleet states as strings (use EngineState, "
+                     f"RouterState, Happening): {bad}")
+
+
+def test_a_fleet_event_refuses_a_kind_that_is_not_an_enum():
+    from slime_like.fleet.events import EngineState, FleetEvent, Happening
+
+    with pytest.raises(TypeError, match="not a fleet enum"):
+        FleetEvent("default/g0/e0", "DEAD")
+    with pytest.raises(TypeError, match="no previous"):
+        FleetEvent("default/g0/e0", Happening.RECOVERED, EngineState.REGISTERED)
+    assert FleetEvent("default/g0/e0", EngineState.DEAD, EngineState.REGISTERED).is_state_change

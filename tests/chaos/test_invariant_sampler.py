@@ -7,7 +7,6 @@ does not serve, cannot be caused through a real Fleet: preventing it is the Flee
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +32,7 @@ def test_flags_a_routed_engine_at_another_version_but_not_a_sync_or_an_unrouted_
         engine, router):
     router.client.add_worker(engine.url)
     fleet = SimpleNamespace(
-        version=1, _full_update=threading.Event(), routers={"default": router},
+        version=1, update_in_progress=False, routers={"default": router},
         engines=[SimpleNamespace(url=engine.url, update_weights=True, handle=None,
                                  engine_id="default/g0/e0")])
     sampler = InvariantSampler(fleet)
@@ -48,10 +47,10 @@ def test_flags_a_routed_engine_at_another_version_but_not_a_sync_or_an_unrouted_
         assert [(v["what"], v["served"], v["fleet"]) for v in sampler.violations] == [
             ("routed at another version", "2", 1)]
 
-        fleet._full_update.set()  # during a sync the next version may already be served
+        fleet.update_in_progress = True  # during a sync the next version may already be served
         sampler._sample(session)
         assert len(sampler.violations) == 1
-        fleet._full_update.clear()
+        fleet.update_in_progress = False
 
         # A failed sync may unroute the engine between the listing and the judgment: the
         # sampler asks the router again before it calls a violation.

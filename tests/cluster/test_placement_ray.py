@@ -16,6 +16,7 @@ from ray.util.placement_group import placement_group_table
 from slime_like.cluster.placement import JobPlacement, place, place_job
 from slime_like.config import parse_args
 from slime_like.config.layout import placement_group_layout
+from slime_like.config.slices import placement_settings
 from slime_like.errors import PlacementError
 from tests.simulated_nodes import simulated_nodes
 
@@ -69,7 +70,7 @@ sglang:
       - {worker_type: placeholder, num_gpus: 1}
       - {worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}
 """, "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "6")
-    with place_job(args, timeout_s=60) as placement:
+    with place_job(placement_settings(args), timeout_s=60) as placement:
         plan = placement.plan
         assert [(b.node_ip, b.gpu_id) for b in plan.bundles] == [
             (ip, g) for ip in NODES for g in range(GPUS_PER_NODE)]
@@ -95,7 +96,7 @@ sglang:
     server_groups:
       - {worker_type: regular, num_gpus: 8, num_gpus_per_engine: 8}
 """, "--debug-rollout-only")
-    with place_job(args, timeout_s=60) as placement:
+    with place_job(placement_settings(args), timeout_s=60) as placement:
         engines = placement.plan.engines
         assert [(e.engine_index, e.node_rank, e.nnodes, e.node_ip, e.gpus_on_node)
                 for e in engines] == [(0, 0, 2, NODES[0], 4), (0, 1, 2, NODES[1], 4)]
@@ -107,7 +108,7 @@ sglang:
 def test_colocated_trainer_rank_and_engine_share_one_bundle(cluster):
     args = parse_args(["--hf-checkpoint", "base", "--num-gpus-per-node", str(GPUS_PER_NODE),
                        "--actor-num-gpus-per-node", "2", "--colocate"])
-    with place_job(args, timeout_s=60) as placement:
+    with place_job(placement_settings(args), timeout_s=60) as placement:
         engine = placement.plan.engines[1]
         assert engine.shares_trainer_gpus and engine.slot == 1
         seen = _seen_by_actors([placement.trainer_options(1), placement.engine_options(engine)])
@@ -129,7 +130,7 @@ def test_too_large_a_placement_group_fails_in_time_and_is_removed(cluster):
 def test_quickstart_places_one_trainer_and_two_engines_on_declared_gpus(cluster):
     # The CPU job: GPUs are only declared to Ray, and the same placement code runs.
     config = pathlib.Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-    with place_job(parse_args(["--config", str(config)]), timeout_s=60) as placement:
+    with place_job(placement_settings(parse_args(["--config", str(config)])), timeout_s=60) as placement:
         plan = placement.plan
         assert len({b.node_ip for b in plan.bundles}) == 1  # PACK: one node holds all three
         node = plan.bundles[0].node_ip

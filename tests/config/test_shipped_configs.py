@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from slime_like.config import parse_args
+from slime_like.config.slices import engine_settings
 from slime_like.engine.from_placement import engine_argv, engine_server_args
 from slime_like.engine.launch import parse_argv
 
@@ -19,7 +20,7 @@ def _argvs(args, model_path: str | None = None) -> list[dict]:
     """Each engine actor's argv, read back into field values (ports as its actor would pick)."""
     out = []
     for i, e in enumerate(args.nominal_plan.engines):
-        argv = engine_argv(e, args, port=30000 + 10 * i, nccl_port=30001 + 10 * i,
+        argv = engine_argv(e, engine_settings(args), port=30000 + 10 * i, nccl_port=30001 + 10 * i,
                            dist_init_port=30002 + 10 * i if e.nnodes > 1 else None,
                            bootstrap_port=30003 + 10 * i, model_path=model_path)
         prog = "slime_like.reference_engine" if args.engine == "reference" else \
@@ -50,8 +51,7 @@ def test_every_config_is_exercised():
         assert _args(name).engine == "reference"
 
 
-def test_gpu_only_configs_say_so_and_dry_run_rejects_an_unresolvable_checkpoint(
-        tmp_path, capsys, monkeypatch):
+def test_gpu_only_configs_say_so_and_dry_run_plans_offline(tmp_path, capsys, monkeypatch):
     from slime_like.models.tiny import make_tiny_model
     from slime_like.train import main
 
@@ -60,12 +60,18 @@ def test_gpu_only_configs_say_so_and_dry_run_rejects_an_unresolvable_checkpoint(
     for name in GPU_ONLY:
         header = (CONFIGS / name).read_text().split("\nengine:")[0]
         assert "GPU only" in header and "--dry-run" in header, name
-        # a checkpoint neither local nor resolvable fails the dry run with one line
+        # a checkpoint neither local nor a hub id fails the dry run with one line
         assert main(["--config", str(CONFIGS / name), "--dry-run",
-                     "--hf-checkpoint", "no-such-org/no-such-model"]) == 2
+                     "--hf-checkpoint", "no/such/model"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("slime-like train: error: --hf-checkpoint: ") and \
             err.count("\n") == 1, err
+        # the shipped hub id cannot be reached offline: one warning line, and the plan
+        assert main(["--config", str(CONFIGS / name), "--dry-run"]) == 0
+        got = capsys.readouterr()
+        assert got.err.startswith("slime-like train: warning: --hf-checkpoint: ") and \
+            got.err.count("\n") == 1 and "the job will need it" in got.err, got.err
+        assert got.out.count("$ ") == len(_args(name).nominal_plan.engines)
         # with a local checkpoint it prints every engine's server command line
         assert main(["--config", str(CONFIGS / name), "--dry-run",
                      "--hf-checkpoint", str(tiny)]) == 0
@@ -141,8 +147,8 @@ def test_multi_node_engine_shares_dist_init_addr_of_node_rank_0(tmp_path):
                    "      - {worker_type: regular, num_gpus: 16, num_gpus_per_engine: 16}\n")
     args = parse_args(["--hf-checkpoint", "m", "--sglang-config", str(cfg)])
     rank0, rank1 = args.nominal_plan.engines
-    a0 = engine_server_args(rank0, args, port=30000, dist_init_port=30100).args
-    a1 = engine_server_args(rank1, args, port=30000, dist_init_port=30100).args
+    a0 = engine_server_args(rank0, engine_settings(args), port=30000, dist_init_port=30100).args
+    a1 = engine_server_args(rank1, engine_settings(args), port=30000, dist_init_port=30100).args
     assert (a0["nnodes"], a0["node_rank"], a1["node_rank"]) == (2, 0, 1)
     assert a0["dist_init_addr"] == a1["dist_init_addr"] == "node1:30100"
     assert (a0["tp_size"], a0["random_seed"]) == (16, a1["random_seed"])

@@ -9,9 +9,9 @@ import pytest
 from slime_like.config.parse import parse_args
 from slime_like.errors import ConfigError, PluginError
 from slime_like.models import ByteTokenizer
-from slime_like.rollout.data import PromptItem
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.plugins import Plugins, load_function, toy_reward
+from slime_like.rollout.prompts import PromptItem
 
 TOK = ByteTokenizer()
 M = "tests.rollout.rl_plugins"

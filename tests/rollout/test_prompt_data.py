@@ -8,7 +8,7 @@ import pytest
 
 from slime_like.errors import ConfigError
 from slime_like.models import ByteTokenizer
-from slime_like.rollout.data import PromptDataset, ToyPrompts
+from slime_like.rollout.prompts import PromptDataset, ToyPrompts
 
 TOK = ByteTokenizer()
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from slime_like.errors import LaunchError
-from slime_like.local_cluster import cluster_processes, start_cluster, stop_cluster
+from slime_like.submit.local_cluster import cluster_processes, start_cluster, stop_cluster
 from tests.scripts.port_helpers import RAY_FIXED_DEFAULT_PORTS, hold
 
 

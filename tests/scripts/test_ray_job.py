@@ -8,8 +8,8 @@ import tempfile
 
 import pytest
 
-from slime_like.local_cluster import start_cluster, stop_cluster
-from slime_like.ray_job import run
+from slime_like.submit.local_cluster import start_cluster, stop_cluster
+from slime_like.submit.ray_job import run
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from slime_like.ray_job import NO_AGENT, JobSubmitError, wait_and_submit
+from slime_like.submit.ray_job import NO_AGENT, JobSubmitError, wait_and_submit
 from tests.scripts.port_helpers import RAY_FIXED_DEFAULT_PORTS, hold
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ class _AgentlessDashboard(http.server.BaseHTTPRequestHandler):
 
 
 def test_submission_retries_while_no_job_agent_is_available(monkeypatch):
-    monkeypatch.setattr("slime_like.ray_job.POLL_S", 0.1)
+    monkeypatch.setattr("slime_like.submit.ray_job.POLL_S", 0.1)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AgentlessDashboard)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     said = []

@@ -3,23 +3,33 @@
 report.md is for an operator skimming a finished run: a summary first (steps, reward,
 weight sync, each engine death and how long its recovery took), the metrics endpoints,
 the plots (deaths and recoveries marked on them), then only the engine events that are not
-routine. Everything else stays in the JSONL files beside it.
+routine (`fleet.events.ROUTINE`), in time order. Everything else stays in the JSONL files
+beside it. A run into a folder that holds an earlier run's files moves them aside first
+(`begin_run`), so a report, its timeline and its clock are one run's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slime_like.endpoints import MetricsEndpoint
-from slime_like.incidents import ROUTINE_STATES, Incident, IncidentLog
-from slime_like.run_info import write_run_info
+from slime_like.fleet.events import FleetEvent, is_routine, kind_of, previous_of
+from slime_like.observe.endpoints import MetricsEndpoint
+from slime_like.observe.incidents import Incident, IncidentLog
+from slime_like.observe.run_info import write_run_info
+
+logger = logging.getLogger(__name__)
 
 MAX_EVENT_ROWS = 30  # report.md stays short; engine_timeline.jsonl has every event
+EARLIER_RUNS = "earlier-runs"  # where a new run moves an earlier run's files
+# One run's own files (the logs, the model and checkpoints stay where they are).
+RUN_FILES = ("metrics.jsonl", "engine_timeline.jsonl", "report.md", "endpoints.json",
+             "chaos.json", "reward.png", "weight_sync.png", "engine_timeline.png")
 
 
 def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -86,16 +96,21 @@ def summary_lines(steps: list[dict], incidents: list[Incident]) -> list[str]:
     return lines
 
 
+def in_time_order(events: list[dict]) -> list[dict]:
+    """Timeline rows by time (stable: rows of one instant keep the order they were logged)."""
+    return sorted(events, key=lambda e: float(e.get("time_s", 0.0)))
+
+
 def notable_events(events: list[dict]) -> list[tuple[dict, str]]:
     """Events that are not routine, with a note; a REGISTERED that ends a recovery counts."""
     log = IncidentLog()
     out = []
-    for e in events:
+    for e in in_time_order(events):
         recovery = log.is_recovery(e)
         outcome = log.feed(e)
         if recovery and outcome is not None:
             out.append((e, f"recovered {outcome[1].recovery_s:.1f} s after the death"))
-        elif e["state"] not in ROUTINE_STATES:
+        elif not is_routine(previous_of(e), kind_of(e["state"], str(e["engine"]))):
             out.append((e, ""))
     return out
 
@@ -123,17 +138,31 @@ class RunReport:
     def _now(self) -> float:
         return round(time.time() - self.started, 3)
 
+    def begin_run(self) -> Path | None:
+        """A new run into this folder: an earlier run's files move to earlier-runs/N/ (their
+        clock started at another time); where they went, or None if there were none."""
+        found = [self.out_dir / name for name in RUN_FILES if (self.out_dir / name).exists()]
+        if not found:
+            return None
+        earlier = self.out_dir / EARLIER_RUNS
+        dest = earlier / str(1 + sum(1 for _ in earlier.iterdir()) if earlier.is_dir() else 1)
+        dest.mkdir(parents=True)
+        for path in found:
+            path.rename(dest / path.name)
+        logger.warning("%s held an earlier run's report files; moved them to %s", self.out_dir,
+                       dest)
+        return dest
+
     def log_step(self, step: int, metrics: dict[str, Any], *, time_s: float | None = None) -> None:
         """One row of metrics.jsonl; `time_s` (seconds since start) defaults to now."""
         row = {"step": step, "time_s": self._now() if time_s is None else time_s, **metrics}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 
-    def log_event(self, engine: str, state: str, *, time_s: float | None = None,
-                  **details: Any) -> None:
-        """One row of engine_timeline.jsonl (a state change of an engine or router)."""
-        row = {"time_s": self._now() if time_s is None else time_s, "engine": engine,
-               "state": state, **details}
+    def log_event(self, event: FleetEvent, *, time_s: float | None = None) -> None:
+        """One row of engine_timeline.jsonl, at the event's own time (seconds since start)."""
+        when = round(event.at - self.started, 3) if time_s is None else time_s
+        row = {"time_s": when, "engine": event.subject, "state": event.kind.value, **event.row()}
         with self.timeline_path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 
@@ -156,10 +185,10 @@ class RunReport:
 
     def render(self, title: str = "slime_like run", notes: list[str] | None = None) -> Path:
         """Plots (PNG) and report.md from what was logged; returns the report path."""
-        from slime_like.report_plots import plot_run
+        from slime_like.observe.plots import plot_run
 
         steps = self._read(self.metrics_path)
-        events = self._read(self.timeline_path)
+        events = in_time_order(self._read(self.timeline_path))
         self._keep_endpoints()
         log = IncidentLog()
         for e in events:

@@ -15,6 +15,7 @@ import torch
 from fleet_checks import routed_urls
 
 from slime_like.api import FleetWeights
+from slime_like.chaos import kill_engine
 from slime_like.models import load_pretrained
 
 
@@ -30,12 +31,12 @@ def test_an_engine_killed_again_during_its_resync_is_recovered_again(fleet, tiny
     def kill_at_first_resync(update):
         if not update.full and not killed_during_resync:
             killed_during_resync.append(update.targets[0].url)
-            fleet.kill_engine(0)  # the relaunched server, as its resync begins
+            kill_engine(fleet, 0)  # the relaunched server, as its resync begins
         return resync(update)
 
     fleet.set_weight_source(kill_at_first_resync)
     first_url = victim.url
-    fleet.kill_engine(0)
+    kill_engine(fleet, 0)
     time.sleep(1.0)  # the exit watcher starts the recovery
     assert fleet.wait_recovered(timeout=240)
     # the second death happened to the relaunched server, and was recovered too

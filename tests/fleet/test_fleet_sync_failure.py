@@ -17,7 +17,7 @@ import ray
 import torch
 from fleet_checks import routed_urls, wait_all_registered
 
-from slime_like.api import FleetWeights
+from slime_like.api import EngineState, FleetWeights
 from slime_like.errors import WeightSyncError
 from slime_like.models import load_pretrained
 from slime_like.weights.source import ModelWeights
@@ -51,8 +51,8 @@ def test_failed_sync_unroutes_every_unverified_engine_then_resyncs_them(fleet, t
 
     pushed = checksums(fleet)
     stale_checks: list[tuple[str, set[str]]] = []
-    fleet.subscribe(lambda engine, state, **d: state == "STALE" and
-                    stale_checks.append((fleet.find(engine).url, routed_urls(fleet))))
+    fleet.subscribe(lambda event: event.kind is EngineState.STALE and
+                    stale_checks.append((fleet.find(event.subject).url, routed_urls(fleet))))
     with pytest.raises(WeightSyncError, match="mid-sync"):
         fleet.sync(lambda u: weights.sync.update(BreaksAfterFirstBucket(model, good=5),
                                                  u.version.wire, engines=u.targets).as_dict(),

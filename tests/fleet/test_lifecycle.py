@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from slime_like.rollout.lifecycle import TRANSITIONS, EngineState, IllegalTransition, ManagedEngine
+from slime_like.fleet.lifecycle import TRANSITIONS, EngineState, IllegalTransition, ManagedEngine
 
 S = EngineState
 # The moves the fleet relies on, written out independently of the table.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slime_like.errors import WeightSyncError
-from slime_like.rollout.fleet import Fleet, Update
+from slime_like.fleet.fleet import Fleet, Update
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
 
 
@@ -49,10 +49,11 @@ class FleetWeights:
 
     def push(self, weights: Any) -> SyncReport | dict:
         """One full update of `weights` (nn.Module, state dict or named tensors)."""
-        def run(update: Update) -> dict:
-            return self.sync.update(weights, update.version.wire, engines=update.targets).as_dict()
-
-        report = self.fleet.sync(run)
+        for attempt in self.fleet.sync_attempts():
+            with attempt as update:
+                update.report = self.sync.update(weights, update.version.wire,
+                                                 engines=update.targets).as_dict()
+        report = update.report
         self._pushed, self._stamp = weights, _stamp(weights)
         return report
 

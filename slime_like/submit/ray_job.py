@@ -1,6 +1,6 @@
 """Submit the job to a Ray cluster once it can take it, follow its logs, return its outcome.
 
-    python -m slime_like.ray_job --address http://head:8265 [--timeout S] -- python -m ...
+    python -m slime_like.submit.ray_job --address http://head:8265 [--timeout S] -- python -m ...
 
 `ray job submit` fails at once with "No available agent to submit job" when the head
 node's job agent has not registered yet (a fresh or loaded cluster), and the dashboard's
@@ -108,7 +108,7 @@ def _final_status(client: Any, sid: str, timeout_s: float = 60.0) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of this module (what scripts/run_job.sh calls); the exit status."""
-    p = argparse.ArgumentParser(prog="python -m slime_like.ray_job", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m slime_like.submit.ray_job", description=__doc__.split(
         "\n")[0])
     p.add_argument("--address", required=True, help="The dashboard, e.g. http://head:8265.")
     p.add_argument("--timeout", type=float, default=120.0,

@@ -1,4 +1,4 @@
-"""The engine lifecycle: states, the legal moves between them, and one engine's record.
+"""The engine lifecycle: the legal moves between states, and one engine's whole record.
 
     LAUNCHING -> LOADED -> UPDATING -> REGISTERED <-> UPDATING
     REGISTERED -> SUSPECT (a failed probe: out of the router) -> REGISTERED | DEAD
@@ -9,14 +9,15 @@
     DEAD -> REATTACHING (an external engine: we wait for its owner to bring it back) -> STALE
     any -> STOPPED (shutdown)
 
-Invariant (DESIGN §3): an engine is in its router only while its verified weight version
-equals the fleet's current version. Only `Fleet` moves engines; `move` refuses anything
-not in `TRANSITIONS`, so an illegal move is a bug that shows at once.
+Invariant: an engine is in its router only while its verified weight version equals the
+fleet's current version (see docs/ARCHITECTURE.md). Only the fleet moves engines; `move`
+refuses anything not in `TRANSITIONS`, so an illegal move is a bug that shows at once.
+Everything the fleet knows about an engine is on its `ManagedEngine`: the state, where it
+is routed, whether a recovery or resync of it is running, what it waits for.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,22 +25,8 @@ from typing import Any
 from slime_like.config.layout import EnginePlacement
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import SlimeLikeError
+from slime_like.fleet.events import EngineState
 from slime_like.protocol.weight_version import WeightVersion
-
-
-class EngineState(str, enum.Enum):
-    LAUNCHING = "LAUNCHING"
-    LOADED = "LOADED"
-    UPDATING = "UPDATING"
-    REGISTERED = "REGISTERED"
-    SUSPECT = "SUSPECT"
-    STALE = "STALE"
-    DEAD = "DEAD"
-    RELAUNCHING = "RELAUNCHING"
-    REATTACHING = "REATTACHING"
-    OFFLOADED = "OFFLOADED"
-    STOPPED = "STOPPED"
-
 
 S = EngineState
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
@@ -58,12 +45,11 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
 
 # States an update may take an engine from (it then moves to UPDATING).
 SYNCABLE: frozenset[EngineState] = frozenset({S.LOADED, S.REGISTERED, S.STALE})
-# Routine moves of a healthy run (the report shows the others).
-ROUTINE: frozenset[tuple[EngineState | None, EngineState]] = frozenset({
-    (None, S.LAUNCHING), (S.LAUNCHING, S.LOADED), (S.LOADED, S.UPDATING),
-    (S.REGISTERED, S.UPDATING), (S.UPDATING, S.REGISTERED), (S.REGISTERED, S.STOPPED),
-    (S.REGISTERED, S.OFFLOADED), (S.OFFLOADED, S.REGISTERED),
-})
+# Dead, or on its way back: a recovery owns it.
+GONE: frozenset[EngineState] = frozenset({S.DEAD, S.STOPPED, S.RELAUNCHING, S.REATTACHING})
+# Probed by the health monitor (a STOPPED or dead engine is not).
+WATCHED: frozenset[EngineState] = frozenset({S.REGISTERED, S.SUSPECT, S.LOADED, S.STALE,
+                                             S.UPDATING, S.OFFLOADED})
 
 
 class IllegalTransition(SlimeLikeError):
@@ -79,7 +65,7 @@ class IllegalTransition(SlimeLikeError):
 
 @dataclass
 class ManagedEngine:
-    """One engine of the fleet (all its node actors) and where it is in its lifecycle."""
+    """One engine of the fleet (all its node actors) and everything the fleet knows of it."""
 
     engine_id: str
     model_name: str
@@ -93,14 +79,23 @@ class ManagedEngine:
     verified_version: WeightVersion | None = None
     routed: bool = False
     router_worker_id: str | None = None
-    restarts: int = 0
+    restarts: int = 0  # launches after the first: an exit of an older server is not news
     dead_at: float | None = None
     # Why the server its recovery started died too, before that recovery finished.
     died_while_recovering: str | None = None
+    recovering: bool = False          # a recovery thread owns it
+    resyncing: bool = False           # a resync thread of its own runs (it was STALE)
+    awaiting_full_sync: bool = False  # released without a weight backup: the next full sync
 
     @property
     def url(self) -> str | None:
         return self.handle.url if self.handle else None
+
+    @property
+    def colocated(self) -> bool:
+        """On the trainer's GPUs: it gives its memory back around each train step."""
+        return (self.external_address is None and bool(self.placements)
+                and self.placements[0].shares_trainer_gpus)
 
     def move(self, dst: EngineState) -> EngineState:
         """Change state if the table allows it; the previous state."""

@@ -8,7 +8,6 @@ missing one is a one-line error that says what to install.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import logging
 import math
@@ -20,8 +19,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from slime_like.config.slices import TrackingSettings
 from slime_like.errors import ConfigError
-from slime_like.incidents import IncidentLog
+from slime_like.fleet.events import FleetEvent, kind_of
+from slime_like.observe.incidents import IncidentLog
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Backend(Protocol):
         """Record one step's scalars."""
 
     def log_event(self, event: dict[str, Any]) -> None:
-        """Record one engine state change (`engine`, `state`, `time_s`, details)."""
+        """Record one fleet event as a timeline row (`engine`, `state`, `time_s`, details)."""
 
     def close(self) -> None:
         """Flush and release what the backend holds (files, a server, a run)."""
@@ -110,7 +111,7 @@ class WandbBackend:
 
     def log_event(self, event: dict[str, Any]) -> None:
         # Into the run summary: wandb's step axis belongs to log_step.
-        key = f"engine_events/{event['state']}"
+        key = f"engine_events/{kind_of(event['state'], event['engine']).value}"
         self._counts[key] = self._counts.get(key, 0) + 1
         self.run.summary[key] = self._counts[key]
         outcome = self._incidents.feed(event)
@@ -185,7 +186,7 @@ class PrometheusBackend:
             self._gauge(key).set(value)
 
     def log_event(self, event: dict[str, Any]) -> None:
-        engine, state = event["engine"], event["state"]
+        engine, state = event["engine"], kind_of(event["state"], event["engine"]).value
         old = self._states.get(engine)
         if old is not None and old != state:
             self.engine_state.labels(engine=engine, state=old).set(0)
@@ -240,12 +241,12 @@ class Tracker:
         if self.backends:
             self._each("log_step", step, scalars(metrics))
 
-    def log_event(self, engine: str, state: str, **details: Any) -> None:
-        """An engine state change to every backend (the RolloutManager's event sink)."""
+    def log_event(self, event: FleetEvent) -> None:
+        """A fleet event to every backend, as a timeline row (its `state` the enum member)."""
         if self.backends:
-            event = {"engine": engine, "state": state,
-                     "time_s": round(time.time() - self._started, 3), **details}
-            self._each("log_event", event)
+            self._each("log_event", {"engine": event.subject, "state": event.kind,
+                                     "time_s": round(event.at - self._started, 3),
+                                     **event.row()})
 
     def close(self) -> None:
         """Close every backend; later calls are no-ops."""
@@ -257,21 +258,22 @@ class Tracker:
                 logger.warning("tracking backend %s failed to close: %s", b.name, e)
 
 
-def build_tracker(args: argparse.Namespace, run_dir: Path,
+def build_tracker(settings: TrackingSettings, run_dir: Path,
                   config: dict[str, Any] | None = None) -> Tracker:
     """The backends `--use-wandb`, `--use-tensorboard` and `--job-metrics-port` ask for."""
     run_dir = Path(run_dir)
     backends: list[Backend] = []
     try:
-        if getattr(args, "job_metrics_port", None) is not None:
-            backends.append(PrometheusBackend(args.job_metrics_port))
-        if getattr(args, "use_tensorboard", False):
-            backends.append(TensorBoardBackend(Path(args.tensorboard_dir or
+        if settings.job_metrics_port is not None:
+            backends.append(PrometheusBackend(settings.job_metrics_port))
+        if settings.use_tensorboard:
+            backends.append(TensorBoardBackend(Path(settings.tensorboard_dir or
                                                     run_dir / "tensorboard")))
-        if getattr(args, "use_wandb", False):
+        if settings.use_wandb:
             backends.append(WandbBackend(
-                project=args.wandb_project, group=args.wandb_group, mode=args.wandb_mode,
-                dir=Path(args.wandb_dir or run_dir), config=config, name=run_dir.name))
+                project=settings.wandb_project, group=settings.wandb_group,
+                mode=settings.wandb_mode, dir=Path(settings.wandb_dir or run_dir),
+                config=config, name=run_dir.name))
     except BaseException:
         Tracker(backends).close()
         raise

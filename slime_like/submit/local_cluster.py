@@ -1,7 +1,7 @@
 """Start and stop one private Ray cluster on this machine, leaving any other alone.
 
-    python -m slime_like.local_cluster start --temp-dir DIR --num-cpus N --num-gpus G
-    python -m slime_like.local_cluster stop --temp-dir DIR --gcs-port PORT
+    python -m slime_like.submit.local_cluster start --temp-dir DIR --num-cpus N --num-gpus G
+    python -m slime_like.submit.local_cluster stop --temp-dir DIR --gcs-port PORT
 
 Start: every port Ray would otherwise take at a fixed default (the dashboard agent's 52365,
 the client server's 10001, ...) is picked free, so a second cluster on the machine does not
@@ -132,7 +132,7 @@ def stop_cluster(temp_dir: str, gcs_port: int | None = None, grace_s: float = 5.
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`start` / `stop` from the command line (scripts/run_job.sh); the exit status."""
-    p = argparse.ArgumentParser(prog="python -m slime_like.local_cluster",
+    p = argparse.ArgumentParser(prog="python -m slime_like.submit.local_cluster",
                                 description="Start or stop one private Ray cluster of this "
                                             "machine.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -13,8 +13,8 @@ import pytest
 
 from slime_like.cluster.process import ServerProcess
 from slime_like.engine.client import EngineClient
+from slime_like.fleet.health import HealthMonitor, HealthPolicy
 from slime_like.reference_engine.tp import free_port
-from slime_like.rollout.health import HealthMonitor, HealthPolicy
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ with the prompts it would have seen next. The shuffle order of an epoch is a fun
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from slime_like.config.slices import PromptSettings
 from slime_like.errors import ConfigError
 from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.rollout.task import SayTheLetterTask
@@ -169,14 +169,14 @@ class ToyPrompts:
         self.task.rng.setstate((version, tuple(internal), gauss))
 
 
-def prompt_source(args: argparse.Namespace, tokenizer: Tokenizer) -> PromptSource:
+def prompt_source(settings: PromptSettings, tokenizer: Tokenizer) -> PromptSource:
     """`--prompt-data` if given, else the toy task."""
-    if args.prompt_data:
-        return PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key,
-                             label_key=args.label_key, metadata_key=args.metadata_key,
-                             apply_chat_template=args.apply_chat_template,
-                             shuffle=args.rollout_shuffle, seed=args.rollout_seed)
-    if args.apply_chat_template:
+    if settings.prompt_data:
+        return PromptDataset(settings.prompt_data, tokenizer, input_key=settings.input_key,
+                             label_key=settings.label_key, metadata_key=settings.metadata_key,
+                             apply_chat_template=settings.apply_chat_template,
+                             shuffle=settings.shuffle, seed=settings.rollout_seed)
+    if settings.apply_chat_template:
         raise ConfigError("--apply-chat-template", "applies to --prompt-data only (the toy task "
                                                    "has its own prompts)")
-    return ToyPrompts(tokenizer, seed=args.seed)
+    return ToyPrompts(tokenizer, seed=settings.seed)

@@ -71,7 +71,7 @@ def git_revision(path: Path | None = None) -> str:
     Only a checkout of this project counts: a site-packages inside some other repository
     (a venv in a project folder) must not report that repository's commit.
     """
-    where = (path or Path(__file__).resolve().parent).resolve()
+    where = (path or Path(__file__).resolve().parents[1]).resolve()  # the slime_like package
     try:
         top = subprocess.run(["git", "-C", str(where), "rev-parse", "--show-toplevel"],
                              capture_output=True, text=True, timeout=10)

@@ -1,4 +1,6 @@
-"""HealthMonitor: finds dead engines fast without killing busy ones.
+"""Engine health: the HealthMonitor, and what the fleet does with what it finds.
+
+`HealthMonitor` finds dead engines fast without killing busy ones.
 
 Two signals per engine, checked every `interval_s` for all engines concurrently:
 - liveness (is the server process still running?) — a death is reported at once;
@@ -12,6 +14,8 @@ The monitor holds health counters only; lifecycle decisions are the fleet's. It 
 fleet whether to probe an engine now (`should_probe`: not while paused for an update) and
 reports to it: `on_suspect` at the first failed probe (the fleet takes the engine out of
 the router at once), `on_healthy` when a suspect answers again, `on_dead` after N.
+`FleetHealth` is that fleet side: it builds the monitor from the health slice and turns
+its findings into moves (SUSPECT, back to REGISTERED or STALE, a recovery).
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slime_like.fleet.events import EngineState, Happening
+from slime_like.fleet.lifecycle import WATCHED, ManagedEngine
+
+if TYPE_CHECKING:
+    from slime_like.fleet.fleet import Fleet
 
 logger = logging.getLogger(__name__)
 
@@ -160,3 +171,76 @@ class HealthMonitor:
             return bool(self.is_alive(key))
         except Exception:  # noqa: BLE001 - an actor that cannot answer is not alive
             return False
+
+
+S = EngineState
+
+
+class FleetHealth:
+    """The fleet's health monitor (none when `--use-fault-tolerance` is off) and its verdicts."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.monitor: HealthMonitor | None = None
+
+    def start(self) -> None:
+        fleet, health = self.fleet, self.fleet.settings.health
+        if not health.enabled:
+            return
+        self.monitor = HealthMonitor(
+            lambda engine_id, timeout: fleet.launcher.probe(fleet.find(engine_id), timeout),
+            lambda engine_id: fleet.launcher.alive(fleet.find(engine_id)),
+            lambda engine_id, why: fleet.recovery.start_recovery(fleet.find(engine_id), why),
+            HealthPolicy(interval_s=health.interval_s, timeout_s=health.timeout_s,
+                         failure_threshold=health.failure_threshold,
+                         first_wait_s=health.first_wait_s),
+            should_probe=lambda engine_id: fleet.find(engine_id).state in WATCHED,
+            on_suspect=self._on_suspect, on_healthy=self._on_healthy)
+        for e in fleet.engines:
+            self.monitor.watch(e.engine_id)
+        self.monitor.start()
+
+    def watch(self, e: ManagedEngine) -> None:
+        if self.monitor is not None:
+            self.monitor.watch(e.engine_id)
+
+    def unwatch(self, e: ManagedEngine) -> None:
+        if self.monitor is not None:
+            self.monitor.unwatch(e.engine_id)
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def _on_suspect(self, engine_id: str, why: str) -> None:
+        """First failed probe: out of the router at once (recovered or declared dead later).
+
+        An engine paused for an update that stops answering `/ping` leaves the router too,
+        without changing state: the update's end routes it again only if it verified.
+        """
+        fleet = self.fleet
+        with fleet.lock:
+            e = fleet.find(engine_id)
+            if e.state is S.REGISTERED:
+                fleet.unroute(e)
+                fleet.move(e, S.SUSPECT, reason=why)
+            elif e.state is S.UPDATING and e.routed:
+                fleet.unroute(e)
+                fleet.events.emit(e.engine_id, Happening.UNROUTED, reason=why)
+            else:
+                return
+            # Requests stuck on it are sent again now; the first answer wins.
+            fleet.resubmit_in_flight()
+
+    def _on_healthy(self, engine_id: str) -> None:
+        fleet = self.fleet
+        with fleet.lock:
+            e = fleet.find(engine_id)
+            if e.state is not S.SUSPECT:
+                return
+            if not e.update_weights or e.verified_version == fleet.version:
+                fleet.route(e)
+                fleet.move(e, S.REGISTERED, reason="probes pass again")
+            else:
+                fleet.move(e, S.STALE, reason="probes pass again, version moved on")
+        fleet.recovery.resync_stale_later()

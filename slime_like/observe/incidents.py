@@ -1,10 +1,11 @@
-"""Engine deaths and their recoveries, read from the stream of engine state changes.
+"""Engine deaths and their recoveries, read from the stream of fleet events.
 
-The rollout side reports every state change (`engine`, `state`, `time_s`, details). Most are
-routine (each weight update moves every engine REGISTERED -> UPDATING -> REGISTERED); an
-operator wants the few that are not: a death, the relaunch, and how long until the
-replacement served again. The report and the Prometheus metrics both read them from here,
-so they cannot disagree about what a recovery is.
+The fleet reports every state change as a timeline row (`engine`, `state`, `time_s`,
+details). Most are routine (`fleet.events.ROUTINE`: each weight update moves every engine
+REGISTERED -> UPDATING -> REGISTERED); an operator wants the few that are not: a death, the
+relaunch, and how long until the replacement served again. The report, wandb and the
+Prometheus metrics all read them from here, so they cannot disagree about what a recovery
+is.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-# States every healthy run passes through at each start and weight update.
-ROUTINE_STATES = frozenset({"LAUNCHING", "LOADED", "REGISTERED", "UPDATING"})
-SERVING = "REGISTERED"
-ROUTER_SERVING = "READY"  # a router (engine "router/<model>") serves again once relaunched
-DEAD = "DEAD"
+from slime_like.fleet.events import EngineState, Kind, RouterState, is_router, kind_of
+
+DEATHS = frozenset({EngineState.DEAD, RouterState.DEAD})
+
+
+def _kind(event: dict[str, Any]) -> Kind:
+    return kind_of(event["state"], str(event["engine"]))
 
 
 def _serves(event: dict[str, Any]) -> bool:
-    if str(event["engine"]).startswith("router/"):
-        return event["state"] == ROUTER_SERVING
-    return event["state"] == SERVING
+    """An engine routed again, or a router relaunched (it serves once READY)."""
+    if is_router(str(event["engine"])):
+        return _kind(event) is RouterState.READY
+    return _kind(event) is EngineState.REGISTERED
 
 
 @dataclass
@@ -52,9 +56,9 @@ class IncidentLog:
 
     def feed(self, event: dict[str, Any]) -> tuple[str, Incident] | None:
         """Take one event; ("died" | "recovered" | "failed", incident) when it is one of those."""
-        engine, state, t = event["engine"], event["state"], float(event.get("time_s", 0.0))
+        engine, t = event["engine"], float(event.get("time_s", 0.0))
         open_ = self._open.get(engine)
-        if state == DEAD:
+        if _kind(event) in DEATHS:
             reason = str(event.get("reason", ""))
             if open_ is not None:  # dead again before serving: the recovery itself failed
                 open_.failure = reason or "died again during recovery"

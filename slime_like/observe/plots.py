@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from slime_like.incidents import Incident
+from slime_like.fleet.events import EngineState, kind_of
+from slime_like.observe.incidents import Incident
 
-STATE_COLORS = {"REGISTERED": "tab:green", "UPDATING": "tab:blue", "DEAD": "tab:red",
-                "RELAUNCHING": "tab:orange", "STALE": "tab:olive", "LAUNCHING": "tab:gray",
-                "LOADED": "tab:cyan", "OFFLOADED": "tab:pink", "REATTACHING": "tab:brown"}
+S = EngineState
+STATE_COLORS = {S.REGISTERED: "tab:green", S.UPDATING: "tab:blue", S.DEAD: "tab:red",
+                S.RELAUNCHING: "tab:orange", S.STALE: "tab:olive", S.LAUNCHING: "tab:gray",
+                S.LOADED: "tab:cyan", S.OFFLOADED: "tab:pink", S.REATTACHING: "tab:brown"}
 SERIES = (("reward_mean", "reward", "reward.png"), ("sync_s", "weight sync (s)", "weight_sync.png"))
 
 
@@ -70,12 +72,12 @@ def _plot_timeline(out_dir: Path, events: list[dict], plt) -> str:
         mine = [e for e in events if e["engine"] == engine]
         for cur, nxt in zip(mine, mine[1:] + [None], strict=True):
             stop = nxt["time_s"] if nxt else end
-            ax.barh(row, stop - cur["time_s"], left=cur["time_s"],
-                    color=STATE_COLORS.get(cur["state"], "tab:purple"), edgecolor="none")
+            ax.barh(row, stop - cur["time_s"], left=cur["time_s"], edgecolor="none",
+                    color=STATE_COLORS.get(kind_of(cur["state"], engine), "tab:purple"))
     ax.set_yticks(range(len(engines)), engines)
     ax.set_xlabel("time (s)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
-    ax.legend(handles, STATE_COLORS.keys(), fontsize=6, ncol=4, loc="upper center",
+    ax.legend(handles, [s.value for s in STATE_COLORS], fontsize=6, ncol=4, loc="upper center",
               bbox_to_anchor=(0.5, -0.35), frameon=False)
     fig.tight_layout()
     fig.savefig(out_dir / "engine_timeline.png", dpi=110)

@@ -1,34 +1,27 @@
-"""The operator's view of one run, behind three calls the training loop makes.
+"""The operator's view of one run, behind three calls the job makes.
 
 `RunObservers` bundles the report folder, the tracking backends and the console progress,
-so `train.py` only says: an engine event happened (`on_event`), a step finished
+so the job only says: the fleet did something (`on_event`, a `FleetEvent`), a step finished
 (`log_step`), the run is over (`close`). Engine metrics addresses are read from the events
 (each LOADED/STALE event carries the engine URL).
 """
 
 from __future__ import annotations
 
-import argparse
 import threading
 from pathlib import Path
 from typing import Any
 
-from slime_like.endpoints import MetricsEndpoint, metrics_endpoints
-from slime_like.progress import RunProgress
-from slime_like.report import RunReport
-from slime_like.run_info import json_safe
-from slime_like.tracking import Tracker, build_tracker
+from slime_like.config.slices import ObserveSettings
+from slime_like.fleet.events import EngineState, FleetEvent
+from slime_like.observe.endpoints import MetricsEndpoint, metrics_endpoints
+from slime_like.observe.progress import RunProgress
+from slime_like.observe.report import RunReport
+from slime_like.observe.run_info import json_safe
+from slime_like.observe.tracking import Tracker, build_tracker
 
-DEFAULT_STEPS = 10  # train.py's default when --num-rollout is not given
-
-
-def expected_engines(args: argparse.Namespace) -> int | None:
-    """Engines that serve HTTP in the nominal plan (what the launch display counts to)."""
-    plan = getattr(args, "nominal_plan", None)
-    try:
-        return len(plan.http_engines()) if plan is not None else None
-    except (AttributeError, TypeError):
-        return None
+# Events whose `url` is where an engine serves (and its /metrics).
+_SERVING_AT = (EngineState.LOADED, EngineState.STALE)
 
 
 class RunObservers:
@@ -44,13 +37,15 @@ class RunObservers:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, out_dir: Path) -> RunObservers:
-        """Build all three from the job's flags; saves config.json and versions.json."""
+    def start(cls, settings: ObserveSettings, out_dir: Path) -> RunObservers:
+        """Build all three for a new run; saves config.json and versions.json."""
+        config = json_safe(settings.flags)
         # Tracking first: a missing optional package fails before the run folder exists.
-        tracker = build_tracker(args, Path(out_dir), config=json_safe(args))
+        tracker = build_tracker(settings.tracking, Path(out_dir), config=config)
         report = RunReport(out_dir)
-        report.save_run_info(args)
-        progress = RunProgress(args.num_rollout or DEFAULT_STEPS, expected_engines(args))
+        report.begin_run()
+        report.save_run_info(config)
+        progress = RunProgress(settings.num_steps, settings.expected_engines)
         obs = cls(report, tracker, progress)
         if tracker.metrics_url:
             progress.say(f"job metrics: {tracker.metrics_url}")
@@ -73,20 +68,17 @@ class RunObservers:
             self._refresh_endpoints()
         self.progress.say(f"router {model} metrics: {metrics_url}")
 
-    def on_event(self, engine: str, state: str, **details: Any) -> None:
-        """An engine (or router) changed state: timeline, tracking, launch progress."""
+    def on_event(self, event: FleetEvent) -> None:
+        """The fleet did something: timeline, tracking, launch progress."""
         with self._lock:
-            self._on_event(engine, state, details)
-
-    def _on_event(self, engine: str, state: str, details: dict[str, Any]) -> None:
-        self.report.log_event(engine, state, **details)
-        self.tracker.log_event(engine, state, **details)
-        url = details.get("url")
-        if url and engine != "router" and state in ("LOADED", "STALE"):
-            self._engine_urls[engine] = url
-            self._refresh_endpoints()
-        if state == "LOADED":
-            self.progress.engine_ready(engine, f"{url}/metrics" if url else "")
+            self.report.log_event(event)
+            self.tracker.log_event(event)
+            url = event.details.get("url")
+            if url and event.kind in _SERVING_AT:
+                self._engine_urls[event.subject] = url
+                self._refresh_endpoints()
+            if event.kind is EngineState.LOADED:
+                self.progress.engine_ready(event.subject, f"{url}/metrics" if url else "")
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         """A step finished: metrics.jsonl, tracking backends, the step display."""

@@ -1,0 +1,60 @@
+"""The faults themselves, done to a fleet's engines and routers as real crashes happen.
+
+Only chaos runs and demos call these; the fleet never kills its own engines. External
+engines are never killed by the job.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import ray
+
+from slime_like.engine.actor import crash_server
+from slime_like.errors import FleetError
+from slime_like.fleet.fleet import Fleet
+from slime_like.fleet.lifecycle import ManagedEngine
+
+logger = logging.getLogger(__name__)
+
+
+def pick_engine(fleet: Fleet, index: int = 0, model: str | None = None) -> ManagedEngine:
+    """Engine `index` among all engines, or among those of `model`."""
+    pool = fleet.engines if model is None else [e for e in fleet.engines if e.model_name == model]
+    return pool[index]
+
+
+def kill_engine(fleet: Fleet, index: int = 0, *, model: str | None = None,
+                node_rank: int = 0) -> str:
+    """SIGKILL one engine's server, as a real crash would; its engine id.
+
+    `index` counts all engines, or those of `model`; `node_rank` picks the node of a
+    multi-node engine.
+    """
+    e = pick_engine(fleet, index, model)
+    if e.external_address is not None:
+        raise FleetError(f"{e.engine_id} is external: it is never killed by the job")
+    crash_server(e.actors[node_rank], timeout=None)
+    logger.warning("simulated a crash of %s node %d (%s)", e.engine_id, node_rank, e.url)
+    return e.engine_id
+
+
+def stop_engine(fleet: Fleet, index: int) -> str:
+    """SIGSTOP one engine's server: a hang, found by probes, not by its exit."""
+    e = fleet.engines[index]
+    ray.get(e.actors[0].suspend.remote())
+    logger.warning("suspended %s (%s)", e.engine_id, e.url)
+    return e.engine_id
+
+
+def kill_router(fleet: Fleet, model: str | None = None) -> None:
+    """SIGKILL a router, as a real crash would."""
+    fleet.routers[model or fleet.updatable_model].process.kill()
+
+
+def crash_at_sync_step(e: ManagedEngine) -> Callable[[], None]:
+    """What the trainer runs when its sync reaches the armed step: SIGKILL the engine's
+    server (through its actor, so it has landed before the sync goes on)."""
+    return functools.partial(crash_server, e.actors[0])

@@ -1,0 +1,196 @@
+"""How one engine comes and goes: launch, attach, loaded, exit watching, probe, kill, shutdown.
+
+Our engines are `EngineActor`s (one per node of the engine) on their placement bundles;
+an external engine (someone else's server, `--rollout-external-engine-addrs`) is attached
+by address, checked against the job's flags and never killed. The exit watcher parks
+`wait_exit` on every actor, so a server's exit is known the moment it happens: it reports
+to `on_exit`, which starts the engine's recovery. The launcher holds no lifecycle state:
+the fleet moves the engine, the launcher does what each move needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from slime_like.cluster.placement import JobPlacement
+from slime_like.config.layout import EnginePlacement
+from slime_like.config.slices import FleetSettings
+from slime_like.engine.actor import EngineActor
+from slime_like.engine.external import CHECKED_FIELDS, ExternalEngine
+from slime_like.engine.from_placement import engine_config
+from slime_like.engine.handle import EngineHandle
+from slime_like.errors import FleetError
+from slime_like.fleet.events import EngineState
+from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.protocol.weight_version import parse_weight_version
+
+logger = logging.getLogger(__name__)
+
+S = EngineState
+
+
+class Launcher:
+    """Starts, attaches, watches, probes and stops the engines of one fleet."""
+
+    def __init__(self, settings: FleetSettings, placement: JobPlacement, log_dir: Path,
+                 on_exit: Callable[[ManagedEngine, str], None]):
+        self.settings = settings
+        self.placement = placement
+        self.log_dir = log_dir
+        self.on_exit = on_exit
+        self.closing = False
+        # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
+        self._exit_refs: dict[Any, tuple[ManagedEngine, int]] = {}
+        self._exit_lock = threading.Lock()
+        self._exit_thread: threading.Thread | None = None
+
+    def model_path(self, p: EnginePlacement) -> str:
+        return self.settings.model_paths.get(p.model_name) or p.model_path or ""
+
+    # ---- coming up ---------------------------------------------------------------------------
+
+    def launch(self, e: ManagedEngine) -> Any:
+        """Create the engine's node actors and start their servers; an ObjectRef of the URL."""
+        e.actors = [EngineActor.options(**self.placement.engine_options(p)).remote(
+            engine_config(p, self.settings.engine, model_path=self.model_path(p),
+                          log_dir=str(self.log_dir))) for p in e.placements]
+        dist_init = None
+        if len(e.actors) > 1:
+            dist_init = ray.get(e.actors[0].reserve_dist_init_addr.remote())
+        refs = [a.init.remote(dist_init) for a in e.actors]
+        return refs[0]
+
+    @staticmethod
+    def wait_launched(launching: Any) -> None:
+        """Wait for `launch`'s answer: the server is healthy and generated once."""
+        ray.get(launching)
+
+    def loaded(self, e: ManagedEngine) -> dict:
+        """Our engine is serving: its handle and the version it loaded (the LOADED details)."""
+        e.handle = ray.get(e.actors[0].handle.remote(e.tp_size))
+        e.verified_version = parse_weight_version(e.handle.client.weight_version())
+        return {"url": e.handle.url, "pid": ray.get(e.actors[0].server_pid.remote()),
+                "version": str(e.verified_version)}
+
+    def attach(self, e: ManagedEngine) -> dict:
+        """An external engine: check `/server_info` against the job's flags, make its handle,
+        and see it generate once (a server that just came back may still be warming up)."""
+        eng = self.settings.engine
+        # model_path is the owner's business (their path, their machine); names, dtypes and
+        # shapes are checked by the weight sync's metadata check before any byte moves.
+        expected = {k: v for k, v in eng.sglang_flags.items()
+                    if k in CHECKED_FIELDS and k != "model_path"}
+        ext = ExternalEngine(e.external_address, expected=expected, api_key=eng.api_key,
+                             admin_api_key=eng.admin_api_key)
+        url = ext.init()
+        e.tp_size = int(ext.info.get("tp_size") or 1)
+        e.handle = EngineHandle(url, e.tp_size, api_key=eng.api_key,
+                                admin_api_key=eng.admin_api_key, engine_id=e.engine_id,
+                                worker_type=ext.config.worker_type,
+                                bootstrap_port=ext.bootstrap_port)
+        e.handle.client.health_generate(timeout=30.0)
+        e.verified_version = parse_weight_version(e.handle.client.weight_version())
+        return {"url": url, "version": str(e.verified_version), "external": True}
+
+    def reattach(self, e: ManagedEngine, wait_s: float) -> dict | None:
+        """Poll a dead external engine's address until it is back (its `attach` details), or
+        None if the fleet closes meanwhile; FleetError after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.attach(e)
+            except Exception as err:  # noqa: BLE001 - not back yet (refused, warming up, ...)
+                if self.closing:
+                    return None
+                if time.monotonic() >= deadline:
+                    raise FleetError(f"{e.engine_id}: not back at {e.external_address} after "
+                                     f"{wait_s:g}s (--external-engine-reconnect-timeout): "
+                                     f"{err}") from err
+                time.sleep(0.5)
+
+    # ---- watching ----------------------------------------------------------------------------
+
+    def watch_exit(self, e: ManagedEngine) -> None:
+        """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
+        with self._exit_lock:
+            for a in e.actors:
+                self._exit_refs[a.wait_exit.remote(None)] = (e, e.restarts)
+        if self._exit_thread is None:
+            self._exit_thread = threading.Thread(target=self._exit_watcher, name="engine-exits",
+                                                 daemon=True)
+            self._exit_thread.start()
+
+    def _exit_watcher(self) -> None:
+        while not self.closing:
+            with self._exit_lock:
+                refs = list(self._exit_refs)
+            if not refs:
+                time.sleep(0.1)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                with self._exit_lock:
+                    e, generation = self._exit_refs.pop(ref)
+                try:
+                    code = ray.get(ref)
+                    why = f"server process exited with code {code}"
+                except Exception as err:  # noqa: BLE001 - the actor died with its node
+                    why = f"engine actor lost: {type(err).__name__}"
+                if e.restarts == generation and not self.closing:
+                    self.on_exit(e, why)
+
+    def alive(self, e: ManagedEngine) -> bool:
+        """Whether every server process of the engine runs (an external one: answers /ping)."""
+        if e.external_address is not None:
+            return e.handle is not None and e.handle.client.ping(timeout=2.0)
+        try:
+            return all(ray.get([a.is_alive.remote() for a in e.actors], timeout=10))
+        except Exception:  # noqa: BLE001 - an actor that cannot answer is not alive
+            return False
+
+    def answers(self, e: ManagedEngine, timeout: float = 1.0) -> bool:
+        """Whether the engine answers `/ping` within `timeout`."""
+        try:
+            return e.handle is not None and e.handle.client.ping(timeout=timeout)
+        except Exception:  # noqa: BLE001 - not answering is the finding
+            return False
+
+    def probe(self, e: ManagedEngine, timeout: float) -> None:
+        """A real generation step; while paused for an update (where /health_generate
+        blocks by design) or released, only that the server still answers (/ping), so a
+        hang during a sync is still found."""
+        if e.state in (S.UPDATING, S.OFFLOADED):  # paused, or memory released: 503 by design
+            if not e.handle.client.ping(timeout=timeout):
+                raise FleetError(f"{e.engine_id}: /ping unanswered while {e.state.value}")
+            return
+        e.handle.client.health_generate(timeout=timeout)
+
+    # ---- going away ---------------------------------------------------------------------------
+
+    def kill(self, e: ManagedEngine) -> None:
+        """Kill what is left of a dead engine (before its relaunch): no grace, actors gone."""
+        for a in e.actors:
+            with contextlib.suppress(Exception):  # the actor may have died with its server
+                ray.get(a.shutdown.remote(1.0), timeout=30)  # dead or hung: no grace
+            ray.kill(a)
+
+    def shutdown(self, e: ManagedEngine) -> None:
+        """Stop the engine's servers and actors (the fleet unrouted it first)."""
+        for a in e.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception as err:  # noqa: BLE001 - keep tearing the rest down
+                logger.warning("%s: shutdown failed: %s", e.engine_id, err)
+            ray.kill(a)
+
+    def close(self) -> None:
+        """Stop the exit watcher: exits from now on are the shutdown's own."""
+        self.closing = True

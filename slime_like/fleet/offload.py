@@ -1,0 +1,107 @@
+"""Colocated engines give their memory back around a train step.
+
+`with fleet.offloaded():` moves every colocated engine REGISTERED -> OFFLOADED (out of the
+router), releases its memory by tag, runs the body (the train step), resumes the memory and
+routes the engine again if its weights came back; see the lifecycle table. An engine whose
+memory cannot be released or resumed is recovered like any dead one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from slime_like.fleet.events import EngineState
+from slime_like.fleet.lifecycle import ManagedEngine
+
+if TYPE_CHECKING:
+    from slime_like.fleet.fleet import Fleet
+
+logger = logging.getLogger(__name__)
+S = EngineState
+
+
+class Offload:
+    """Memory release and resume of the fleet's colocated engines (`--offload-rollout`)."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+
+    def applies_to(self, e: ManagedEngine) -> bool:
+        return self.fleet.settings.engine.offload_rollout and e.colocated
+
+    @contextlib.contextmanager
+    def offloaded(self, tags: Sequence[str] | None = None) -> Iterator[list[str]]:
+        """Colocated engines release their memory (by `tags`; all by default) for the body.
+
+        Each leaves the router (OFFLOADED: a released engine answers 503) and is probed with
+        `/ping` meanwhile. On exit its memory is resumed; an engine whose weights came back
+        (a weights backup, or `weights` not among the tags) is routed again if still at the
+        fleet's version, otherwise it is STALE and the next full sync takes it along (no
+        resync of its own: it would race that sync for the same engine).
+        """
+        fleet = self.fleet
+        tag_list = list(tags) if tags else None
+        with fleet.lock:
+            chosen = [e for e in fleet.engines if e.state is S.REGISTERED and self.applies_to(e)
+                      and e.handle is not None]
+            for e in chosen:
+                fleet.unroute(e)
+                fleet.move(e, S.OFFLOADED, tags=tag_list or "all")
+        released = _each(chosen, lambda e: self._release(e, tag_list))
+        try:
+            yield [e.engine_id for e in released]
+        finally:
+            resumed = _each(released,
+                            lambda e: e.handle.client.resume_memory_occupation(tag_list))
+            failed = []
+            with fleet.lock:
+                for e in chosen:
+                    if e.state is not S.OFFLOADED:
+                        continue  # died meanwhile: recovery owns it
+                    if e not in resumed:
+                        failed.append(e)
+                        continue
+                    kept = tag_list is not None and "weights" not in tag_list or \
+                        bool(e.handle.server_info.get("enable_weights_cpu_backup"))
+                    if kept and (not e.update_weights or e.verified_version == fleet.version):
+                        fleet.route(e)
+                        fleet.move(e, S.REGISTERED, reason="memory resumed")
+                    else:
+                        e.awaiting_full_sync = True
+                        fleet.move(e, S.STALE, reason="memory resumed without its weights")
+                for e in failed:
+                    fleet.recovery.start_recovery(e, "memory could not be released or resumed")
+
+    @staticmethod
+    def _release(e: ManagedEngine, tags: list[str] | None) -> None:
+        if not e.handle.server_info:
+            e.handle.probe()
+        for attempt in range(20):  # a probe's one-token generation may still be running
+            try:
+                e.handle.client.release_memory_occupation(tags)
+                return
+            except Exception:  # noqa: BLE001 - busy: retry a few times, then report
+                if attempt == 19:
+                    raise
+                time.sleep(0.1)
+
+
+def _each(engines: list[ManagedEngine], fn: Callable[[ManagedEngine], Any]) -> list[ManagedEngine]:
+    """Run `fn` on every engine concurrently; the engines it succeeded on."""
+    def one(e: ManagedEngine) -> bool:
+        try:
+            fn(e)
+            return True
+        except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
+            logger.warning("%s: %s", e.engine_id, err)
+            return False
+    if not engines:
+        return []
+    with ThreadPoolExecutor(len(engines)) as pool:
+        ok = list(pool.map(one, engines))
+    return [e for e, good in zip(engines, ok, strict=True) if good]

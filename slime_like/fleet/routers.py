@@ -1,0 +1,146 @@
+"""Every model's sglang-router: started, supervised, restarted on its port; membership.
+
+`Routers` is the fleet's only way into a router: `add` and `remove` are the only calls
+that change which engines a router sends traffic to (the fleet decides when). A router
+that exits is relaunched at once on the same port; the fleet then re-adds the engines that
+were in it (`on_restarted`), so clients holding the router's URL carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from slime_like.config.layout import RouterPlan
+from slime_like.config.slices import FleetSettings
+from slime_like.fleet.events import EventBus, RouterState
+from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.router.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+def subject(model: str) -> str:
+    """How a router is named on the run's timeline."""
+    return f"router/{model}"
+
+
+class Routers(Mapping[str, Router]):
+    """The routers of the job by model name; a read-only mapping to their `Router`s."""
+
+    def __init__(self, settings: FleetSettings, plans: list[RouterPlan], updatable_model: str,
+                 log_dir: Path, events: EventBus):
+        self.settings = settings
+        self.plans = plans
+        self.updatable_model = updatable_model
+        self.log_dir = log_dir
+        self.events = events
+        self.restarts: list[dict] = []
+        self.closing = False
+        # After a relaunch: the fleet re-adds that model's engines; how many it re-added.
+        self.on_restarted: Callable[[str], int] = lambda model: 0
+        self._routers: dict[str, Router] = {}
+        self._state: dict[str, RouterState] = {}
+
+    # ---- the mapping -------------------------------------------------------------------------
+
+    def __getitem__(self, model: str) -> Router:
+        return self._routers[model]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._routers)
+
+    def __len__(self) -> int:
+        return len(self._routers)
+
+    def url(self, model: str) -> str:
+        return self._routers[model].url
+
+    # ---- processes -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """One router per model (the updatable model's on `--sglang-router-port` if set)."""
+        for plan in self.plans:
+            router = Router(pd_disaggregation=plan.pd_disaggregation,
+                            router_flags=self.settings.router.flags, log_dir=self.log_dir,
+                            api_key=self.settings.router.api_key,
+                            name=f"router-{plan.model_name}",
+                            port=self.settings.router_port
+                            if plan.model_name == self.updatable_model else None).start()
+            self._routers[plan.model_name] = router
+            self._moved(plan.model_name, RouterState.READY, url=router.url,
+                        metrics=router.prometheus_url, pid=router.process.pid)
+            self._supervise(plan.model_name, router)
+
+    def _moved(self, model: str, state: RouterState, **details) -> None:
+        previous = self._state.get(model)
+        self._state[model] = state
+        self.events.emit(subject(model), state, previous, **details)
+
+    def _supervise(self, model: str, router: Router) -> None:
+        """A router that dies is relaunched at once on its port, its workers re-added."""
+        router.process.on_exit(lambda code: threading.Thread(
+            target=self._restart, args=(model, router, code),
+            name=f"restart-router-{model}", daemon=True).start())
+
+    def _restart(self, model: str, router: Router, code: int) -> None:
+        if self.closing:
+            return
+        t0 = time.time()
+        self._moved(model, RouterState.DEAD, code=code)
+        logger.warning("router of %s exited with code %s; relaunching on port %s", model, code,
+                       router.port)
+        try:
+            router.restart()
+        except Exception as err:  # noqa: BLE001 - without a router the run cannot go on
+            logger.exception("router of %s could not be relaunched", model)
+            self._moved(model, RouterState.FAILED, error=str(err))
+            return
+        workers = self.on_restarted(model)
+        took = round(time.time() - t0, 2)
+        self.restarts.append({"model": model, "code": code, "restart_s": took,
+                              "url": router.url, "at": t0})
+        self._moved(model, RouterState.READY, url=router.url, pid=router.process.pid,
+                    restart_s=took, workers=workers)
+        self._supervise(model, router)
+
+    def stop(self) -> None:
+        self.closing = True
+        for router in self._routers.values():
+            router.stop()
+
+    # ---- membership ------------------------------------------------------------------------------
+
+    def add(self, e: ManagedEngine) -> None:
+        """Make the engine a worker of its model's router (waits until the router lists it)."""
+        if e.routed or e.handle is None:
+            return
+        h = e.handle
+        if h.worker_type == "encoder":
+            return
+        info = self._routers[e.model_name].client.add_worker(
+            h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
+            api_key=h.api_key, timeout=self.settings.register_timeout_s)
+        e.routed, e.router_worker_id = True, info.id
+
+    def remove(self, e: ManagedEngine) -> None:
+        """Take the engine out of its router; a router that is down took it with it."""
+        if not e.routed or e.handle is None:
+            return
+        client = self._routers[e.model_name].client
+        try:
+            client.remove_worker(e.router_worker_id, url=e.handle.url, timeout=15)
+            # The id we hold may be stale (the router re-keyed the worker): make sure the
+            # URL itself is gone before anyone relies on it being out.
+            if client.find_worker(e.handle.url) is not None:
+                client.remove_worker(url=e.handle.url, timeout=15)
+        except Exception as err:  # noqa: BLE001 - a dead router takes its workers with it
+            logger.warning("%s: removal from the router failed: %s", e.engine_id, err)
+        e.routed, e.router_worker_id = False, None
+
+    def forget(self, e: ManagedEngine) -> None:
+        """The router was relaunched without the engine: it is no worker of it any more."""
+        e.routed, e.router_worker_id = False, None

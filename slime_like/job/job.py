@@ -1,0 +1,326 @@
+"""The job: inputs -> placement -> fleet -> trainer group -> first sync -> steps -> the end.
+
+    Job(job_settings(args)).run()
+
+Each step is named methods read top to bottom: `rollout` (prompts from the prompt source,
+the rollout function, default `fleet.generate`), `score` (the reward function, and the
+frozen reference's KL term), `check` (the engines' log-probabilities of the sampled tokens
+equal the trainer's at the same weight version: a stale or corrupt sync shows at once),
+`train` (one GRPO step; colocated engines give their memory back meanwhile) and `sync`
+(the new weights into every engine), then `log` and `save`. A schedule of another shape
+(asynchronous RL) reuses the same steps in another order. Engine deaths are handled by the
+fleet in the background (`fleet/recovery.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from slime_like.chaos import ChaosMonkey, InvariantSampler, plan_faults, simulated_crash
+from slime_like.cluster.placement import JobPlacement, place_job
+from slime_like.config.slices import FleetSettings, JobSettings, SyncSettings
+from slime_like.errors import SlimeLikeError
+from slime_like.fleet.fleet import Fleet
+from slime_like.job.checkpoints import save_checkpoint, save_due
+from slime_like.job.checks import check_logprobs, weight_versions
+from slime_like.job.inputs import JobInputs, prepare_inputs
+from slime_like.job.kl import reference_kl
+from slime_like.observe.observers import RunObservers
+from slime_like.observe.report import sync_metrics
+from slime_like.protocol.weight_version import WeightVersion
+from slime_like.rollout.generate import Sample
+from slime_like.rollout.plugins import Plugins
+from slime_like.rollout.prompts import PromptItem
+from slime_like.submit.connect import init_ray
+from slime_like.trainer.group import TrainerGroup
+from slime_like.trainer.grpo import group_advantages
+
+logger = logging.getLogger("slime_like.train")
+
+
+class ChaosViolation(SlimeLikeError):
+    """A chaos run saw an engine routed while stale or unreachable."""
+
+
+@dataclass
+class Rollout:
+    """What one step's rollout produced."""
+
+    prompts: list[PromptItem]
+    samples: list[Sample]
+    seconds: float
+    trainer_offloaded: dict = field(default_factory=dict)
+
+
+@dataclass
+class Scores:
+    """The step's rewards (KL-shaped where asked), advantages and the reference's logprobs."""
+
+    rewards: list[float]
+    advantages: list[float]
+    ref_logprobs: list[list[float]] | None
+    kl_metrics: dict[str, Any]
+
+
+class Job:
+    """One RL job built from its typed settings; `run()` is the whole of it."""
+
+    def __init__(self, settings: JobSettings, fleet_settings: FleetSettings,
+                 sync_settings: SyncSettings, plugins: Plugins, out_dir: Path):
+        self.settings = settings
+        self.out = out_dir
+        self.plugins = plugins
+        self._fleet_settings = fleet_settings
+        self._sync_settings = sync_settings
+        self.notes: list[str] = []
+        self.obs: RunObservers | None = None
+        self.inputs: JobInputs | None = None
+        self.placement: JobPlacement | None = None
+        self.fleet: Fleet | None = None
+        self.trainer: TrainerGroup | None = None
+        self.start_step = 0
+        self.chaos: ChaosMonkey | None = None
+        self.sampler: InvariantSampler | None = None
+        self.crash: ChaosMonkey | None = None
+
+    # ---- the whole job -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run every step; 0 on success. Whatever happens, everything started is stopped."""
+        self.obs = RunObservers.start(self.settings.observe, self.out)
+        ended = None
+        try:
+            self.prepare()
+            self.place()
+            self.launch()
+            self.first_sync()
+            self.start_chaos()
+            for step in range(self.start_step, self.settings.num_steps):
+                self.step(step)
+            self.finish()
+            return 0
+        except BaseException as err:
+            ended = f"the job failed ({type(err).__name__}: {err})"
+            raise
+        finally:
+            self.close(ended)
+
+    def prepare(self) -> None:
+        """The model, its tokenizer, the prompt source (at the resumed position)."""
+        self.inputs = prepare_inputs(self.settings, self.out, self.plugins)
+
+    def place(self) -> None:
+        """Ray (the submitted-to cluster, or a local one), then the placement group."""
+        init_ray(self.settings.placement.layout.num_bundles)
+        self.placement = place_job(self.settings.placement, timeout_s=300)
+
+    def launch(self) -> None:
+        """The fleet (routers, engines), then the trainer group on its slots."""
+        model_path = self.inputs.model_path
+        # The updatable model serves the job's checkpoint (or tiny model); a frozen model
+        # without a model_path of its own serves it too (e.g. the reference of a KL term).
+        own = [m.name for m in self.settings.placement.topology.models
+               if m.update_weights or not m.model_path]
+        fleet_settings = replace(self._fleet_settings, model_paths={m: model_path for m in own})
+        self.fleet = Fleet(fleet_settings, self.placement, on_event=self.obs.on_event)
+        self.fleet.start()
+        for model, router in self.fleet.routers.items():
+            self.obs.add_router(model, router.prometheus_url)
+        trainer = self.settings.trainer
+        self.trainer = TrainerGroup(
+            self.placement, model_path, lr=trainer.lr, seed=trainer.seed,
+            sync=replace(self._sync_settings, model_dir=model_path),
+            use_transformers=bool(self.settings.model.hf_checkpoint),
+            engine_dtype=self.settings.model.engine_dtype,
+            keep_served=self.settings.update_weights_interval > 1)
+        self.fleet.set_weight_source(self.trainer.push_weights)
+
+    def first_sync(self) -> None:
+        """The engines serve the trainer's weights (after `--load`: the loaded ones, as the
+        loaded version, a new one only if they were trained after their last sync)."""
+        version = None
+        resume = self.inputs.resume
+        if resume is not None:
+            self.trainer.load_checkpoint(str(resume.path), resume.state.weight_version)
+            self.start_step = resume.state.step + 1
+            version = WeightVersion(resume.state.weight_version
+                                    + (0 if resume.state.weights_synced else 1))
+            self.notes.append(f"resumed from {resume.path.name} (step {resume.state.step}, "
+                              f"weight version {resume.state.weight_version})")
+        with self.obs.progress.syncing("first weight sync"):
+            first = self.push_weights(version)
+        logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
+
+    def start_chaos(self) -> None:
+        """`--chaos-seed`: faults planned over the run, and the outside sampler started;
+        `--simulate-engine-crash-at`: a plan of one fault."""
+        chaos, fleet = self.settings.chaos, self.fleet
+        if chaos.crash_at is not None:
+            self.crash = ChaosMonkey(fleet, [simulated_crash(chaos.crash_at, chaos.crash_model,
+                                                             chaos.crash_node_rank)])
+        if chaos.seed is None:
+            return
+        updatable = [e for e in fleet.engines if e.update_weights]
+        self.chaos = ChaosMonkey(fleet, plan_faults(chaos.seed, list(chaos.faults),
+                                                    self.settings.num_steps, len(updatable)),
+                                 self.trainer)
+        self.sampler = InvariantSampler(fleet,
+                                        unreachable_grace_s=chaos.detection_grace_s).start()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """rollout -> score -> check -> train -> sync, then log and save."""
+        rollout = self.rollout(step)
+        scores = self.score(rollout.samples)
+        worst = self.check(rollout.samples)
+        train_metrics, released = self.train(rollout.samples, scores)
+        sync = self.sync(step)
+        self.log(step, rollout, scores, worst, train_metrics, released, sync)
+        self.save(step, sync)
+
+    def rollout(self, step: int) -> Rollout:
+        """The step's prompts through the rollout function (the trainer offloaded meanwhile
+        with --offload-train); a planned fault fires a quarter of the way in."""
+        settings, fleet = self.settings, self.fleet
+        t0 = time.time()
+        prompts = self.inputs.source.next_batch(settings.rollout.batch_size)
+        total = len(prompts) * settings.rollout.n_samples_per_prompt
+        hook = self.crash.rollout_hook(step, total) if self.crash is not None else None
+        offloaded = self.trainer.offload() if settings.trainer.offload_train else {}
+        if self.chaos is not None:
+            hook = self.chaos.rollout_hook(step, total) or hook
+        samples = self.plugins.rollout(
+            settings.plugin_args, step, prompts, router_url=fleet.router_url(),
+            sampling_params=settings.rollout.sampling_params,
+            n=settings.rollout.n_samples_per_prompt, tokenizer=self.inputs.tokenizer,
+            on_sample=hook, api_key=fleet.settings.router.api_key, generate=fleet.generate)
+        if settings.trainer.offload_train:
+            self.trainer.onload()
+        return Rollout(prompts, samples, time.time() - t0, offloaded)
+
+    def score(self, samples: list[Sample]) -> Scores:
+        """Rewards from the reward function, shaped by the reference's KL where asked, and
+        the group advantages."""
+        rewards = self.plugins.rewards(self.settings.plugin_args, samples)
+        ref_logprobs, kl_metrics = reference_kl(self.settings.kl, self.fleet, samples, rewards)
+        advantages = group_advantages(rewards, self.settings.rollout.n_samples_per_prompt)
+        return Scores(rewards, advantages, ref_logprobs, kl_metrics)
+
+    def check(self, samples: list[Sample]) -> float:
+        """The engines served the trainer's weights: the largest logprob difference."""
+        return check_logprobs(samples, self.trainer, int(self.fleet.version),
+                              self.settings.logprob_check_tolerance,
+                              self.settings.rollout.temperature)
+
+    def train(self, samples: list[Sample], scores: Scores) -> tuple[dict, list[str] | None]:
+        """One GRPO step (colocated engines release their memory meanwhile); its metrics and
+        the engines released for it."""
+        kl = self.settings.kl
+        extra = {"ref_logprobs": scores.ref_logprobs, "kl_loss_coef": kl.kl_loss_coef,
+                 "kl_loss_type": kl.kl_loss_type} if kl.use_kl_loss else {}
+        pairs = [(s.prompt_ids, s.output_ids) for s in samples]
+        offload = self.fleet.offloaded() if self.settings.offload_rollout else \
+            contextlib.nullcontext()
+        with offload as released:
+            metrics = self.trainer.train_step(pairs, scores.advantages,
+                                              temperature=self.settings.rollout.temperature,
+                                              **extra)
+        return metrics, released
+
+    def sync(self, step: int) -> dict:
+        """Every --update-weights-interval steps: the new weights into every engine."""
+        if (step + 1) % self.settings.update_weights_interval != 0:
+            return {}
+        if self.chaos is not None:
+            self.chaos.arm_sync(step)
+        with self.obs.progress.syncing():
+            return self.push_weights()
+
+    def push_weights(self, version: WeightVersion | None = None) -> dict:
+        """One full update, retried for the living engines: the fleet opens each attempt
+        (targets, version), the trainer's rank 0 pushes into it."""
+        for attempt in self.fleet.sync_attempts(version=version):
+            with attempt as update:
+                update.report = self.trainer.push_weights(update) or {}
+        return update.report
+
+    def log(self, step: int, rollout: Rollout, scores: Scores, worst: float,
+            train_metrics: dict, released: list[str] | None, sync: dict) -> None:
+        """metrics.jsonl, tracking, the console."""
+        settings, fleet, samples = self.settings, self.fleet, rollout.samples
+        rewards = scores.rewards
+        self.obs.log_step(step, {
+            "reward_mean": sum(rewards) / len(rewards),
+            "rollout_s": round(rollout.seconds, 3),
+            "sync_s": round(sync.get("total_s", 0.0), 4),
+            "weight_version": int(fleet.version),
+            "logprob_max_abs_diff": worst,
+            "samples_requested": len(rollout.prompts) * settings.rollout.n_samples_per_prompt,
+            "samples_returned": len(samples),
+            "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
+            "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
+            "retried_requests": sum(s.attempts > 1 for s in samples),
+            "sample_weight_versions": weight_versions(samples),
+            "engines": fleet.states(),
+            **({"engines_offloaded": released} if settings.offload_rollout else {}),
+            **({"trainer_offloaded": rollout.trainer_offloaded.get("trainer_offloaded")}
+               if settings.trainer.offload_train else {}),
+            **scores.kl_metrics,
+            **train_metrics,
+            **sync_metrics(sync),
+        })
+        logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
+                    "engines %s", step, sum(rewards) / len(rewards), rollout.seconds,
+                    sync.get("total_s", 0.0), worst, fleet.states())
+
+    def save(self, step: int, sync: dict) -> None:
+        """Every --save-interval steps (and after the last) a checkpoint."""
+        checkpoints = self.settings.checkpoints
+        if save_due(checkpoints, step, self.settings.num_steps):
+            save_checkpoint(checkpoints.save, step, self.trainer, int(self.fleet.version),
+                            bool(sync), self.inputs.source)
+
+    # ---- the end --------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for recoveries still running; the chaos verdict; a note per recovery."""
+        fleet = self.fleet
+        if not fleet.wait_recovered(timeout=300):
+            self.notes.append("a recovery was still running at the end of the run")
+        if self.sampler is not None and self.chaos is not None:
+            found = self.sampler.stop()
+            chaos = {"seed": self.settings.chaos.seed, "faults": self.chaos.summary(), **found,
+                     "recoveries": fleet.recoveries, "router_restarts": fleet.router_restarts}
+            (self.out / "chaos.json").write_text(json.dumps(chaos, indent=1))
+            self.notes.append(f"chaos: {len(self.chaos.faults)} faults, {found['samples']} "
+                              f"router samples, {len(found['violations'])} invariant violations")
+            if found["violations"]:
+                raise ChaosViolation(f"{len(found['violations'])} invariant violations; first: "
+                                     f"{found['violations'][0]}")
+        for r in fleet.recoveries:
+            self.notes.append(f"recovery of {r['engine']}: " + (
+                f"{r['recovery_s']} s from death to serving version {r['version']}"
+                if "recovery_s" in r else f"FAILED: {r['error']}"))
+
+    def close(self, ended: str | None = None) -> None:
+        """Trainer, fleet and placement stopped (saying why, if the job failed); the report
+        rendered."""
+        try:
+            if self.trainer is not None:
+                self.trainer.shutdown()
+        finally:
+            try:
+                if self.fleet is not None:
+                    self.fleet.shutdown(reason=ended)
+                if self.placement is not None:
+                    self.placement.release()
+            finally:
+                path = self.obs.close(title="slime_like run", notes=self.notes)
+                logger.info("report: %s", path)
