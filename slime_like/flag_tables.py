@@ -4,14 +4,15 @@ slime_like renders, parses and checks sglang/router command lines without import
 either package (absent on CPU machines and in trainer images), so the flags sglang 0.5.23
 and sglang-router 0.3.2 accept are shipped as data in `slime_like/engine/data/`
 (regenerate with `scripts/gen_arg_tables.py`). Every layer that needs them (flags, launch,
-the reference engine, the router) reads them through this module.
+the reference engine, the router) reads them through this module, and renders composed
+args back into flags (`render_flags`) the same way for both tools.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -95,3 +96,53 @@ _NOT_SERVER_FIELDS = frozenset({"config"})
 def server_arg_table() -> ArgTable:
     """sglang's ServerArgs flags, loaded once from the packaged table."""
     return load_arg_table(SERVER_ARGS, _NOT_SERVER_FIELDS)
+
+
+# Types whose parser function reads JSON text.
+JSON_TYPES = frozenset({"loads", "json_list_type"})
+
+
+@dataclass
+class ComposedArgs:
+    """The server args of one engine, plus what was dropped and what the user should know."""
+
+    args: dict[str, Any]
+    dropped: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def render_value(spec: ArgSpec, value: Any) -> list[str]:
+    if spec.type in JSON_TYPES and not isinstance(value, str):
+        return [json.dumps(value)]
+    if isinstance(value, dict):
+        return [json.dumps(value)]
+    if isinstance(value, list | tuple):
+        return [json.dumps(v) if isinstance(v, dict) else str(v) for v in value]
+    if isinstance(value, bool):
+        return [str(value).lower()]
+    return [str(value)]
+
+
+def render_flags(table: ArgTable, args: Mapping[str, Any]) -> list[str]:
+    """Flags for `args` as the table's argparse reads them back; None means "leave default"."""
+    argv: list[str] = []
+    for name, value in args.items():
+        spec = table[name]
+        if value is None:
+            continue
+        if spec.is_switch:
+            if value:
+                argv.append(spec.flag)
+        elif spec.kind == "booleanoptional":
+            argv.append(spec.flags[0] if value else spec.flags[1])
+        elif spec.kind == "deprecatedstoreconst":
+            if value:
+                argv += [spec.flag, str(spec.choices[0])] if spec.choices else [spec.flag]
+        elif spec.kind == "append":
+            for entry in value:
+                argv += [spec.flag, *render_value(spec, entry)]
+        elif isinstance(value, list | tuple) and not value and spec.nargs == "+":
+            continue  # `--flag` with no value is a parse error for nargs='+'; [] is the default
+        else:
+            argv += [spec.flag, *render_value(spec, value)]
+    return argv

@@ -226,24 +226,24 @@ class EngineClient:
         except EngineError:
             return False
 
-    def model_info(self) -> dict:
-        return self.request("GET", paths.MODEL_INFO)
+    def model_info(self, timeout: float | None = None) -> dict:
+        return self.request("GET", paths.MODEL_INFO, timeout=timeout)
 
-    def server_info(self) -> dict:
+    def server_info(self, timeout: float | None = None) -> dict:
         """GET /server_info, falling back to the pre-0.5.9 name."""
         try:
-            return self.request("GET", paths.SERVER_INFO)
+            return self.request("GET", paths.SERVER_INFO, timeout=timeout)
         except EngineError as e:
             if e.status != 404:
                 raise
-            return self.request("GET", paths.GET_SERVER_INFO)
+            return self.request("GET", paths.GET_SERVER_INFO, timeout=timeout)
 
-    def weight_version(self) -> str:
+    def weight_version(self, timeout: float | None = None) -> str:
         """The live weight version (from /model_info; /get_weight_version is gone in 0.5.21+)."""
-        return p.ModelInfo.model_validate(self.model_info()).weight_version
+        return p.ModelInfo.model_validate(self.model_info(timeout)).weight_version
 
-    def loads(self) -> dict:
-        return self.request("GET", paths.V1_LOADS)
+    def loads(self, timeout: float | None = None) -> dict:
+        return self.request("GET", paths.V1_LOADS, timeout=timeout)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -262,9 +262,10 @@ class EngineClient:
                             body=p.ContinueGenerationRequest(torch_empty_cache=torch_empty_cache),
                             admin=True, timeout=timeout)
 
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+    def abort_request(self, rid: str = "", abort_all: bool = False,
+                      timeout: float | None = None) -> None:
         self.request("POST", paths.ABORT_REQUEST, body=p.AbortRequest(rid=rid, abort_all=abort_all),
-                     admin=True)
+                     admin=True, timeout=timeout)
 
     def flush_cache(self, timeout_s: float = 0.0) -> bool:
         """POST /flush_cache; True when flushed, False when the engine was not idle (400)."""
@@ -277,21 +278,23 @@ class EngineClient:
                 return False
             raise
 
-    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+    def release_memory_occupation(self, tags: list[str] | None = None,
+                                  timeout: float | None = None) -> None:
         self.request("POST", paths.RELEASE_MEMORY_OCCUPATION,
-                     body=p.MemoryOccupationRequest(tags=tags), admin=True)
+                     body=p.MemoryOccupationRequest(tags=tags), admin=True, timeout=timeout)
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+    def resume_memory_occupation(self, tags: list[str] | None = None,
+                                 timeout: float | None = None) -> None:
         self.request("POST", paths.RESUME_MEMORY_OCCUPATION,
-                     body=p.MemoryOccupationRequest(tags=tags), admin=True)
+                     body=p.MemoryOccupationRequest(tags=tags), admin=True, timeout=timeout)
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        return self.request("POST", paths.START_PROFILE,
-                            body=p.ProfileRequest(output_dir=output_dir, num_steps=num_steps),
-                            admin=True, expect_json=False)
+    def start_profile(self, req: p.ProfileRequest, timeout: float | None = None) -> str:
+        return self.request("POST", paths.START_PROFILE, body=req, admin=True, expect_json=False,
+                            timeout=timeout)
 
-    def stop_profile(self) -> str:
-        return self.request("POST", paths.STOP_PROFILE, body={}, admin=True, expect_json=False)
+    def stop_profile(self, timeout: float | None = None) -> str:
+        return self.request("POST", paths.STOP_PROFILE, body={}, admin=True, expect_json=False,
+                            timeout=timeout)
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -299,15 +302,16 @@ class EngineClient:
                                   timeout: float | None = None) -> dict:
         return self._success(paths.INIT_WEIGHTS_UPDATE_GROUP, req, timeout)
 
-    def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME) -> dict:
+    def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME,
+                                     timeout: float | None = None) -> dict:
         return self._success(paths.DESTROY_WEIGHTS_UPDATE_GROUP,
-                             p.DestroyWeightsUpdateGroupRequest(group_name=group_name))
+                             p.DestroyWeightsUpdateGroupRequest(group_name=group_name), timeout)
 
-    def begin_weight_update(self) -> dict:
-        return self._success(paths.BEGIN_WEIGHT_UPDATE, p.BeginWeightUpdateRequest())
+    def begin_weight_update(self, timeout: float | None = None) -> dict:
+        return self._success(paths.BEGIN_WEIGHT_UPDATE, p.BeginWeightUpdateRequest(), timeout)
 
-    def end_weight_update(self) -> dict:
-        return self._success(paths.END_WEIGHT_UPDATE, p.EndWeightUpdateRequest())
+    def end_weight_update(self, timeout: float | None = None) -> dict:
+        return self._success(paths.END_WEIGHT_UPDATE, p.EndWeightUpdateRequest(), timeout)
 
     def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
                                         timeout: float | None = None) -> dict:
@@ -321,17 +325,17 @@ class EngineClient:
                                  timeout: float | None = None) -> dict:
         return self._success(paths.UPDATE_WEIGHTS_FROM_DISK, req, timeout)
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        return self._success(paths.UPDATE_WEIGHT_VERSION, p.UpdateWeightVersionRequest(
-            new_version=new_version, abort_all_requests=abort_all_requests))
+    def update_weight_version(self, req: p.UpdateWeightVersionRequest,
+                              timeout: float | None = None) -> dict:
+        return self._success(paths.UPDATE_WEIGHT_VERSION, req, timeout)
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
-        return self.request("POST", paths.GET_WEIGHTS_BY_NAME,
-                            body=p.GetWeightsByNameRequest(name=name, truncate_size=truncate_size),
-                            admin=True)
+    def get_weights_by_name(self, req: p.GetWeightsByNameRequest,
+                            timeout: float | None = None) -> Any:
+        return self.request("POST", paths.GET_WEIGHTS_BY_NAME, body=req, admin=True,
+                            timeout=timeout)
 
-    def weights_checker(self, action: str = "checksum") -> dict:
-        return self._success(paths.WEIGHTS_CHECKER, p.WeightsCheckerRequest(action=action))
+    def weights_checker(self, req: p.WeightsCheckerRequest, timeout: float | None = None) -> dict:
+        return self._success(paths.WEIGHTS_CHECKER, req, timeout)
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

@@ -13,9 +13,10 @@ from typing import Any
 from slime_like.cluster.hosts import format_host
 from slime_like.config.layout import EnginePlacement
 from slime_like.config.slices import EngineSettings
-from slime_like.engine.launch import ComposedArgs, render_argv
+from slime_like.engine.launch import render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
+from slime_like.flag_tables import ComposedArgs
 
 
 def _size(name: str, overrides: Mapping[str, Any], flags: Mapping[str, Any]) -> int:

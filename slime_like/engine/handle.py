@@ -1,11 +1,13 @@
-"""EngineHandle: the one object every layer uses to talk to one engine.
+"""EngineHandle: the one façade every layer uses to talk to one engine.
 
 Lifecycle (the fleet), health probes and weight sync all hold the same handle, built once
 per engine with the engine's keys, so no caller can reach an engine without them. It is a
-plain picklable value (URL, TP size, keys, identity); its HTTP client is made lazily in
-whatever process uses it (a trainer actor, the driver), one keep-alive session per thread.
-Each method is one thin SGLang verb (slime's `SGLangEngine` style); version-dependent
-behaviour is read once from `/server_info` (see `protocol/compat.py`).
+plain picklable value (URL, TP size, keys, identity); its HTTP client is private, made
+lazily in whatever process uses it (a trainer actor, the driver), one keep-alive session
+per thread. Each verb is one SGLang call taking the request struct of `protocol/io_struct`
+and a timeout; the handle adds only what a caller must not get wrong: the pause mode it is
+in (a flush never aborts requests paused to be resumed), a bounded flush, and the
+version-dependent features read once from `/server_info` (see `protocol/compat.py`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class EngineHandle:
             raise ValueError(f"engine {self.url}: tp_size must be >= 1, got {self.tp_size}")
         self.engine_id = self.engine_id or self.url
         self._client: EngineClient | None = None
+        self._timeout: float | None = None
         self._pause_mode: str | None = None
-        self._weight_groups: list[str] = []
 
     # Handles cross process boundaries (driver -> trainer actor); clients do not.
     def __getstate__(self) -> dict:
@@ -62,17 +64,30 @@ class EngineHandle:
         return self.url
 
     @property
-    def client(self) -> EngineClient:
+    def _http(self) -> EngineClient:
         if self._client is None:
             self._client = EngineClient(self.url, api_key=self.api_key,
                                         admin_api_key=self.admin_api_key)
+            if self._timeout is not None:
+                self._client.timeout = self._timeout
         return self._client
+
+    @property
+    def timeout(self) -> float:
+        """The default timeout (seconds) of a verb called without one."""
+        return self._http.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = seconds
+        if self._client is not None:
+            self._client.timeout = seconds
 
     # ---- what this engine supports -------------------------------------------------------
 
-    def probe(self) -> None:
+    def probe(self, timeout: float | None = None) -> None:
         """Read /server_info once: the sglang version and the TP size the engine really runs."""
-        self.server_info = self.client.server_info() or {}
+        self.server_info = self._http.server_info(timeout) or {}
         info = p.ServerInfo.model_validate(self.server_info)
         self.version = try_parse_version(info.version)
         if info.tp_size is not None and info.tp_size != self.tp_size:
@@ -102,29 +117,53 @@ class EngineHandle:
 
     # ---- health and info -----------------------------------------------------------------
 
+    def ping(self, timeout: float = 5.0) -> bool:
+        """GET /ping: True while the server answers, even paused (unlike /health)."""
+        return self._http.ping(timeout)
+
     def health_generate(self, timeout: float = 30.0) -> bool:
         """One real generation step; raises EngineError on failure."""
-        self.client.health_generate(timeout=timeout)
+        self._http.health_generate(timeout)
         return True
 
-    def weight_version(self) -> str:
-        """The live weight version, from `/model_info` (`/get_weight_version` is gone)."""
-        return self.client.weight_version()
+    def model_info(self, timeout: float | None = None) -> dict:
+        return self._http.model_info(timeout)
 
-    def metrics_url(self) -> str:
-        return self.url + "/metrics"
+    def weight_version(self, timeout: float | None = None) -> str:
+        """The live weight version, from `/model_info` (`/get_weight_version` is gone)."""
+        return self._http.weight_version(timeout)
+
+    def loads(self, timeout: float | None = None) -> dict:
+        return self._http.loads(timeout)
+
+    def weights_checker(self, req: p.WeightsCheckerRequest | None = None,
+                        timeout: float | None = None) -> dict:
+        """Per-rank checksums (`action="checksum"` by default), snapshot or compare."""
+        return self._http.weights_checker(req or p.WeightsCheckerRequest(), timeout)
+
+    def get_weights_by_name(self, req: p.GetWeightsByNameRequest,
+                            timeout: float | None = None) -> Any:
+        return self._http.get_weights_by_name(req, timeout)
 
     # ---- control -------------------------------------------------------------------------
 
-    def pause_generation(self, mode: p.PauseMode = "retract") -> dict:
-        out = self.client.pause_generation(mode)
+    def pause_generation(self, mode: p.PauseMode = "retract", timeout: float | None = None) -> dict:
+        out = self._http.pause_generation(mode, timeout)
         self._pause_mode = mode
         return out
 
-    def continue_generation(self) -> dict:
-        out = self.client.continue_generation()
+    def continue_generation(self, timeout: float | None = None) -> dict:
+        out = self._http.continue_generation(timeout=timeout)
         self._pause_mode = None
         return out
+
+    def abort_request(self, rid: str = "", abort_all: bool = False,
+                      timeout: float | None = None) -> None:
+        self._http.abort_request(rid, abort_all, timeout)
+
+    def try_flush_cache(self) -> bool:
+        """One /flush_cache: True when flushed, False when the engine was not idle."""
+        return self._http.flush_cache()
 
     def flush_cache(self, attempts: int = 20, interval: float = 0.5, abort_first: bool = True) -> bool:
         """Flush the prefix cache, retrying while the engine is busy (bounded).
@@ -134,98 +173,57 @@ class EngineHandle:
         """
         may_abort = abort_first and self._pause_mode not in ("retract", "in_place")
         for attempt in range(attempts):
-            if self.client.flush_cache():
+            if self._http.flush_cache():
                 return True
             if may_abort and attempt == 0:
-                self.client.abort_request(abort_all=True)
+                self._http.abort_request(abort_all=True)
             time.sleep(interval)
         raise EngineError(self.url, "/flush_cache", 400,
                           f"engine still busy after {attempts} attempts over "
                           f"{attempts * interval:.1f}s", reason="busy")
 
-    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.client.release_memory_occupation(tags)
+    def release_memory_occupation(self, tags: list[str] | None = None,
+                                  timeout: float | None = None) -> None:
+        self._http.release_memory_occupation(tags, timeout)
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.client.resume_memory_occupation(tags)
+    def resume_memory_occupation(self, tags: list[str] | None = None,
+                                 timeout: float | None = None) -> None:
+        self._http.resume_memory_occupation(tags, timeout)
+
+    def start_profile(self, req: p.ProfileRequest, timeout: float | None = None) -> str:
+        return self._http.start_profile(req, timeout)
+
+    def stop_profile(self, timeout: float | None = None) -> str:
+        return self._http.stop_profile(timeout)
 
     # ---- weights -------------------------------------------------------------------------
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = p.DEFAULT_GROUP_NAME,
-                                  backend: str = "nccl", timeout: float | None = None) -> dict:
-        out = self.client.init_weights_update_group(p.InitWeightsUpdateGroupRequest(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend), timeout=timeout)
-        if group_name not in self._weight_groups:
-            self._weight_groups.append(group_name)
-        return out
+    def init_weights_update_group(self, req: p.InitWeightsUpdateGroupRequest,
+                                  timeout: float | None = None) -> dict:
+        return self._http.init_weights_update_group(req, timeout)
 
-    def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME) -> dict:
-        out = self.client.destroy_weights_update_group(group_name)
-        if group_name in self._weight_groups:
-            self._weight_groups.remove(group_name)
-        return out
+    def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME,
+                                     timeout: float | None = None) -> dict:
+        return self._http.destroy_weights_update_group(group_name, timeout)
 
-    def reset_weights_update_groups(self) -> list[str]:
-        """Destroy every weight group this handle asked the engine to join; the names destroyed.
+    def begin_weight_update(self, timeout: float | None = None) -> dict:
+        return self._http.begin_weight_update(timeout)
 
-        A group the engine no longer knows (it restarted, or was destroyed already) is
-        skipped, not an error.
-        """
-        destroyed = []
-        for name in list(self._weight_groups):
-            try:
-                self.client.destroy_weights_update_group(name)
-                destroyed.append(name)
-            except EngineError as e:
-                if e.status not in (200, 400, 404):
-                    raise
-            self._weight_groups.remove(name)
-        return destroyed
+    def end_weight_update(self, timeout: float | None = None) -> dict:
+        return self._http.end_weight_update(timeout)
 
-    def begin_weight_update(self) -> dict:
-        return self.client.begin_weight_update()
-
-    def end_weight_update(self) -> dict:
-        return self.client.end_weight_update()
-
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]], group_name: str = p.DEFAULT_GROUP_NAME,
-                                        flush_cache: bool = False, weight_version: str | None = None,
-                                        load_format: str | None = None,
+    def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
                                         timeout: float | None = None) -> dict:
-        return self.client.update_weights_from_distributed(p.UpdateWeightsFromDistributedRequest(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-            flush_cache=flush_cache, weight_version=weight_version, load_format=load_format),
-            timeout=timeout)
+        return self._http.update_weights_from_distributed(req, timeout)
 
-    def update_weights_from_tensor(self, serialized_named_tensors: list[str],
-                                   load_format: str | None = None, flush_cache: bool = False,
-                                   weight_version: str | None = None,
+    def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
                                    timeout: float | None = None) -> dict:
-        return self.client.update_weights_from_tensor(p.UpdateWeightsFromTensorRequest(
-            serialized_named_tensors=serialized_named_tensors, load_format=load_format,
-            flush_cache=flush_cache, weight_version=weight_version), timeout=timeout)
+        return self._http.update_weights_from_tensor(req, timeout)
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None, flush_cache: bool = True,
+    def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
                                  timeout: float | None = None) -> dict:
-        return self.client.update_weights_from_disk(p.UpdateWeightsFromDiskRequest(
-            model_path=model_path, load_format=load_format, weight_version=weight_version,
-            flush_cache=flush_cache), timeout=timeout)
+        return self._http.update_weights_from_disk(req, timeout)
 
-    def check_weights(self, action: str = "checksum") -> dict:
-        return self.client.weights_checker(action)
-
-    # ---- profiling -----------------------------------------------------------------------
-
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        return self.client.start_profile(output_dir=output_dir, num_steps=num_steps)
-
-    def stop_profile(self) -> str:
-        return self.client.stop_profile()
-
-    def describe(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "url": self.url, "tp_size": self.tp_size,
-                "worker_type": self.worker_type, "bootstrap_port": self.bootstrap_port}
+    def update_weight_version(self, req: p.UpdateWeightVersionRequest,
+                              timeout: float | None = None) -> dict:
+        return self._http.update_weight_version(req, timeout)

@@ -11,11 +11,16 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import ArgSpec, ArgTable, server_arg_table
+from slime_like.flag_tables import (
+    JSON_TYPES,
+    ArgSpec,
+    ComposedArgs,
+    render_flags,
+    server_arg_table,
+)
 
 WorkerType = Literal["regular", "prefill", "decode", "encoder"]
 WORKER_TYPES: tuple[str, ...] = ("regular", "prefill", "decode", "encoder")
@@ -32,19 +37,6 @@ RENAMED_FIELDS: dict[str, str] = {
     "enable_flashmla": "attention_backend=flashmla",
     "prefill_round_robin_balance": "(removed, no replacement)",
 }
-
-# Types whose parser function reads JSON text.
-_JSON_TYPES = frozenset({"loads", "json_list_type"})
-
-
-@dataclass
-class ComposedArgs:
-    """The server args of one engine, plus what was dropped and what the user should know."""
-
-    args: dict[str, Any]
-    dropped: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
 
 def forced_server_args(
     *,
@@ -136,7 +128,7 @@ def _check_value(spec: ArgSpec, value: Any, path: str) -> Any:
             raise ConfigError(path, f"expected true/false, got {value!r}")
         return value
     values = value if isinstance(value, list | tuple) else [value]
-    if isinstance(value, list | tuple) and spec.nargs in (None, "?") and spec.type not in _JSON_TYPES:
+    if isinstance(value, list | tuple) and spec.nargs in (None, "?") and spec.type not in JSON_TYPES:
         raise ConfigError(path, f"expected one value, got a list {list(value)!r}")
     for v in values:
         if spec.type == "int" and not (isinstance(v, int) and not isinstance(v, bool)):
@@ -149,7 +141,7 @@ def _check_value(spec: ArgSpec, value: Any, path: str) -> Any:
                 float(str(v))
             except ValueError:
                 raise ConfigError(path, f"expected a number, got {v!r}") from None
-        if spec.choices and spec.type not in _JSON_TYPES and v not in spec.choices \
+        if spec.choices and spec.type not in JSON_TYPES and v not in spec.choices \
                 and str(v) not in {str(c) for c in spec.choices}:
             raise ConfigError(path, f"{v!r} is not one of {list(spec.choices)}")
     return value
@@ -241,18 +233,6 @@ def _check_worker_type(args: Mapping[str, Any], worker_type: str, sources: Mappi
                           "an encoder engine needs encoder_only=true")
 
 
-def _render_value(spec: ArgSpec, value: Any) -> list[str]:
-    if spec.type in _JSON_TYPES and not isinstance(value, str):
-        return [json.dumps(value)]
-    if isinstance(value, dict):
-        return [json.dumps(value)]
-    if isinstance(value, list | tuple):
-        return [json.dumps(v) if isinstance(v, dict) else str(v) for v in value]
-    if isinstance(value, bool):
-        return [str(value).lower()]
-    return [str(value)]
-
-
 def render_argv(
     args: Mapping[str, Any],
     program: Literal["sglang", "reference"],
@@ -272,31 +252,6 @@ def render_argv(
         raise ConfigError(unknown[0], f"not a field of sglang {table.version} ServerArgs; "
                           "compose_server_args drops such fields")
     return [python, "-m", modules[program], *render_flags(table, args)]
-
-
-def render_flags(table: ArgTable, args: Mapping[str, Any]) -> list[str]:
-    """Flags for `args` as the table's argparse reads them back; None means "leave default"."""
-    argv: list[str] = []
-    for name, value in args.items():
-        spec = table[name]
-        if value is None:
-            continue
-        if spec.is_switch:
-            if value:
-                argv.append(spec.flag)
-        elif spec.kind == "booleanoptional":
-            argv.append(spec.flags[0] if value else spec.flags[1])
-        elif spec.kind == "deprecatedstoreconst":
-            if value:
-                argv += [spec.flag, str(spec.choices[0])] if spec.choices else [spec.flag]
-        elif spec.kind == "append":
-            for entry in value:
-                argv += [spec.flag, *_render_value(spec, entry)]
-        elif isinstance(value, list | tuple) and not value and spec.nargs == "+":
-            continue  # `--flag` with no value is a parse error for nargs='+'; [] is the default
-        else:
-            argv += [spec.flag, *_render_value(spec, value)]
-    return argv
 
 
 def parse_argv(argv: list[str]) -> dict[str, Any]:
@@ -340,7 +295,7 @@ def _coerce(spec: ArgSpec, raw: Any) -> Any:
         return int(raw)
     if spec.type == "float":
         return float(raw)
-    if spec.type in _JSON_TYPES:
+    if spec.type in JSON_TYPES:
         return json.loads(raw)
     return raw
 

@@ -25,13 +25,9 @@ from slime_like.cluster.ports import DEFAULT_PORT_RANGE, PortReservation, reserv
 from slime_like.cluster.process import ServerProcess, server_env
 from slime_like.engine.client import EngineClient
 from slime_like.engine.handle import EngineHandle
-from slime_like.engine.launch import (
-    ComposedArgs,
-    compose_server_args,
-    forced_server_args,
-    render_argv,
-)
+from slime_like.engine.launch import compose_server_args, forced_server_args, render_argv
 from slime_like.errors import ConfigError, EngineError, LaunchError
+from slime_like.flag_tables import ComposedArgs
 from slime_like.protocol.compat import EngineFeatures
 
 logger = logging.getLogger(__name__)

@@ -330,7 +330,7 @@ class Fleet:
     def _resume(self, chosen: list[ManagedEngine]) -> None:
         def resume(e: ManagedEngine) -> None:
             with contextlib.suppress(Exception):
-                e.handle.client.continue_generation(timeout=self.settings.verify_timeout_s)
+                e.handle.continue_generation(timeout=self.settings.verify_timeout_s)
         with ThreadPoolExecutor(max(1, len(chosen))) as pool:
             list(pool.map(resume, chosen))
 

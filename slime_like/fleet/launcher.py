@@ -76,7 +76,7 @@ class Launcher:
     def loaded(self, e: ManagedEngine) -> dict:
         """Our engine is serving: its handle and the version it loaded (the LOADED details)."""
         e.handle = ray.get(e.actors[0].handle.remote(e.tp_size))
-        e.verified_version = parse_weight_version(e.handle.client.weight_version())
+        e.verified_version = parse_weight_version(e.handle.weight_version())
         return {"url": e.handle.url, "pid": ray.get(e.actors[0].server_pid.remote()),
                 "version": str(e.verified_version)}
 
@@ -96,8 +96,8 @@ class Launcher:
                                 admin_api_key=eng.admin_api_key, engine_id=e.engine_id,
                                 worker_type=ext.config.worker_type,
                                 bootstrap_port=ext.bootstrap_port)
-        e.handle.client.health_generate(timeout=30.0)
-        e.verified_version = parse_weight_version(e.handle.client.weight_version())
+        e.handle.health_generate(timeout=30.0)
+        e.verified_version = parse_weight_version(e.handle.weight_version())
         return {"url": url, "version": str(e.verified_version), "external": True}
 
     def reattach(self, e: ManagedEngine, wait_s: float) -> dict | None:
@@ -150,7 +150,7 @@ class Launcher:
     def alive(self, e: ManagedEngine) -> bool:
         """Whether every server process of the engine runs (an external one: answers /ping)."""
         if e.external_address is not None:
-            return e.handle is not None and e.handle.client.ping(timeout=2.0)
+            return e.handle is not None and e.handle.ping(timeout=2.0)
         try:
             return all(ray.get([a.is_alive.remote() for a in e.actors], timeout=10))
         except Exception:  # noqa: BLE001 - an actor that cannot answer is not alive
@@ -159,7 +159,7 @@ class Launcher:
     def answers(self, e: ManagedEngine, timeout: float = 1.0) -> bool:
         """Whether the engine answers `/ping` within `timeout`."""
         try:
-            return e.handle is not None and e.handle.client.ping(timeout=timeout)
+            return e.handle is not None and e.handle.ping(timeout=timeout)
         except Exception:  # noqa: BLE001 - not answering is the finding
             return False
 
@@ -168,10 +168,10 @@ class Launcher:
         blocks by design) or released, only that the server still answers (/ping), so a
         hang during a sync is still found."""
         if e.state in (S.UPDATING, S.OFFLOADED):  # paused, or memory released: 503 by design
-            if not e.handle.client.ping(timeout=timeout):
+            if not e.handle.ping(timeout=timeout):
                 raise FleetError(f"{e.engine_id}: /ping unanswered while {e.state.value}")
             return
-        e.handle.client.health_generate(timeout=timeout)
+        e.handle.health_generate(timeout=timeout)
 
     # ---- going away ---------------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ class Offload:
             yield [e.engine_id for e in released]
         finally:
             resumed = _each(released,
-                            lambda e: e.handle.client.resume_memory_occupation(tag_list))
+                            lambda e: e.handle.resume_memory_occupation(tag_list))
             failed = []
             with fleet.lock:
                 for e in chosen:
@@ -83,7 +83,7 @@ class Offload:
             e.handle.probe()
         for attempt in range(20):  # a probe's one-token generation may still be running
             try:
-                e.handle.client.release_memory_occupation(tags)
+                e.handle.release_memory_occupation(tags)
                 return
             except Exception:  # noqa: BLE001 - busy: retry a few times, then report
                 if attempt == 19:

@@ -24,9 +24,8 @@ from functools import cache
 from typing import Any
 
 from slime_like.cluster.hosts import format_host
-from slime_like.engine.launch import ComposedArgs, render_flags
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import ROUTER_ARGS, ArgTable, load_arg_table
+from slime_like.flag_tables import ROUTER_ARGS, ArgTable, ComposedArgs, load_arg_table, render_flags
 
 ROUTER_DEFAULTS: dict[str, Any] = {
     "log_level": "warn",

@@ -25,7 +25,8 @@ from slime_like.trainer.grpo import (
     ref_logprob_rows,
     token_logprobs,
 )
-from slime_like.trainer.serve_dtype import CastWeights, serve_dtype
+from slime_like.trainer.serve_dtype import serve_dtype
+from slime_like.weights.packing import CastWeights
 
 
 class PolicyTrainer:

@@ -1,10 +1,10 @@
 """Weight sync from the trainer into every engine: buckets, transports, the transaction."""
 
 from slime_like.engine.handle import EngineHandle
-from slime_like.weights.scheme import SGLangWeightSender, SGLangWeightSyncScheme
-from slime_like.weights.source import ModelWeights, NamedTensors, get_model_metadata
+from slime_like.weights.packing import CastWeights, ModelWeights, NamedTensors, get_model_metadata
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
+from slime_like.weights.torchrl import SGLangWeightSender, SGLangWeightSyncScheme
 
-__all__ = ["EngineHandle", "ModelWeights", "NamedTensors", "SGLangWeightSender",
+__all__ = ["CastWeights", "EngineHandle", "ModelWeights", "NamedTensors", "SGLangWeightSender",
            "SGLangWeightSyncScheme", "SyncReport", "WeightSync", "WeightSyncConfig",
            "get_model_metadata"]

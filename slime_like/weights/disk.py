@@ -17,8 +17,8 @@ from pathlib import Path
 
 from slime_like.models.loading import save_state_dict_atomic
 from slime_like.protocol import io_struct as p
-from slime_like.weights.transfer import EngineCall
 from slime_like.weights.transport import TransferContext, Transport
+from slime_like.weights.watch import EngineCall
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _MAX_EXTRA_FILE_BYTES = 64 << 20
@@ -71,7 +71,7 @@ class DiskTransport(Transport):
             req = p.UpdateWeightsFromDiskRequest(model_path=str(out),
                                                  flush_cache=ctx.flush_flag(e, True),
                                                  weight_version=ctx.weight_version)
-            call = ctx.update_call(e.client.update_weights_from_disk, e, True)
+            call = ctx.update_call(e.update_weights_from_disk, e, True)
             calls.append(ctx.watch.add(EngineCall(e, "update_weights_from_disk", ctx.calls.submit(
                 e, call, req, ctx.http_timeout_s))))
         ctx.watch.wait_calls(calls)
@@ -86,7 +86,7 @@ def _engine_model_dir(ctx: TransferContext) -> str | None:
     """The first engine's checkpoint directory, when this host can read it."""
     for engine in ctx.engines:
         try:
-            path = engine.client.model_info().get("model_path")
+            path = engine.model_info().get("model_path")
         except Exception:  # noqa: BLE001 - only a source of side files
             continue
         if path and Path(path).is_dir():

@@ -40,16 +40,9 @@ from slime_like.protocol.weight_group import (
     init_custom_process_group,
 )
 from slime_like.weights.fanout import EngineCalls, engine_ranks, on_all
-from slime_like.weights.transfer import (
-    BucketPacker,
-    EngineCall,
-    Watch,
-    bucket_tensors,
-    direct_view,
-    metas_body,
-    no_answer,
-)
+from slime_like.weights.packing import BucketPacker, bucket_tensors, direct_view, metas_body
 from slime_like.weights.transport import TransferContext, Transport
+from slime_like.weights.watch import EngineCall, Watch, no_answer
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +197,7 @@ class DistributedTransport(Transport):
                 master_address=address, master_port=port, rank_offset=offset,
                 world_size=world_size, group_name=name, backend=self.backend)
             self.asked.setdefault(engine.url, []).append(name)
-            future = calls.submit(engine, engine.client.init_weights_update_group, req,
+            future = calls.submit(engine, engine.init_weights_update_group, req,
                                   self.group_timeout_s + 5)
             _PENDING_JOINS[engine.url] = future
             http.append(watch.add(EngineCall(engine, step, future)))
@@ -258,11 +251,11 @@ class DistributedTransport(Transport):
             return
 
         def destroy(engine: EngineHandle) -> None:
-            engine.client.timeout = 10.0
+            engine.timeout = 10.0
             for name in asked[engine.url]:
                 # 400 = the group is already gone; no answer = the engine is gone.
                 with contextlib.suppress(EngineError):
-                    engine.client.destroy_weights_update_group(name)
+                    engine.destroy_weights_update_group(name)
 
         with contextlib.suppress(WeightSyncError):
             on_all(targets, "destroy_weights_update_group", destroy)
@@ -331,7 +324,7 @@ class DistributedTransport(Transport):
                 **metas_body(metas), group_name=self.group_name,
                 flush_cache=ctx.flush_flag(e, last),
                 weight_version=ctx.weight_version if last else None, load_format=load_format)
-            call = ctx.update_call(e.client.update_weights_from_distributed, e, last)
+            call = ctx.update_call(e.update_weights_from_distributed, e, last)
             calls.append(ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
                 e, call, req, ctx.http_timeout_s, gate=gate))))
         return calls

@@ -16,15 +16,15 @@ from __future__ import annotations
 import torch
 
 from slime_like.engine.handle import EngineHandle
-from slime_like.errors import ConfigError
+from slime_like.errors import ConfigError, WeightMetadataError
 from slime_like.models.config import ModelConfig
 from slime_like.models.transformer import CausalLM, hf_named_parameters
-from slime_like.protocol.buckets import TensorMeta, dtype_from_name
+from slime_like.protocol.buckets import TensorMeta, dtype_from_name, dtype_name
 
 
 def engine_model_metadata(engine: EngineHandle) -> tuple[list[TensorMeta] | None, str, str]:
     """(expected metadata or None, model_path, why it is None) for one engine."""
-    path = str(engine.client.model_info().get("model_path") or "")
+    path = str(engine.model_info().get("model_path") or "")
     try:
         config = ModelConfig.from_pretrained(path)
     except ConfigError as e:
@@ -41,3 +41,28 @@ def engine_model_metadata(engine: EngineHandle) -> tuple[list[TensorMeta] | None
         model = CausalLM(config)
     metas = [TensorMeta(n, dtype, tuple(prm.shape)) for n, prm in hf_named_parameters(model)]
     return metas, path, ""
+
+
+def check_same_metadata(expected: list[TensorMeta], actual: list[TensorMeta],
+                        where: str = "the weights passed to this sync",
+                        against: str = "the registered metadata", subset: bool = False,
+                        engine: str | None = None) -> None:
+    """Raise WeightMetadataError listing every difference (missing, extra, dtype, shape).
+
+    Order does not matter (buckets are planned from `actual`); with `subset`, names of
+    `expected` that `actual` lacks are fine (a sync may update part of a model).
+    """
+    exp = {m.name: m for m in expected}
+    act = {m.name: m for m in actual}
+    problems = [] if subset else [f"missing {n!r}" for n in exp if n not in act]
+    problems += [f"unexpected {n!r}" for n in act if n not in exp]
+    for n, m in act.items():
+        e = exp.get(n)
+        if e is not None and e.dtype != m.dtype:
+            problems.append(f"{n!r}: dtype {dtype_name(m.dtype)}, expected {dtype_name(e.dtype)}")
+        if e is not None and e.shape != m.shape:
+            problems.append(f"{n!r}: shape {list(m.shape)}, expected {list(e.shape)}")
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise WeightMetadataError(f"{where} disagree with {against}: "
+                                  + "; ".join(problems[:8]) + more, engine=engine)

@@ -1,6 +1,6 @@
 """`WeightSync`: one API over every engine and transport, each update a transaction.
 
-The transaction (DESIGN.md §4), per `update()`:
+The transaction, per `update()` (its engine calls are in `control.py`):
 
   check_metadata  names/dtypes/shapes vs what was registered and what each engine's model
                   has; a mismatch raises before any engine is paused or any byte moves
@@ -23,125 +23,38 @@ step and the engine.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from slime_like.engine.handle import EngineHandle
-from slime_like.errors import ConfigError, EngineError, WeightMetadataError, WeightSyncError
-from slime_like.protocol import io_struct as p
-from slime_like.protocol import paths
+from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
-from slime_like.protocol.compat import FLUSH_AFTER_RETRACT_SINCE
-from slime_like.weights.fanout import CallCancelled, EngineCalls, on_all
-from slime_like.weights.handshake import engine_model_metadata
-from slime_like.weights.source import as_source, check_same_metadata
-from slime_like.weights.transfer import EngineCall, TransferStats, Watch
-from slime_like.weights.transport import TransferContext, Transport
+from slime_like.weights.control import Control, round_trips, settle
+from slime_like.weights.fanout import EngineCalls, on_all
+from slime_like.weights.handshake import check_same_metadata, engine_model_metadata
+from slime_like.weights.packing import as_source
+from slime_like.weights.sync_config import (
+    DEFAULT_BUFFER_BYTES,
+    LOAD_FORMATS,
+    PAUSE_MODES,
+    TRANSPORTS,
+    StepClock,
+    SyncReport,
+    WeightSyncConfig,
+)
+from slime_like.weights.transport import TransferContext, TransferStats, Transport
+from slime_like.weights.watch import EngineCall, Watch
+
+__all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", "SyncReport",
+           "WeightSync", "WeightSyncConfig"]
 
 log = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-TRANSPORTS = ("distributed", "tensor", "disk")
-LOAD_FORMATS = (p.FLATTENED_BUCKET, "per_tensor")
-DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
-
-
-@dataclass
-class WeightSyncConfig:
-    """Settings of a WeightSync; field names double as the flag/YAML names in errors."""
-
-    transport: str = "distributed"
-    pause_mode: str = "retract"
-    update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES
-    load_format: str = p.FLATTENED_BUCKET
-    device: str | None = None          # where buckets are packed; default: cuda if available
-    backend: str | None = None         # weight-group backend; default nccl on cuda, else gloo
-    master_address: str | None = None  # this host as the engines reach it; default: probed
-    master_port: int | None = None     # the weight group's store port; default: a free one
-    http_timeout_s: float = 300.0
-    group_timeout_s: float = 300.0
-    flush_cache: bool = True           # flush where the pause mode allows it
-    check_engine_metadata: bool = True
-    disk_dir: str | None = None        # disk transport: where checkpoints are written
-    model_dir: str | None = None       # disk transport: config/tokenizer files to copy along
-    liveness_timeout_s: float = 3.0
-    # After a failed sync: resume every paused engine (standalone use), or leave them paused
-    # for the caller (the fleet), which first takes unverified engines out of the router.
-    resume_on_failure: bool = True
-
-    def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ConfigError:
-            return ConfigError(name, f"expected {expected}, got {getattr(self, name)!r}")
-
-        if self.transport not in TRANSPORTS:
-            raise bad("transport", f"one of {list(TRANSPORTS)}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise bad("pause_mode", f"one of {list(PAUSE_MODES)}")
-        if self.load_format not in LOAD_FORMATS:
-            raise bad("load_format", f"one of {list(LOAD_FORMATS)}")
-        if int(self.update_weight_buffer_size) <= 0:
-            raise bad("update_weight_buffer_size", "a positive number of bytes")
-        for name in ("http_timeout_s", "group_timeout_s", "liveness_timeout_s"):
-            if float(getattr(self, name)) <= 0:
-                raise bad(name, "a positive number of seconds")
-        if self.transport == "disk" and not self.disk_dir:
-            raise ConfigError("disk_dir", "the disk transport needs a directory the engines can read")
-
-
-@dataclass
-class SyncReport:
-    """What one update did and where its time went."""
-
-    weight_version: str
-    transport: str
-    pause_mode: str
-    engines: list[str]
-    seconds: dict[str, float] = field(default_factory=dict)
-    total_s: float = 0.0
-    transfer: dict = field(default_factory=dict)
-    flush: dict[str, str] = field(default_factory=dict)
-    in_flight_at_pause: dict[str, int] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    #: seconds of each control round trip (slowest engine) and of an average bucket update
-    round_trips: dict[str, float] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"weight_version": self.weight_version, "transport": self.transport,
-                "pause_mode": self.pause_mode, "engines": self.engines,
-                "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
-                "total_s": round(self.total_s, 6), "transfer": self.transfer,
-                "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
-                "warnings": self.warnings, "round_trips": self.round_trips}
-
-
-class _Steps:
-    """Times each named step and remembers which one is running (for error messages)."""
-
-    def __init__(self, report: SyncReport, on_step: Callable[[str], None] | None = None):
-        self.report = report
-        self.current = "check_metadata"
-        self.on_step = on_step
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        self.current = name
-        if self.on_step is not None:
-            self.on_step(name)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.report.seconds[name] = self.report.seconds.get(name, 0.0) + (
-                time.perf_counter() - start)
-
 
 def _target(engine: EngineHandle | str | tuple[str, int] | Mapping) -> EngineHandle:
     if isinstance(engine, EngineHandle):
@@ -178,7 +91,7 @@ class WeightSync:
         if len(set(urls)) != len(urls):
             raise ConfigError("engines", f"an engine is listed twice: {urls}")
         for e in self.engines:
-            e.client.timeout = self.config.http_timeout_s
+            e.timeout = self.config.http_timeout_s
         self.dropped: list[EngineHandle] = []
         self.transport: Transport | None = None
         self.weight_version: str | None = None
@@ -196,6 +109,7 @@ class WeightSync:
         self._lock = threading.Lock()
         # Called with each step's name as it starts (progress displays, chaos runs).
         self.on_step: Callable[[str], None] | None = None
+        self.control = Control(self.config, self._warn_once)
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -218,7 +132,7 @@ class WeightSync:
                     master_address=cfg.master_address, master_port=cfg.master_port,
                     group_timeout_s=cfg.group_timeout_s)
             elif cfg.transport == "tensor":
-                from slime_like.weights.colocated import TensorTransport
+                from slime_like.weights.tensor import TensorTransport
 
                 self.transport = TensorTransport(device=self._device(),
                                                  bucket_bytes=int(cfg.update_weight_buffer_size))
@@ -277,7 +191,7 @@ class WeightSync:
         self._transport().prepare(self._buckets(metas))
 
     def _check_engine(self, engine: EngineHandle, metas: list[TensorMeta]) -> None:
-        path = str(engine.client.model_info().get("model_path") or "")
+        path = str(engine.model_info().get("model_path") or "")
         cache_key = (engine.url, path)
         if cache_key not in self._engine_meta:
             expected, path, why = engine_model_metadata(engine)
@@ -304,7 +218,7 @@ class WeightSync:
         """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
         with self._lock:
             target = _target(engine)
-            target.client.timeout = self.config.http_timeout_s
+            target.timeout = self.config.http_timeout_s
             if any(e.url == target.url for e in self.engines):
                 raise ConfigError("engines", f"engine {target.url} is already synced")
             self.dropped = [e for e in self.dropped if e.url != target.url]
@@ -343,7 +257,7 @@ class WeightSync:
         self.engines = []
         for e in new:
             if e.url not in known:
-                e.client.timeout = self.config.http_timeout_s
+                e.timeout = self.config.http_timeout_s
                 self._probed.discard(e.url)
             self.engines.append(known.get(e.url, e))
 
@@ -351,7 +265,7 @@ class WeightSync:
         cfg = self.config
         version = weight_version or str(self._counter + 1)
         report = SyncReport(version, cfg.transport, cfg.pause_mode, [e.url for e in self.engines])
-        steps = _Steps(report, self.on_step)
+        steps = StepClock(report, self.on_step)
         start = time.perf_counter()
         source = as_source(weights)
         with steps("check_metadata"):
@@ -383,13 +297,14 @@ class WeightSync:
             with steps("pause"):
                 # Sent, not awaited: each engine's lane sends pause, then begin, then bucket
                 # 1, each once the one before was answered, while the trainer packs bucket 1.
-                control = self._pause_and_begin(engines, paused, begun, report, calls, sent)
+                control = self.control.pause_and_begin(engines, paused, begun, report, calls, sent,
+                                                       gated=self._transport().gated)
                 for c in control:
                     watch.add(c)
             with steps("transfer"):
                 stats = TransferStats()
-                folded = frozenset(e.url for e in engines if self._folds_flush(e)
-                                   and self._flush_plan(e, report) is None)
+                folded = frozenset(e.url for e in engines if self.control.folds_flush(e)
+                                   and self.control.flush_plan(e, report) is None)
                 ctx = TransferContext(
                     engines=engines, buckets=buckets, source=source, weight_version=version,
                     watch=watch, calls=calls, stats=stats, http_timeout_s=cfg.http_timeout_s,
@@ -397,13 +312,13 @@ class WeightSync:
                 self._transport().transfer(ctx)
                 watch.wait_calls(control)  # answered long before, unless a transport sent nothing
                 report.transfer = stats.as_dict()
-            if self._can_pipeline_end(engines, folded, ctx, report):
+            if self.control.can_pipeline_end(engines, folded, ctx, report):
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
-                    ends = self._submit_end(begun, calls)
+                    ends = self.control.submit_end(begun, calls)
                     sent += ends
-                    resumed = self._submit_continue(paused, ends, calls)
+                    resumed = self.control.submit_continue(paused, ends, calls)
                     sent += resumed
                     closing = Watch(cfg.http_timeout_s)  # its own deadline, like any step
                     for c in ends:
@@ -411,22 +326,22 @@ class WeightSync:
                     closing.wait_calls(ends)  # a failure names the engine and the step
                     begun = []
                 with steps("flush"):
-                    self._flush(engines, folded, ctx.flush_refused, report)
+                    self.control.flush(engines, folded, ctx.flush_refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so
             else:
                 with steps("end"):
-                    on_all(begun, "end_weight_update", lambda e: e.client.end_weight_update())
+                    on_all(begun, "end_weight_update", lambda e: e.end_weight_update())
                     begun = []
                 with steps("flush"):
-                    self._flush(engines, folded, ctx.flush_refused, report)
+                    self.control.flush(engines, folded, ctx.flush_refused, report)
                 with steps("verify"):
                     unverified = [e for e in engines if not ctx.version_set(e)]
-                    on_all(unverified, "verify_weight_version", lambda e: self._verify(e, version))
+                    on_all(unverified, "verify_weight_version", lambda e: self.control.verify(e, version))
         except BaseException as e:
             failure = e
             error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
             calls.cancel_pending()
-            _settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
+            settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
             error = self._failed(e, steps.current, begun)
         finally:
             # The living engines resume first: finding out which engines died (pings with
@@ -435,7 +350,7 @@ class WeightSync:
             problems = []
             if failure is None or cfg.resume_on_failure:
                 with steps("continue"):
-                    problems = self._continue(paused, resumed)
+                    problems = self.control.resume(paused, resumed)
             else:
                 error.paused = [e.url for e in paused]
             if problems and failure is None:
@@ -447,172 +362,10 @@ class WeightSync:
             raise self._with_dead_dropped(error) from failure
         self._counter += 1
         self.weight_version = version
-        report.round_trips = _round_trips(sent, stats)
+        report.round_trips = round_trips(sent, stats)
         report.total_s = time.perf_counter() - start
         self.last_report = report
         return report
-
-    def _pause_and_begin(self, engines: list[EngineHandle], paused: list[EngineHandle],
-                         begun: list[EngineHandle], report: SyncReport, calls: EngineCalls,
-                         sent: list[EngineCall]) -> list[EngineCall]:
-        """Queue pause (and begin, where gated) in every engine's lane; the last call of each
-        is returned, every call is added to `sent`."""
-        mode = self.config.pause_mode
-        lock = threading.Lock()
-        gated = self._transport().gated
-        out: list[EngineCall] = []
-
-        def pause(engine: EngineHandle) -> Any:
-            if mode == "abort":  # how many requests the pause is about to abort
-                with contextlib.suppress(EngineError, KeyError, TypeError):
-                    loads = engine.client.loads().get("loads") or []
-                    report.in_flight_at_pause[engine.url] = sum(
-                        int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
-                        for x in loads)
-            return engine.client.pause_generation(mode, timeout=self.config.http_timeout_s)
-
-        def begin(engine: EngineHandle) -> Any:
-            try:
-                answer = engine.client.begin_weight_update()
-            except EngineError as e:
-                if e.status == 404:  # an engine without sessions (sglang < 0.5.21)
-                    engine.version = engine.version or (0, 5, 20)
-                    return None
-                if e.status == 400 and "already open" in e.body:
-                    # left open by an earlier failed sync whose end did not get through
-                    engine.client.end_weight_update()
-                    answer = engine.client.begin_weight_update()
-                else:
-                    raise
-            with lock:
-                begun.append(engine)
-            return answer
-
-        for engine in engines:
-            paused.append(engine)  # even a pause that times out may have paused it
-            call = _call(calls, engine, "pause_generation", pause)
-            sent.append(call)
-            if gated and engine.has_begin_end:
-                call = _call(calls, engine, "begin_weight_update", begin)
-                sent.append(call)
-            out.append(call)
-        return out
-
-    def _can_pipeline_end(self, engines: list[EngineHandle], folded: frozenset[str],
-                          ctx: TransferContext, report: SyncReport) -> bool:
-        """True when nothing but end and continue is left: versions seen, no separate flush."""
-        return all(ctx.version_set(e) and (e.url in folded or self._flush_plan(e, report) is not None)
-                   for e in engines)
-
-    @staticmethod
-    def _submit_end(begun: list[EngineHandle], calls: EngineCalls) -> list[EngineCall]:
-        return [_call(calls, e, "end_weight_update", lambda e: e.client.end_weight_update())
-                for e in begun]
-
-    def _submit_continue(self, paused: list[EngineHandle], ends: list[EngineCall],
-                         calls: EngineCalls) -> list[EngineCall]:
-        """continue_generation right behind every end; not sent if an end failed and the
-        caller keeps failed syncs paused (resume_on_failure=False)."""
-        keep_paused = not self.config.resume_on_failure
-        futures = [c.future for c in ends]
-
-        def resume(engine: EngineHandle) -> Any:
-            if keep_paused and any(f.exception() is not None for f in futures):
-                raise CallCancelled("not sent: end_weight_update failed on an engine")
-            return engine.client.continue_generation()
-
-        def gate() -> bool:
-            return all(f.done() for f in futures)
-
-        return [_call(calls, e, "continue_generation", resume, gate) for e in paused]
-
-    def _flush_plan(self, engine: EngineHandle, report: SyncReport) -> str | None:
-        """None when the engine's cache is to be flushed, else why not (the pause-mode rule)."""
-        mode = self.config.pause_mode
-        if not self.config.flush_cache:
-            return "skipped: flush_cache is off"
-        if mode == "in_place":
-            return "skipped: in_place keeps the KV cache by design"
-        if mode == "retract" and not engine.flushes_after_retract:
-            self._warn_once(f"flush:{engine.url}", (
-                f"engine {engine.url} (sglang {engine.server_info.get('version')}) keeps "
-                "retracted requests' KV, so its prefix cache is not flushed after a "
-                "retract-mode sync; stale prefixes may be reused until it is flushed"), report)
-            return "skipped: engine keeps retracted KV"
-        return None
-
-    @staticmethod
-    def _folds_flush(engine: EngineHandle) -> bool:
-        # 0.5.23 answers a refused post-update flush with 400 (weights kept); older engines
-        # crash on it, so they get a separate /flush_cache, which is refused harmlessly.
-        return engine.version is not None and engine.version >= FLUSH_AFTER_RETRACT_SINCE
-
-    def _flush(self, engines: list[EngineHandle], folded: frozenset[str],
-               refused: dict[str, str], report: SyncReport) -> None:
-        def flush(engine: EngineHandle) -> None:
-            skip = self._flush_plan(engine, report)
-            if skip is not None:
-                report.flush[engine.url] = skip
-                return
-            if engine.url in folded:
-                ok, why = engine.url not in refused, refused.get(engine.url, "")
-            else:
-                try:
-                    ok, why = engine.client.flush_cache(), "the engine was not idle"
-                except EngineError as e:
-                    ok, why = False, str(e)
-            if ok:
-                report.flush[engine.url] = "flushed"
-            else:
-                report.flush[engine.url] = f"refused: {why}"
-                report.warnings.append(f"engine {engine.url} refused the cache flush after the "
-                                       "new weights landed; its prefix cache may be stale")
-
-        on_all(engines, "flush_cache", flush)
-
-    @staticmethod
-    def _verify(engine: EngineHandle, version: str) -> None:
-        got = engine.client.weight_version()
-        if got != version:
-            raise WeightSyncError("verify_weight_version",
-                                  f"engine reports weight_version {got!r}, expected {version!r}",
-                                  engine.url)
-
-    def _continue(self, paused: list[EngineHandle], sent: Sequence[EngineCall] = ()
-                  ) -> list[tuple[str, str]]:
-        """Every paused engine resumed: [(url, problem)] for those it failed on.
-
-        A continue already sent through the engine's lane counts once answered; one that
-        was never sent (cancelled after a failure) or failed is sent again here.
-        """
-        problems: list[tuple[str, str]] = []
-        lock = threading.Lock()
-        done = set()
-        for call in sent:
-            with contextlib.suppress(Exception):
-                call.future.result(timeout=self.config.http_timeout_s)
-                done.add(call.engine.url)
-        todo = [e for e in paused if e.url not in done]
-
-        def resume(engine: EngineHandle) -> None:
-            try:
-                engine.client.continue_generation()
-            except Exception as e:  # noqa: BLE001 - collected and reported by the caller
-                with lock:
-                    problems.append((engine.url, str(e)))
-
-        if todo:
-            on_all(todo, "continue_generation", resume)
-        return problems
-
-    def _end_quietly(self, engines: list[EngineHandle]) -> None:
-        def end(engine: EngineHandle) -> None:
-            with contextlib.suppress(Exception):
-                engine.client.request("POST", paths.END_WEIGHT_UPDATE, body={}, admin=True,
-                                      timeout=min(30.0, self.config.http_timeout_s))
-        if engines:
-            with contextlib.suppress(WeightSyncError):
-                on_all(engines, "end_weight_update", end)
 
     def _failed(self, exc: BaseException, step: str, begun: list[EngineHandle]) -> WeightSyncError:
         """Clean up after a failed step; the error names the step (and the engine, if known)."""
@@ -620,7 +373,7 @@ class WeightSync:
             self.transport.failed()
         if self._calls is not None:
             self._calls.cancel_pending()
-        self._end_quietly(begun)
+        self.control.end_quietly(begun)
         if isinstance(exc, WeightSyncError):
             return exc
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
@@ -637,7 +390,7 @@ class WeightSync:
 
     def _drop_dead(self) -> list[str]:
         def alive(engine: EngineHandle) -> bool:
-            return engine.client.ping(timeout=self.config.liveness_timeout_s)
+            return engine.ping(timeout=self.config.liveness_timeout_s)
 
         if not self.engines:
             return []
@@ -667,49 +420,3 @@ class WeightSync:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _Timed:
-    """An engine call that remembers how long its HTTP round trip took once sent."""
-
-    def __init__(self, fn: Callable[[EngineHandle], Any]):
-        self.fn = fn
-        self.seconds: float | None = None
-
-    def __call__(self, engine: EngineHandle) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.fn(engine)
-        finally:
-            self.seconds = time.perf_counter() - t0
-
-
-def _call(calls: EngineCalls, engine: EngineHandle, step: str, fn: Callable[[EngineHandle], Any],
-          gate: Callable[[], bool] | None = None) -> EngineCall:
-    """Queue fn(engine) in the engine's ordered lane (after everything queued before it)."""
-    timer = _Timed(fn)
-    call = EngineCall(engine, step, calls.submit(engine, timer, engine, gate=gate))
-    call.timer = timer
-    return call
-
-
-def _settle(sent: Sequence[EngineCall], timeout_s: float) -> None:
-    """Wait (bounded) until no queued or running control call is left."""
-    deadline = time.monotonic() + timeout_s
-    for call in sent:
-        with contextlib.suppress(Exception):
-            call.future.exception(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _round_trips(sent: Sequence[EngineCall], stats: TransferStats) -> dict[str, float]:
-    """Seconds per control round trip (slowest engine) and per bucket update (mean)."""
-    out: dict[str, float] = {}
-    for call in sent:
-        seconds = getattr(call.timer, "seconds", None)
-        if seconds is not None:
-            step = call.step.removesuffix("_generation").removesuffix("_weight_update")
-            out[step] = max(out.get(step, 0.0), seconds)
-    updates = stats.buckets * max(1, len(stats.per_engine_http_s))
-    if updates:
-        out["update_mean"] = stats.http_s / updates
-    return {k: round(v, 6) for k, v in out.items()}

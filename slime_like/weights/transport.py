@@ -1,7 +1,10 @@
-"""What every transport gets for one transfer, and what it must provide."""
+"""What every transport gets for one transfer (and where its time went), and what it must
+provide."""
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -12,8 +15,51 @@ from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError
 from slime_like.protocol.buckets import Bucket
 from slime_like.weights.fanout import EngineCalls
-from slime_like.weights.source import WeightSource
-from slime_like.weights.transfer import TransferStats, Watch, timed
+from slime_like.weights.packing import WeightSource
+from slime_like.weights.watch import Watch
+
+
+@dataclass
+class TransferStats:
+    """Where the transfer's time went (seconds); filled by the transports."""
+
+    bytes: int = 0
+    buckets: int = 0
+    pack_s: float = 0.0      # trainer-side packing (GPU: measured by CUDA events)
+    wire_s: float | None = None  # broadcast busy time seen by the trainer (GPU events only)
+    http_s: float = 0.0      # summed engine request latency (receive + load + HTTP)
+    wait_s: float = 0.0      # host time blocked on buffers or engines
+    prep_s: float = 0.0      # host time building requests (views, layouts, payloads, submits)
+    first_call_s: float | None = None  # from the transfer's start to its first engine call
+    started: float = field(default_factory=time.perf_counter, repr=False)
+    per_engine_http_s: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_http(self, url: str, seconds: float) -> None:
+        with self._lock:
+            self.http_s += seconds
+            self.per_engine_http_s[url] = self.per_engine_http_s.get(url, 0.0) + seconds
+
+    def as_dict(self) -> dict:
+        return {"bytes": self.bytes, "buckets": self.buckets, "pack_s": round(self.pack_s, 6),
+                "wire_s": None if self.wire_s is None else round(self.wire_s, 6), "http_s": round(self.http_s, 6),
+                "wait_s": round(self.wait_s, 6), "prep_s": round(self.prep_s, 6),
+                "first_call_s": None if self.first_call_s is None else round(self.first_call_s, 6),
+                "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
+
+
+def timed(fn: Callable, stats: TransferStats, url: str) -> Callable:
+    """Wrap an engine call so its latency lands in the stats."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        if stats.first_call_s is None:
+            stats.first_call_s = start - stats.started
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stats.add_http(url, time.perf_counter() - start)
+    return run
+
 
 # sglang 0.5.23's answer when the weights landed but the flush after them was refused.
 FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"

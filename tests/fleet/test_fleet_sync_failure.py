@@ -20,7 +20,7 @@ from fleet_checks import routed_urls, wait_all_registered
 from slime_like.api import EngineState, FleetWeights
 from slime_like.errors import WeightSyncError
 from slime_like.models import load_pretrained
-from slime_like.weights.source import ModelWeights
+from slime_like.weights.packing import ModelWeights
 
 
 class BreaksAfterFirstBucket:
@@ -77,7 +77,7 @@ def test_failed_sync_unroutes_every_unverified_engine_then_resyncs_them(fleet, t
 
 
 def checksums(fleet) -> dict[str, str]:
-    return {e.engine_id: e.handle.check_weights()["ranks"][0]["per_gpu_checksum"]
+    return {e.engine_id: e.handle.weights_checker()["ranks"][0]["per_gpu_checksum"]
             for e in fleet.engines}
 
 
@@ -130,13 +130,13 @@ def test_a_retry_leaves_out_an_engine_whose_scheduler_is_busy(fleet, tiny_model_
         master_address="127.0.0.1", master_port=held["store"].port, rank_offset=1,
         world_size=2, group_name="held", backend="gloo")
     client = EngineHandle(held_engine.url, api_key=held_engine.handle.api_key,
-                          admin_api_key=held_engine.handle.admin_api_key).client
+                          admin_api_key=held_engine.handle.admin_api_key)
     stuck = threading.Thread(target=_quietly, args=(client.init_weights_update_group, join, 700),
                              daemon=True)
     stuck.start()
     time.sleep(1.0)
     try:
-        assert held_engine.handle.client.ping(timeout=2.0)  # it still answers /ping
+        assert held_engine.handle.ping(timeout=2.0)  # it still answers /ping
         report = weights.push(model)  # the fleet's sync, retried for the living
         assert report["engines"] == [other.url]
         assert int(fleet.version) == 1 and other.handle.weight_version() == "1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_like.weights.transfer import direct_view
+from slime_like.weights.packing import direct_view
 
 CPU = torch.device("cpu")
 
@@ -42,7 +42,7 @@ def _buckets(named, max_bytes):
 
 def test_consecutive_direct_buckets_go_as_one_request_with_the_joined_layout():
     from slime_like.protocol.buckets import layout
-    from slime_like.weights.transfer import send_groups
+    from slime_like.weights.packing import send_groups
 
     flat = torch.randn(1000)
     named = _named([flat[i * 100:(i + 1) * 100] for i in range(10)])
@@ -60,7 +60,7 @@ def test_consecutive_direct_buckets_go_as_one_request_with_the_joined_layout():
 
 
 def test_separate_tensors_or_a_gap_keep_the_planned_buckets():
-    from slime_like.weights.transfer import send_groups
+    from slime_like.weights.packing import send_groups
 
     flat = torch.randn(1000)
     # t0..t3 back to back, then a gap, then t4..t5: two direct groups.
@@ -78,7 +78,7 @@ def test_separate_tensors_or_a_gap_keep_the_planned_buckets():
 
 
 def test_one_packed_bucket_per_sync_reserves_one_buffer_not_two():
-    from slime_like.weights.transfer import BucketPacker
+    from slime_like.weights.packing import BucketPacker
 
     one = BucketPacker(CPU, capacity=1 << 20)
     one.reserve(4096, buckets=1)

@@ -24,7 +24,7 @@ from weight_sync_helpers import model_checksum, start_engine, trainer_model
 from slime_like.errors import WeightSyncError
 from slime_like.protocol.weight_group import host_store
 from slime_like.weights import WeightSync
-from slime_like.weights.source import ModelWeights
+from slime_like.weights.packing import ModelWeights
 
 
 def test_a_group_that_cannot_form_releases_the_engines_that_joined(tiny_model_dir, tmp_path):

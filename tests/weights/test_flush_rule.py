@@ -6,6 +6,7 @@ import pytest
 
 from slime_like.engine.handle import EngineHandle
 from slime_like.weights import SyncReport, WeightSync
+from slime_like.weights.control import Control
 
 
 def engine(version: tuple[int, ...] | None) -> EngineHandle:
@@ -26,14 +27,14 @@ def engine(version: tuple[int, ...] | None) -> EngineHandle:
 def test_flush_follows_the_pause_mode_rule(mode, version, expected):
     sync = WeightSync([engine(version)], pause_mode=mode)
     report = SyncReport("1", "distributed", mode, [])
-    assert sync._flush_plan(sync.engines[0], report) == expected
+    assert sync.control.flush_plan(sync.engines[0], report) == expected
     if expected == "skipped: engine keeps retracted KV":
         assert len(report.warnings) == 1 and "stale prefixes" in report.warnings[0]
-        sync._flush_plan(sync.engines[0], report)
+        sync.control.flush_plan(sync.engines[0], report)
         assert len(report.warnings) == 1  # one warning, not one per check
 
 
 def test_flush_is_folded_into_the_last_update_only_where_a_refusal_cannot_crash_the_engine():
-    assert WeightSync._folds_flush(engine((0, 5, 23)))
-    assert not WeightSync._folds_flush(engine((0, 5, 21)))  # asserts, i.e. crashes, on refusal
-    assert not WeightSync._folds_flush(engine(None))
+    assert Control.folds_flush(engine((0, 5, 23)))
+    assert not Control.folds_flush(engine((0, 5, 21)))  # asserts, i.e. crashes, on refusal
+    assert not Control.folds_flush(engine(None))

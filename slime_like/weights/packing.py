@@ -1,54 +1,196 @@
-"""Shared machinery of the transports: packing buckets, and waiting with a deadline.
+"""What a sync sends, and its bytes packed into flat buckets.
 
-Packing uses two rotating flat buffers: bucket k+1 is packed while bucket k is still in
-use (on the wire, or being read by a colocated engine). On GPU packing runs on its own
-CUDA stream, so it overlaps the NCCL broadcast of the previous bucket.
+A `WeightSource` gives the full metadata cheaply (names, dtypes, shapes, in send order) and
+the tensors lazily, so a LoRA model is merged one layer at a time, and a model is cast to
+the engines' dtype one tensor at a time (`CastWeights`), while buckets stream out instead
+of materialising a second copy of the model.
+
+Packing pulls a bucket's tensors from the source and copies them into one of two rotating
+flat buffers: bucket k+1 is packed while bucket k is still in use (on the wire, or being
+read by a colocated engine). On GPU packing runs on its own CUDA stream, so it overlaps the
+NCCL broadcast of the previous bucket. Buckets whose tensors already lie back to back in
+the trainer's storage go out without a pack (`direct_view`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
-from slime_like.engine.handle import EngineHandle
-from slime_like.errors import EngineError, WeightMetadataError, WeightSyncError
-from slime_like.protocol.buckets import Bucket, TensorMeta
-from slime_like.weights.fanout import CallCancelled, describe
+from slime_like.errors import WeightMetadataError
+from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_name
 
 
-@dataclass
-class TransferStats:
-    """Where the transfer's time went (seconds); filled by the transports."""
+@runtime_checkable
+class WeightSource(Protocol):
+    """Tensors to sync, by HF name; `tensors()` yields them in `metadata()` order."""
 
-    bytes: int = 0
-    buckets: int = 0
-    pack_s: float = 0.0      # trainer-side packing (GPU: measured by CUDA events)
-    wire_s: float | None = None  # broadcast busy time seen by the trainer (GPU events only)
-    http_s: float = 0.0      # summed engine request latency (receive + load + HTTP)
-    wait_s: float = 0.0      # host time blocked on buffers or engines
-    prep_s: float = 0.0      # host time building requests (views, layouts, payloads, submits)
-    first_call_s: float | None = None  # from the transfer's start to its first engine call
-    started: float = field(default_factory=time.perf_counter, repr=False)
-    per_engine_http_s: dict[str, float] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def metadata(self) -> list[TensorMeta]: ...
 
-    def add_http(self, url: str, seconds: float) -> None:
-        with self._lock:
-            self.http_s += seconds
-            self.per_engine_http_s[url] = self.per_engine_http_s.get(url, 0.0) + seconds
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
-    def as_dict(self) -> dict:
-        return {"bytes": self.bytes, "buckets": self.buckets, "pack_s": round(self.pack_s, 6),
-                "wire_s": None if self.wire_s is None else round(self.wire_s, 6), "http_s": round(self.http_s, 6),
-                "wait_s": round(self.wait_s, 6), "prep_s": round(self.prep_s, 6),
-                "first_call_s": None if self.first_call_s is None else round(self.first_call_s, 6),
-                "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
+
+class NamedTensors:
+    """A list or dict of (HF name, tensor)."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]):
+        items = list(named.items() if isinstance(named, Mapping) else named)
+        names = [n for n, _ in items]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise WeightMetadataError(f"tensor names are not unique: {dup[:5]}")
+        self._items = [(n, t.detach()) for n, t in items]
+        # The detached views cannot change shape or dtype: one metadata list serves every
+        # sync (and lets WeightSync skip re-checking it).
+        self._metas = [TensorMeta.of(n, t) for n, t in self._items]
+
+    def metadata(self) -> list[TensorMeta]:
+        return self._metas
+
+    def reuse_metadata(self, metas: list[TensorMeta]) -> None:
+        """Adopt an equal metadata list from an earlier sync (so it is not checked again)."""
+        if metas != self._metas:
+            raise WeightMetadataError("reuse_metadata: the metadata differs")
+        self._metas = metas
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._items)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DistributedDataParallel-like wrappers (not a peft model's base)."""
+    # DistributedDataParallel and similar wrappers keep the real model in `.module`.
+    while isinstance(getattr(model, "module", None), nn.Module) and not _is_peft(model):
+        model = model.module
+    return model
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+
+
+class ModelWeights:
+    """A model's parameters under HF checkpoint names (tied lm_head left out, as HF does).
+
+    For a peft LoRA model every adapted layer is sent as its merged weight
+    (base + the adapter's delta) under the base model's name; adapter tensors are not sent
+    and the trainer's model is not modified.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = unwrap_model(model)
+        self._entries = list(self._walk())
+        # Built once: the same list object every sync lets WeightSync skip re-checking it.
+        self._metas = [TensorMeta(n, p.dtype, tuple(p.shape)) for n, p, _ in self._entries]
+
+    def _walk(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
+        model = self.model
+        if not _is_peft(model):
+            tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+            for name, param in model.named_parameters(remove_duplicate=True):
+                if tied and name == "lm_head.weight":
+                    continue
+                yield name, param, None
+            return
+        yield from _peft_entries(model)
+
+    def metadata(self) -> list[TensorMeta]:
+        return self._metas
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, param, lora in self._entries:
+                yield name, (param.detach() if lora is None else _merged(param, *lora))
+
+
+def _peft_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """(base name, base parameter, (lora layer, adapters) or None) for a peft model."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError as e:  # a peft model without peft importable cannot happen; be clear
+        raise WeightMetadataError(f"peft is needed to merge this LoRA model: {e}") from e
+    base = model.base_model.model  # the wrapped transformers / slime_like model
+    lora_layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    tied = bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False))
+    seen: set[str] = set()
+    for name, param in base.named_parameters(remove_duplicate=True):
+        if ".lora_" in name or ".original_module." in name:
+            continue  # adapter tensors, and the frozen twin of a modules_to_save copy
+        hf_name = name.replace(".base_layer.", ".")
+        if ".modules_to_save." in hf_name:
+            head, _, tail = hf_name.partition(".modules_to_save.")
+            hf_name = f"{head}.{tail.partition('.')[2]}"
+        if tied and hf_name == "lm_head.weight":
+            continue
+        if hf_name in seen:
+            raise WeightMetadataError(f"two parameters of the LoRA model map to {hf_name!r}")
+        seen.add(hf_name)
+        owner = name.rpartition(".")[0].removesuffix(".base_layer")
+        layer = lora_layers.get(owner)
+        if layer is not None and name.endswith(".base_layer.weight"):
+            adapters = [a for a in layer.active_adapters if a in getattr(layer, "lora_A", {})]
+            if any(layer.use_dora.get(a, False) for a in adapters):
+                raise WeightMetadataError(f"{hf_name}: DoRA adapters cannot be merged for a sync")
+            if getattr(layer, "merged", False):
+                adapters = []  # already merged into the base weight by the user
+            yield hf_name, param, ((layer, adapters) if adapters else None)
+        else:
+            yield hf_name, param, None
+
+
+def _merged(param: torch.Tensor, layer: Any, adapters: list[str]) -> torch.Tensor:
+    """base weight + every active adapter's delta, in the base weight's dtype."""
+    out = param.detach().clone()
+    for adapter in adapters:
+        out += layer.get_delta_weight(adapter).to(out.dtype)
+    return out
+
+
+class CastWeights:
+    """A model's weights (HF names, LoRA merged) as `dtype`: floating tensors cast lazily.
+
+    The trainer keeps fp32 weights; engines serve the checkpoint's dtype (bf16 for most
+    HF checkpoints) unless `--sglang-dtype` says otherwise, and a sync must send exactly
+    theirs, one tensor at a time while buckets are packed, never as a second full copy.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.inner = ModelWeights(model)
+        self.dtype = dtype
+        self._metas = [TensorMeta(m.name, dtype if m.dtype.is_floating_point else m.dtype,
+                                  m.shape) for m in self.inner.metadata()]
+
+    def metadata(self) -> list[TensorMeta]:
+        return self._metas
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.inner.tensors():
+            yield name, t.to(self.dtype) if t.is_floating_point() else t
+
+
+def as_source(weights: Any) -> WeightSource:
+    """A WeightSource from a model, a list/dict of named tensors, or a source itself."""
+    if isinstance(weights, nn.Module):
+        return ModelWeights(weights)
+    if isinstance(weights, WeightSource):
+        return weights
+    if isinstance(weights, Mapping | list | tuple):
+        return NamedTensors(weights)
+    raise TypeError(f"cannot sync weights from a {type(weights).__name__}; pass an nn.Module, "
+                    "a dict or list of (name, tensor), or a WeightSource")
+
+
+def get_model_metadata(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.Size]]:
+    """{HF name: (dtype, shape)} of what a sync of `model` sends (LoRA merged)."""
+    return {m.name: (m.dtype, torch.Size(m.shape)) for m in ModelWeights(model).metadata()}
+
+
+# ---- packing ---------------------------------------------------------------------------------
 
 
 def bucket_tensors(stream: Iterator[tuple[str, torch.Tensor]], bucket: Bucket,
@@ -259,150 +401,8 @@ def _copy_into(dst: torch.Tensor, flat: list[torch.Tensor]) -> None:
         offset += f.numel()
 
 
-@dataclass
-class EngineCall:
-    """An HTTP call in flight to one engine, for one step of the transfer."""
-
-    engine: EngineHandle
-    step: str
-    future: Future
-    started: float = field(default_factory=time.monotonic)
-    done_at: float | None = None
-    timer: Any = None  # what measured the call's round trip, if anything
-
-    def __post_init__(self) -> None:
-        self.future.add_done_callback(self._mark)
-
-    def _mark(self, _: Future) -> None:
-        self.done_at = time.monotonic()
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.future.exception() if self.future.done() else None
-
-
-class Watch:
-    """Waits that give up at a deadline, or as soon as any watched engine call fails.
-
-    This is what keeps the trainer out of a collective its peers never joined: an engine
-    that answers 400 before joining a broadcast fails its HTTP call, and the wait on the
-    broadcast sees that at once instead of sitting out the group timeout.
-    """
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
-        self.calls: list[EngineCall] = []
-
-    def add(self, call: EngineCall) -> EngineCall:
-        self.calls.append(call)
-        return call
-
-    def check(self) -> None:
-        """Raise the engine call that failed first (naming engine and step)."""
-        failed = [c for c in self.calls if c.error is not None]
-        if failed:
-            first = min(failed, key=lambda c: c.done_at or 0.0)
-            raise call_error(first, first.error)
-        self.calls = [c for c in self.calls if not c.future.done()]
-
-    def wait(self, done: Callable[[], bool], what: str, poll_s: float = 2e-4) -> None:
-        """Spin until done() (or an engine call fails, or the deadline passes)."""
-        while not done():
-            self.check()
-            if time.monotonic() > self.deadline:
-                slow = sorted({c.engine.url for c in self.calls if not c.future.done()})
-                raise WeightSyncError(
-                    what, f"not finished after {self.timeout_s:.0f}s"
-                    + (f"; engines still busy: {', '.join(slow)}" if slow else ""),
-                    slow[0] if slow else None)
-            time.sleep(poll_s)
-
-    def wait_calls(self, calls: Sequence[EngineCall]) -> list:
-        """Results of engine calls, failing fast on the first error among all watched."""
-        self.wait(lambda: all(c.future.done() for c in calls), calls[0].step if calls else "")
-        self.check()
-        return [c.future.result() for c in calls]
-
-    def explain(self, exc: BaseException, grace_s: float = 5.0) -> WeightSyncError:
-        """The error for a failed collective, naming the engine that most likely broke it.
-
-        A peer that refused a bucket, or died, breaks the collective for everyone, so the
-        other engines' receives fail too. Called after our end of the group is closed (so no
-        engine is still blocked), it waits for the engines' answers and picks, in order: an
-        engine that no longer answers, an engine whose refusal is not itself a broken
-        connection, then the earliest failure.
-        """
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
-            time.sleep(0.01)
-        failed = sorted((c for c in self.calls if c.error is not None),
-                        key=lambda c: (_blame_rank(c.error), c.done_at or 0.0))
-        if not failed:
-            if isinstance(exc, WeightSyncError):
-                return exc
-            err = WeightSyncError("broadcast", f"{type(exc).__name__}: {exc}")
-        else:
-            first = failed[0]
-            also = "" if isinstance(exc, WeightSyncError) else (
-                f" (the broadcast then failed: {type(exc).__name__}: {exc})")
-            err = WeightSyncError(first.step, describe(first.error) + also, first.engine.url)
-        err.__cause__ = exc
-        return err
-
-
-# What a receive reports when a *peer* broke the collective (not a cause, a consequence).
-_COLLATERAL = ("pair.cc", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-               "NCCL error", "ncclRemoteError", "ncclSystemError")
-
-
-def no_answer(exc: BaseException | None) -> bool:
-    """An engine call that got no HTTP answer at all: the engine is gone, or its control
-    loop is stuck (a refusal, by contrast, is an answer)."""
-    return isinstance(exc, EngineError) and exc.status is None
-
-
-def _blame_rank(exc: BaseException) -> int:
-    if isinstance(exc, CallCancelled):
-        return 3  # never sent: a consequence of the failure, not a cause
-    if no_answer(exc):
-        return 0  # no answer at all: the engine is gone
-    if not any(marker in str(exc) for marker in _COLLATERAL):
-        return 1  # a refusal of its own (unknown group, bad layout, closed session...)
-    return 2
-
-
-def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:
-    if isinstance(exc, WeightSyncError):
-        return exc
-    err = WeightSyncError(call.step, describe(exc), call.engine.url)
-    if no_answer(exc):
-        err.unresponsive = [call.engine.url]  # no answer (gone, or its control loop is stuck)
-    err.__cause__ = exc
-    return err
-
-
-def timed(fn: Callable, stats: TransferStats, url: str) -> Callable:
-    """Wrap an engine call so its latency lands in the stats."""
-    def run(*args, **kwargs):
-        start = time.perf_counter()
-        if stats.first_call_s is None:
-            stats.first_call_s = start - stats.started
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            stats.add_http(url, time.perf_counter() - start)
-    return run
-
-
 def metas_body(metas: Sequence[TensorMeta]) -> dict:
     """names / dtypes / shapes as sglang's update requests spell them."""
-    from slime_like.protocol.buckets import dtype_name
 
     return {"names": [m.name for m in metas], "dtypes": [dtype_name(m.dtype) for m in metas],
             "shapes": [list(m.shape) for m in metas]}
-
-
-def is_refusal(exc: BaseException) -> bool:
-    """An engine answered (4xx/5xx), as opposed to not answering at all."""
-    return isinstance(exc, EngineError) and exc.status is not None

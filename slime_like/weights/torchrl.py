@@ -26,7 +26,7 @@ from torch import nn
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, WeightSyncError
 from slime_like.protocol.buckets import TensorMeta
-from slime_like.weights.source import (
+from slime_like.weights.packing import (
     ModelWeights,
     NamedTensors,
     get_model_metadata,
@@ -163,7 +163,7 @@ class SGLangWeightSender:
 
     def flush_cache(self) -> bool:
         """Flush the server's prefix cache now; False when it refused (not idle)."""
-        return self.sync.engines[0].client.flush_cache() if self.sync.engines else False
+        return self.sync.engines[0].try_flush_cache() if self.sync.engines else False
 
     def shutdown(self) -> None:
         self.sync.close()

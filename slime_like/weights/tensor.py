@@ -23,8 +23,9 @@ import torch
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
 from slime_like.protocol.tensor_payload import FlattenedPayloads
-from slime_like.weights.transfer import BucketPacker, EngineCall, send_groups
+from slime_like.weights.packing import BucketPacker, send_groups
 from slime_like.weights.transport import TransferContext, Transport
+from slime_like.weights.watch import EngineCall
 
 RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
 
@@ -86,7 +87,7 @@ class TensorTransport(Transport):
                         for _ in range(engine.tp_size)],
                     load_format=p.FLATTENED_BUCKET, flush_cache=ctx.flush_flag(engine, last),
                     weight_version=ctx.weight_version if last else None)
-                call = ctx.update_call(engine.client.update_weights_from_tensor, engine, last)
+                call = ctx.update_call(engine.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
                     engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
             slot_calls[slot] = calls

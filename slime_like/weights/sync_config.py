@@ -1,0 +1,109 @@
+"""What a weight sync is asked to do (`WeightSyncConfig`) and what it reports (`SyncReport`).
+
+Field names double as the flag and YAML names in errors. `StepClock` times each named step
+of the transaction and remembers which one runs, so a failure names its step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from slime_like.errors import ConfigError
+from slime_like.protocol import io_struct as p
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+TRANSPORTS = ("distributed", "tensor", "disk")
+LOAD_FORMATS = (p.FLATTENED_BUCKET, "per_tensor")
+DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
+
+
+@dataclass
+class WeightSyncConfig:
+    """Settings of a WeightSync; field names double as the flag/YAML names in errors."""
+
+    transport: str = "distributed"
+    pause_mode: str = "retract"
+    update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES
+    load_format: str = p.FLATTENED_BUCKET
+    device: str | None = None          # where buckets are packed; default: cuda if available
+    backend: str | None = None         # weight-group backend; default nccl on cuda, else gloo
+    master_address: str | None = None  # this host as the engines reach it; default: probed
+    master_port: int | None = None     # the weight group's store port; default: a free one
+    http_timeout_s: float = 300.0
+    group_timeout_s: float = 300.0
+    flush_cache: bool = True           # flush where the pause mode allows it
+    check_engine_metadata: bool = True
+    disk_dir: str | None = None        # disk transport: where checkpoints are written
+    model_dir: str | None = None       # disk transport: config/tokenizer files to copy along
+    liveness_timeout_s: float = 3.0
+    # After a failed sync: resume every paused engine (standalone use), or leave them paused
+    # for the caller (the fleet), which first takes unverified engines out of the router.
+    resume_on_failure: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ConfigError:
+            return ConfigError(name, f"expected {expected}, got {getattr(self, name)!r}")
+
+        if self.transport not in TRANSPORTS:
+            raise bad("transport", f"one of {list(TRANSPORTS)}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise bad("pause_mode", f"one of {list(PAUSE_MODES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"one of {list(LOAD_FORMATS)}")
+        if int(self.update_weight_buffer_size) <= 0:
+            raise bad("update_weight_buffer_size", "a positive number of bytes")
+        for name in ("http_timeout_s", "group_timeout_s", "liveness_timeout_s"):
+            if float(getattr(self, name)) <= 0:
+                raise bad(name, "a positive number of seconds")
+        if self.transport == "disk" and not self.disk_dir:
+            raise ConfigError("disk_dir", "the disk transport needs a directory the engines can read")
+
+
+@dataclass
+class SyncReport:
+    """What one update did and where its time went."""
+
+    weight_version: str
+    transport: str
+    pause_mode: str
+    engines: list[str]
+    seconds: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+    transfer: dict = field(default_factory=dict)
+    flush: dict[str, str] = field(default_factory=dict)
+    in_flight_at_pause: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    #: seconds of each control round trip (slowest engine) and of an average bucket update
+    round_trips: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"weight_version": self.weight_version, "transport": self.transport,
+                "pause_mode": self.pause_mode, "engines": self.engines,
+                "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+                "total_s": round(self.total_s, 6), "transfer": self.transfer,
+                "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
+                "warnings": self.warnings, "round_trips": self.round_trips}
+
+
+class StepClock:
+    """Times each named step and remembers which one is running (for error messages)."""
+
+    def __init__(self, report: SyncReport, on_step: Callable[[str], None] | None = None):
+        self.report = report
+        self.current = "check_metadata"
+        self.on_step = on_step
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        if self.on_step is not None:
+            self.on_step(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.seconds[name] = self.report.seconds.get(name, 0.0) + (
+                time.perf_counter() - start)

@@ -1,0 +1,146 @@
+"""Waiting on engine calls during a transfer: deadlines, and the engine to blame.
+
+Every HTTP call of a transfer is an `EngineCall` (engine, step, future). A `Watch` waits
+with a deadline and gives up as soon as any watched call fails, naming the engine and the
+step; after a broken collective it picks the engine that most likely broke it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime_like.engine.handle import EngineHandle
+from slime_like.errors import EngineError, WeightSyncError
+from slime_like.weights.fanout import CallCancelled, describe
+
+
+@dataclass
+class EngineCall:
+    """An HTTP call in flight to one engine, for one step of the transfer."""
+
+    engine: EngineHandle
+    step: str
+    future: Future
+    started: float = field(default_factory=time.monotonic)
+    done_at: float | None = None
+    timer: Any = None  # what measured the call's round trip, if anything
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._mark)
+
+    def _mark(self, _: Future) -> None:
+        self.done_at = time.monotonic()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+
+class Watch:
+    """Waits that give up at a deadline, or as soon as any watched engine call fails.
+
+    This is what keeps the trainer out of a collective its peers never joined: an engine
+    that answers 400 before joining a broadcast fails its HTTP call, and the wait on the
+    broadcast sees that at once instead of sitting out the group timeout.
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.calls: list[EngineCall] = []
+
+    def add(self, call: EngineCall) -> EngineCall:
+        self.calls.append(call)
+        return call
+
+    def check(self) -> None:
+        """Raise the engine call that failed first (naming engine and step)."""
+        failed = [c for c in self.calls if c.error is not None]
+        if failed:
+            first = min(failed, key=lambda c: c.done_at or 0.0)
+            raise call_error(first, first.error)
+        self.calls = [c for c in self.calls if not c.future.done()]
+
+    def wait(self, done: Callable[[], bool], what: str, poll_s: float = 2e-4) -> None:
+        """Spin until done() (or an engine call fails, or the deadline passes)."""
+        while not done():
+            self.check()
+            if time.monotonic() > self.deadline:
+                slow = sorted({c.engine.url for c in self.calls if not c.future.done()})
+                raise WeightSyncError(
+                    what, f"not finished after {self.timeout_s:.0f}s"
+                    + (f"; engines still busy: {', '.join(slow)}" if slow else ""),
+                    slow[0] if slow else None)
+            time.sleep(poll_s)
+
+    def wait_calls(self, calls: Sequence[EngineCall]) -> list:
+        """Results of engine calls, failing fast on the first error among all watched."""
+        self.wait(lambda: all(c.future.done() for c in calls), calls[0].step if calls else "")
+        self.check()
+        return [c.future.result() for c in calls]
+
+    def explain(self, exc: BaseException, grace_s: float = 5.0) -> WeightSyncError:
+        """The error for a failed collective, naming the engine that most likely broke it.
+
+        A peer that refused a bucket, or died, breaks the collective for everyone, so the
+        other engines' receives fail too. Called after our end of the group is closed (so no
+        engine is still blocked), it waits for the engines' answers and picks, in order: an
+        engine that no longer answers, an engine whose refusal is not itself a broken
+        connection, then the earliest failure.
+        """
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
+            time.sleep(0.01)
+        failed = sorted((c for c in self.calls if c.error is not None),
+                        key=lambda c: (_blame_rank(c.error), c.done_at or 0.0))
+        if not failed:
+            if isinstance(exc, WeightSyncError):
+                return exc
+            err = WeightSyncError("broadcast", f"{type(exc).__name__}: {exc}")
+        else:
+            first = failed[0]
+            also = "" if isinstance(exc, WeightSyncError) else (
+                f" (the broadcast then failed: {type(exc).__name__}: {exc})")
+            err = WeightSyncError(first.step, describe(first.error) + also, first.engine.url)
+        err.__cause__ = exc
+        return err
+
+
+# What a receive reports when a *peer* broke the collective (not a cause, a consequence).
+_COLLATERAL = ("pair.cc", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "NCCL error", "ncclRemoteError", "ncclSystemError")
+
+
+def no_answer(exc: BaseException | None) -> bool:
+    """An engine call that got no HTTP answer at all: the engine is gone, or its control
+    loop is stuck (a refusal, by contrast, is an answer)."""
+    return isinstance(exc, EngineError) and exc.status is None
+
+
+def _blame_rank(exc: BaseException) -> int:
+    if isinstance(exc, CallCancelled):
+        return 3  # never sent: a consequence of the failure, not a cause
+    if no_answer(exc):
+        return 0  # no answer at all: the engine is gone
+    if not any(marker in str(exc) for marker in _COLLATERAL):
+        return 1  # a refusal of its own (unknown group, bad layout, closed session...)
+    return 2
+
+
+def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:
+    if isinstance(exc, WeightSyncError):
+        return exc
+    err = WeightSyncError(call.step, describe(exc), call.engine.url)
+    if no_answer(exc):
+        err.unresponsive = [call.engine.url]  # no answer (gone, or its control loop is stuck)
+    err.__cause__ = exc
+    return err
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """An engine answered (4xx/5xx), as opposed to not answering at all."""
+    return isinstance(exc, EngineError) and exc.status is not None
