@@ -169,6 +169,12 @@ class JobPlan:
     routers: tuple[RouterPlan, ...]
     reserved_slots: tuple[tuple[str, int, int], ...] = field(default=())
 
+    @property
+    def updatable_model(self) -> str:
+        """The model weight updates go to (the first with update_weights, else the first)."""
+        names = [r.model_name for r in self.routers if r.update_weights]
+        return names[0] if names else self.routers[0].model_name
+
     def engines_of(self, model_name: str) -> list[EnginePlacement]:
         """Engine actors of one model, in slot order."""
         return [e for e in self.engines if e.model_name == model_name]

@@ -4,9 +4,10 @@ Every engine of every model in the job's `--sglang-config` is a `ManagedEngine` 
 other code creates engines, moves them between states or adds/removes router workers. The
 fleet's parts each own one concern and report to it:
 
-    launcher.py   launch, attach, loaded, exit watching, probe, kill, shutdown of one engine
+    launcher.py   launch, attach, loaded, probe, kill, shutdown of one engine
     routers.py    every model's router: start, supervise, restart; add and remove workers
-    health.py     probes with thresholds and a cold-start grace: SUSPECT, healthy, dead
+    health.py     how a death is noticed (the exit watcher; probes with thresholds and a
+                  cold-start grace) and the verdicts: SUSPECT, healthy again, dead
     recovery.py   one way back from a death: start_recovery(engine, reason); resyncs
     offload.py    colocated engines give their memory back around a train step
 
@@ -36,15 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from slime_like.cluster.placement import JobPlacement
-from slime_like.config.layout import EnginePlacement
 from slime_like.config.slices import FleetSettings
-from slime_like.engine.from_placement import engine_config
 from slime_like.engine.handle import EngineHandle
-from slime_like.errors import FleetError, WeightSyncError
+from slime_like.errors import FleetError
+from slime_like.fleet.attempts import SyncAttempts
 from slime_like.fleet.events import EngineState, EventBus, EventSink, Happening
 from slime_like.fleet.health import FleetHealth
 from slime_like.fleet.launcher import Launcher
-from slime_like.fleet.lifecycle import SYNCABLE, ManagedEngine
+from slime_like.fleet.lifecycle import SYNCABLE, ManagedEngine, records_from_plan
 from slime_like.fleet.offload import Offload
 from slime_like.fleet.recovery import Recovery
 from slime_like.fleet.routers import Routers
@@ -78,7 +78,6 @@ class Fleet:
         self.placement = placement
         self.log_dir = Path(settings.log_dir)
         self.events = EventBus(on_event)
-        self.engines: list[ManagedEngine] = []
         self.version = WeightVersion(0)
         self.weight_source: WeightSource | None = None
         self.lock = threading.RLock()
@@ -88,34 +87,14 @@ class Fleet:
         self._on_shutdown: list[Callable[[], None]] = []
         self._generators: set[RouterGenerator] = set()
         self.last_generation: dict = {}
-        self._add_engines()
-        self.launcher = Launcher(settings, placement, self.log_dir,
-                                 on_exit=lambda e, why: self.recovery.start_recovery(e, why))
+        self.engines = records_from_plan(placement.plan, settings)
+        self.launcher = Launcher(settings, placement, self.log_dir)
         self.routers = Routers(settings, list(placement.plan.routers), self.updatable_model,
                                self.log_dir, self.events)
         self.routers.on_restarted = self._reroute
         self.recovery = Recovery(self)
         self.health = FleetHealth(self)
         self.offload = Offload(self)
-
-    def _add_engines(self) -> None:
-        plan = self.placement.plan
-        for router in plan.routers:
-            by_engine: dict[int, list[EnginePlacement]] = {}
-            for p in plan.engines_of(router.model_name):
-                by_engine.setdefault(p.engine_index, []).append(p)
-            for _, ps in sorted(by_engine.items()):
-                ps.sort(key=lambda p: p.node_rank)
-                path = self.settings.model_paths.get(ps[0].model_name) or ps[0].model_path or ""
-                cfg = engine_config(ps[0], self.settings.engine, model_path=path)
-                self.engines.append(ManagedEngine(
-                    ps[0].engine_id, router.model_name, ps, router.update_weights,
-                    tp_size=max(1, ps[0].num_gpus // cfg.pp_size)))
-        if self.settings.external_addrs:
-            model = self.updatable_model
-            for i, addr in enumerate(self.settings.external_addrs):
-                self.engines.append(ManagedEngine(f"{model}/external/e{i}", model, [], True,
-                                                  external_address=addr))
 
     # ---- events and moves ------------------------------------------------------------------
 
@@ -142,8 +121,7 @@ class Fleet:
 
     @property
     def updatable_model(self) -> str:
-        names = [r.model_name for r in self.placement.plan.routers if r.update_weights]
-        return names[0] if names else self.placement.plan.routers[0].model_name
+        return self.placement.plan.updatable_model
 
     @property
     def reference_model(self) -> str | None:
@@ -204,7 +182,7 @@ class Fleet:
                 if not e.update_weights:  # frozen: it serves its checkpoint as loaded
                     e.verified_version = None
                     self.route_frozen(e, version="frozen")
-            self.launcher.watch_exit(e)
+            self.health.watch_exit(e)
         self.health.start()
         return self
 
@@ -490,96 +468,3 @@ class Fleet:
         for fn in self._on_shutdown:
             fn()
         self._on_shutdown.clear()
-
-
-class SyncAttempts:
-    """The attempts of one full update (`Fleet.sync_attempts`); iterate, enter each."""
-
-    def __init__(self, fleet: Fleet, retries: int, wait_s: float,
-                 version: WeightVersion | None):
-        self.fleet = fleet
-        self.retries = retries
-        self.wait_s = wait_s
-        self.version = version
-        self.attempt = 0
-        self.excluded: set[str] = set()
-        self.done = False
-        fleet._syncing.set()
-
-    def __iter__(self) -> SyncAttempts:
-        return self
-
-    def __next__(self) -> SyncAttempt:
-        if self.done:
-            raise StopIteration
-        return SyncAttempt(self)
-
-    def failed(self, err: BaseException) -> bool:
-        """After a failed attempt: True if another follows (leaving out who does not answer)."""
-        if self.attempt >= self.retries:
-            self.finish()
-            return False
-        # Give the exit watchers and probes a moment, then leave out whatever does not
-        # answer now (a kill between attempts would fail them all).
-        time.sleep(min(2.0, 0.25 * 2 ** self.attempt))
-        self.attempt += 1
-        with self.fleet.lock:
-            candidates = self.fleet.targets(None)
-        # Engines the failed attempt found taking no control call (e.g. never answering
-        # their group join) are left out as well; the health monitor relaunches them if
-        # their scheduler stays stuck.
-        named = set(getattr(err, "unresponsive", None) or ())
-        self.excluded = self.fleet.unresponsive(candidates) | {
-            e.engine_id for e in candidates if e.url in named}
-        logger.warning("weight sync failed (%s); retrying for the living engines%s", err,
-                       f" (leaving out {sorted(self.excluded)} for now)" if self.excluded else "")
-        return True
-
-    def finish(self) -> None:
-        if not self.done:
-            self.done = True
-            self.fleet._syncing.clear()
-            self.fleet.recovery.resync_stale_later()
-
-
-class SyncAttempt:
-    """One attempt: entering it opens the update (its `Update`); a failure inside is
-    swallowed when another attempt follows."""
-
-    def __init__(self, run: SyncAttempts):
-        self.run = run
-        self._context: contextlib.AbstractContextManager[Update] | None = None
-
-    def __enter__(self) -> Update:
-        run, fleet = self.run, self.run.fleet
-        while True:
-            try:
-                run.excluded = fleet.wait_for_syncable(run.wait_s, run.excluded)
-            except BaseException:
-                run.finish()
-                raise
-            self._context = fleet.updating(version=run.version, exclude=run.excluded)
-            try:
-                return self._context.__enter__()
-            except (WeightSyncError, FleetError) as err:
-                # Opening failed (e.g. no engine left to sync): that attempt is spent.
-                if not run.failed(err):
-                    raise
-            except BaseException:
-                run.finish()
-                raise
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        assert self._context is not None
-        try:
-            self._context.__exit__(exc_type, exc, tb)
-        except BaseException:
-            self.run.finish()
-            raise
-        if exc is None:
-            self.run.finish()
-            return False
-        if isinstance(exc, WeightSyncError | FleetError) and self.run.failed(exc):
-            return True  # the next attempt follows
-        self.run.finish()
-        return False

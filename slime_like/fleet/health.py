@@ -1,4 +1,4 @@
-"""Engine health: the HealthMonitor, and what the fleet does with what it finds.
+"""Engine health: how a death is noticed (a server's exit, failed probes), and the verdicts.
 
 `HealthMonitor` finds dead engines fast without killing busy ones.
 
@@ -15,7 +15,9 @@ fleet whether to probe an engine now (`should_probe`: not while paused for an up
 reports to it: `on_suspect` at the first failed probe (the fleet takes the engine out of
 the router at once), `on_healthy` when a suspect answers again, `on_dead` after N.
 `FleetHealth` is that fleet side: it builds the monitor from the health slice and turns
-its findings into moves (SUSPECT, back to REGISTERED or STALE, a recovery).
+its findings into moves (SUSPECT, back to REGISTERED or STALE, a recovery). Its exit
+watcher parks `wait_exit` on every engine actor, so a server's exit is known the moment it
+happens, probes or not.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import ray
 
 from slime_like.fleet.events import EngineState, Happening
 from slime_like.fleet.lifecycle import WATCHED, ManagedEngine
@@ -182,6 +186,11 @@ class FleetHealth:
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
         self.monitor: HealthMonitor | None = None
+        self.closing = False
+        # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
+        self._exit_refs: dict[Any, tuple[ManagedEngine, int]] = {}
+        self._exit_lock = threading.Lock()
+        self._exit_thread: threading.Thread | None = None
 
     def start(self) -> None:
         fleet, health = self.fleet, self.fleet.settings.health
@@ -209,8 +218,39 @@ class FleetHealth:
             self.monitor.unwatch(e.engine_id)
 
     def stop(self) -> None:
+        """No more verdicts: exits from now on are the shutdown's own."""
+        self.closing = True
         if self.monitor is not None:
             self.monitor.stop()
+
+    def watch_exit(self, e: ManagedEngine) -> None:
+        """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
+        with self._exit_lock:
+            for a in e.actors:
+                self._exit_refs[a.wait_exit.remote(None)] = (e, e.restarts)
+        if self._exit_thread is None:
+            self._exit_thread = threading.Thread(target=self._exit_watcher, name="engine-exits",
+                                                 daemon=True)
+            self._exit_thread.start()
+
+    def _exit_watcher(self) -> None:
+        while not self.closing:
+            with self._exit_lock:
+                refs = list(self._exit_refs)
+            if not refs:
+                time.sleep(0.1)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                with self._exit_lock:
+                    e, generation = self._exit_refs.pop(ref)
+                try:
+                    code = ray.get(ref)
+                    why = f"server process exited with code {code}"
+                except Exception as err:  # noqa: BLE001 - the actor died with its node
+                    why = f"engine actor lost: {type(err).__name__}"
+                if e.restarts == generation and not self.closing:
+                    self.fleet.recovery.start_recovery(e, why)
 
     def _on_suspect(self, engine_id: str, why: str) -> None:
         """First failed probe: out of the router at once (recovered or declared dead later).

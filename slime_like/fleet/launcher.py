@@ -1,20 +1,16 @@
-"""How one engine comes and goes: launch, attach, loaded, exit watching, probe, kill, shutdown.
+"""How one engine comes and goes: launch, attach, loaded, probe, kill, shutdown.
 
 Our engines are `EngineActor`s (one per node of the engine) on their placement bundles;
 an external engine (someone else's server, `--rollout-external-engine-addrs`) is attached
-by address, checked against the job's flags and never killed. The exit watcher parks
-`wait_exit` on every actor, so a server's exit is known the moment it happens: it reports
-to `on_exit`, which starts the engine's recovery. The launcher holds no lifecycle state:
-the fleet moves the engine, the launcher does what each move needs.
+by address, checked against the job's flags and never killed. The launcher holds no
+lifecycle state: the fleet moves the engine, the launcher does what each move needs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +36,11 @@ S = EngineState
 class Launcher:
     """Starts, attaches, watches, probes and stops the engines of one fleet."""
 
-    def __init__(self, settings: FleetSettings, placement: JobPlacement, log_dir: Path,
-                 on_exit: Callable[[ManagedEngine, str], None]):
+    def __init__(self, settings: FleetSettings, placement: JobPlacement, log_dir: Path):
         self.settings = settings
         self.placement = placement
         self.log_dir = log_dir
-        self.on_exit = on_exit
         self.closing = False
-        # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
-        self._exit_refs: dict[Any, tuple[ManagedEngine, int]] = {}
-        self._exit_lock = threading.Lock()
-        self._exit_thread: threading.Thread | None = None
 
     def model_path(self, p: EnginePlacement) -> str:
         return self.settings.model_paths.get(p.model_name) or p.model_path or ""
@@ -116,36 +106,7 @@ class Launcher:
                                      f"{err}") from err
                 time.sleep(0.5)
 
-    # ---- watching ----------------------------------------------------------------------------
-
-    def watch_exit(self, e: ManagedEngine) -> None:
-        """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
-        with self._exit_lock:
-            for a in e.actors:
-                self._exit_refs[a.wait_exit.remote(None)] = (e, e.restarts)
-        if self._exit_thread is None:
-            self._exit_thread = threading.Thread(target=self._exit_watcher, name="engine-exits",
-                                                 daemon=True)
-            self._exit_thread.start()
-
-    def _exit_watcher(self) -> None:
-        while not self.closing:
-            with self._exit_lock:
-                refs = list(self._exit_refs)
-            if not refs:
-                time.sleep(0.1)
-                continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
-            for ref in ready:
-                with self._exit_lock:
-                    e, generation = self._exit_refs.pop(ref)
-                try:
-                    code = ray.get(ref)
-                    why = f"server process exited with code {code}"
-                except Exception as err:  # noqa: BLE001 - the actor died with its node
-                    why = f"engine actor lost: {type(err).__name__}"
-                if e.restarts == generation and not self.closing:
-                    self.on_exit(e, why)
+    # ---- is it there ---------------------------------------------------------------------------
 
     def alive(self, e: ManagedEngine) -> bool:
         """Whether every server process of the engine runs (an external one: answers /ping)."""
@@ -192,5 +153,5 @@ class Launcher:
             ray.kill(a)
 
     def close(self) -> None:
-        """Stop the exit watcher: exits from now on are the shutdown's own."""
+        """The fleet is shutting down: a reattach in progress gives up."""
         self.closing = True

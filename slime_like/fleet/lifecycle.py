@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_like.config.layout import EnginePlacement
+from slime_like.config.layout import EnginePlacement, JobPlan
+from slime_like.config.slices import FleetSettings
+from slime_like.engine.from_placement import engine_config
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import SlimeLikeError
 from slime_like.fleet.events import EngineState
@@ -106,3 +108,24 @@ class ManagedEngine:
         if dst is EngineState.DEAD:
             self.dead_at = time.time()
         return src
+
+
+def records_from_plan(plan: JobPlan, settings: FleetSettings) -> list[ManagedEngine]:
+    """One record per engine of the plan (all its node placements), then the external ones."""
+    engines: list[ManagedEngine] = []
+    for router in plan.routers:
+        by_engine: dict[int, list[EnginePlacement]] = {}
+        for p in plan.engines_of(router.model_name):
+            by_engine.setdefault(p.engine_index, []).append(p)
+        for _, ps in sorted(by_engine.items()):
+            ps.sort(key=lambda p: p.node_rank)
+            path = settings.model_paths.get(ps[0].model_name) or ps[0].model_path or ""
+            cfg = engine_config(ps[0], settings.engine, model_path=path)
+            engines.append(ManagedEngine(
+                ps[0].engine_id, router.model_name, ps, router.update_weights,
+                tp_size=max(1, ps[0].num_gpus // cfg.pp_size)))
+    model = plan.updatable_model
+    for i, addr in enumerate(settings.external_addrs):
+        engines.append(ManagedEngine(f"{model}/external/e{i}", model, [], True,
+                                     external_address=addr))
+    return engines

@@ -136,7 +136,7 @@ class Recovery:
         launcher.wait_launched(launcher.launch(e))
         with fleet.lock:
             fleet.move(e, S.STALE, **launcher.loaded(e))
-        launcher.watch_exit(e)
+        fleet.health.watch_exit(e)
         return True
 
     def _reattach(self, e: ManagedEngine) -> bool:

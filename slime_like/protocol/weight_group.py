@@ -119,3 +119,20 @@ def destroy_process_group(pg: dist.ProcessGroup | None) -> None:
         return
     with contextlib.suppress(ValueError, RuntimeError, KeyError):
         dist.destroy_process_group(pg)
+
+
+def check_store_listening(host: str, port: int, timeout_s: float = 2.0) -> None:
+    """Fail at once when the trainer's store is gone (sglang would retry the connect for the
+    whole group timeout).
+
+    The trainer creates its store before it asks anyone to join, so a refused connection
+    means the attempt this join belonged to already failed and closed it: a join that
+    waited behind a busy scheduler must not then block that scheduler for 600 s more.
+    """
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=timeout_s).close()
+    except ConnectionRefusedError as e:
+        raise ConnectionError(f"the trainer's store at {host}:{port} is gone (the attempt this "
+                              "join belonged to has ended)") from e
+    except OSError:
+        pass  # slow or unreachable: the rendezvous reports it, within the group timeout

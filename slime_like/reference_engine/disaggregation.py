@@ -16,6 +16,8 @@ HTTP 500 after `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` seconds.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -28,9 +30,13 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from slime_like.reference_engine.request import Req
+    from slime_like.reference_engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -296,3 +302,130 @@ def fetch_handoff(bootstrap: Bootstrap, timeout_s: float,
         raise HandoffError(f"KVTransferError(bootstrap_room={bootstrap.room}): the prefill engine "
                            f"failed the request: {handoff.error}")
     return handoff
+
+
+# ---- the frontend's two sides of a hand-off -------------------------------------------------
+
+
+class PrefillHandoffs:
+    """The prefill engine's side: each request's hand-off parked by room (from the
+    scheduler thread), its answer held until the decode engine took it."""
+
+    def __init__(self, store: HandoffStore, scheduler: Scheduler):
+        self.store = store
+        self.scheduler = scheduler
+
+    def refused(self, body: dict, error: Exception) -> None:
+        """A request the prefill engine refused: its decode side hears it at once, instead
+        of after its waiting timeout."""
+        for room in requested_rooms(body):
+            self.store.put(Handoff(room, error=f"the prefill engine refused the request: {error}"))
+
+    def watch(self, live: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Park `live`'s hand-off when its prompt is done (the scheduler-thread hook)."""
+        live.taken = asyncio.Event()
+        live.req.on_finish_kv = self._export_for(live, loop)
+
+    def _export_for(self, live: Any, loop: asyncio.AbstractEventLoop):
+        store, scheduler = self.store, self.scheduler
+        room = live.bootstrap.room
+
+        def on_taken() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: shutting down
+                loop.call_soon_threadsafe(live.taken.set)
+
+        def export(req: Req, kv: torch.Tensor | None, state: torch.Tensor | None) -> None:
+            if kv is None:
+                handoff = Handoff(room, error=f"request {req.rid} ended before its KV was handed "
+                                              f"over: {req.finish}")
+            else:
+                n = len(req.prompt_ids)
+                first = req.ids[n] if req.num_output else -1
+                handoff = Handoff(
+                    room, prompt_ids=list(req.prompt_ids), first_token=first,
+                    logprob=req.output_logprobs[0] if req.output_logprobs else None,
+                    top_logprobs=req.output_top_logprobs[0] if req.output_top_logprobs else None,
+                    kv=kv, generator_state=state, weight_version=scheduler.weight_version,
+                    cached_tokens=req.cached_tokens)
+            live.published = True
+            store.put(handoff, on_taken if kv is not None else None)
+        return export
+
+    def publish_failure(self, live: Any, reason: str) -> None:
+        """Tell the decode engine at once that this room will not come."""
+        if live.taken is not None and not live.published:
+            live.published = True
+            self.store.put(Handoff(live.bootstrap.room, error=reason))
+
+    async def wait_taken(self, live: Any) -> None:
+        """Like sglang, answer only after the decode engine took the KV."""
+        timeout = env_timeout(BOOTSTRAP_TIMEOUT_ENV)
+        try:
+            await asyncio.wait_for(live.taken.wait(), timeout)
+        except asyncio.TimeoutError:
+            self.store.discard(live.bootstrap.room)
+            raise HandoffError(
+                f"KVTransferError(bootstrap_room={live.bootstrap.room}): no decode engine took the "
+                f"KV of request {live.req.rid} within {timeout:g}s ({BOOTSTRAP_TIMEOUT_ENV})") from None
+
+
+class DecodeHandoffs:
+    """The decode engine's side: every item's hand-off fetched from its prefill engine
+    (concurrently) and turned into the request's state."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def receive(self, lives: list[Any], loop: asyncio.AbstractEventLoop,
+                      closing: Callable[[], bool]) -> None:
+        """HandoffError (HTTP 500) if one does not arrive within the waiting timeout."""
+        wanted = [lv for lv in lives if lv.bootstrap is not None and not lv.done]
+        if not wanted:
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="pd-fetch")
+        timeout = env_timeout(WAITING_TIMEOUT_ENV)
+        for lv in wanted:
+            lv.transferring = True
+        try:
+            results = await asyncio.gather(*[
+                loop.run_in_executor(self._pool, fetch_handoff, lv.bootstrap, timeout,
+                                     lambda lv=lv: lv.done or closing())
+                for lv in wanted])
+        except BaseException:
+            for lv in wanted:  # the other fetches stop at their next poll round
+                lv.done = True
+            raise
+        finally:
+            for lv in wanted:
+                lv.transferring = False
+        for lv, handoff in zip(wanted, results, strict=True):
+            if handoff is not None and not lv.done:
+                self._apply(lv, handoff)
+
+    def _apply(self, live: Any, h: Handoff) -> None:
+        req = live.req
+        if list(h.prompt_ids) != req.prompt_ids:
+            raise HandoffError(f"KVTransferError(bootstrap_room={h.room}): the hand-off is for "
+                               f"another prompt ({len(h.prompt_ids)} tokens, this request has "
+                               f"{len(req.prompt_ids)})")
+        if h.first_token < 0:  # the prefill produced no token (max_new_tokens 0): run it here
+            return
+        req.ids = [*req.prompt_ids, h.first_token]
+        if req.return_logprob and h.logprob is not None:
+            req.output_logprobs = [h.logprob]
+            if req.top_logprobs_num and h.top_logprobs is not None:
+                req.output_top_logprobs = [list(h.top_logprobs)]
+        req.kv_import = h.kv
+        req.generator_state = h.generator_state
+        req.cached_tokens = h.cached_tokens
+        req.input_logprob_start = None  # the prefill engine answers those; the router merges them
+        if h.weight_version != self.scheduler.weight_version:
+            req.version_events.append((h.weight_version, 1))
+        req.first_token_at = time.perf_counter()
+
+    def close(self) -> None:
+        """Stop fetches still polling (the process is shutting down)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

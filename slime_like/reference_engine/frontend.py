@@ -9,7 +9,6 @@ scheduler thread reports progress through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -19,23 +18,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.disaggregation import (
-    BOOTSTRAP_TIMEOUT_ENV,
-    WAITING_TIMEOUT_ENV,
     Bootstrap,
-    Handoff,
-    HandoffError,
+    DecodeHandoffs,
     HandoffStore,
-    env_timeout,
-    fetch_handoff,
-    requested_rooms,
+    PrefillHandoffs,
 )
 from slime_like.reference_engine.generate_io import GenerateJob, build_output, parse_generate
-from slime_like.reference_engine.scheduler import Req, Scheduler, finish_abort_waiting
+from slime_like.reference_engine.request import Req, finish_abort_waiting
+from slime_like.reference_engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +126,10 @@ class Frontend:
         self.incremental_streaming = incremental_streaming
         self.disaggregation_mode = disaggregation_mode
         self.prefill_only = disaggregation_mode == "prefill"
-        self.handoffs = handoffs  # the prefill engine's hand-off store
-        self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # PD: the prefill engine parks hand-offs, the decode engine fetches them.
+        self.prefill = PrefillHandoffs(handoffs, scheduler) \
+            if self.prefill_only and handoffs is not None else None
+        self.decode = DecodeHandoffs(scheduler) if disaggregation_mode == "decode" else None
         self._closing = False
         self.paused = False
         self.ready = False  # warm-up done (sglang's server_status == Up)
@@ -166,9 +161,8 @@ class Frontend:
                                   context_len=self.context_len, internal=internal,
                                   prefill_only=self.prefill_only and not internal)
         except ValueError as e:  # SchemaError is a ValueError
-            if self.prefill_only and not internal and self.handoffs is not None:
-                for room in requested_rooms(body):
-                    self.handoffs.put(Handoff(room, error=f"the prefill engine refused the request: {e}"))
+            if self.prefill is not None and not internal:
+                self.prefill.refused(body, e)
             raise
 
     def _make_live(self, job: GenerateJob) -> list[_Live]:
@@ -181,104 +175,10 @@ class Frontend:
                       log_metrics=job.log_metrics)
             live = _Live(req=req, index=i, updates=updates, bootstrap=item.bootstrap)
             req.sink = self._sink_for(live)
-            if self.prefill_only and item.bootstrap is not None and self.handoffs is not None:
-                live.taken = asyncio.Event()
-                req.on_finish_kv = self._export_for(live)
+            if self.prefill is not None and item.bootstrap is not None:
+                self.prefill.watch(live, self.loop)
             lives.append(live)
         return lives
-
-    # ---- PD disaggregation -------------------------------------------------------------------
-
-    def _export_for(self, live: _Live):
-        """Prefill side: the scheduler-thread hook that parks the request's hand-off."""
-        loop, store, scheduler = self.loop, self.handoffs, self.scheduler
-        room = live.bootstrap.room
-
-        def on_taken() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone: shutting down
-                loop.call_soon_threadsafe(live.taken.set)
-
-        def export(req: Req, kv: torch.Tensor | None, state: torch.Tensor | None) -> None:
-            if kv is None:
-                handoff = Handoff(room, error=f"request {req.rid} ended before its KV was handed "
-                                              f"over: {req.finish}")
-            else:
-                n = len(req.prompt_ids)
-                first = req.ids[n] if req.num_output else -1
-                handoff = Handoff(
-                    room, prompt_ids=list(req.prompt_ids), first_token=first,
-                    logprob=req.output_logprobs[0] if req.output_logprobs else None,
-                    top_logprobs=req.output_top_logprobs[0] if req.output_top_logprobs else None,
-                    kv=kv, generator_state=state, weight_version=scheduler.weight_version,
-                    cached_tokens=req.cached_tokens)
-            live.published = True
-            store.put(handoff, on_taken if kv is not None else None)
-        return export
-
-    def _publish_failure(self, live: _Live, reason: str) -> None:
-        """Prefill side: tell the decode engine at once that this room will not come."""
-        if live.taken is not None and not live.published:
-            live.published = True
-            self.handoffs.put(Handoff(live.bootstrap.room, error=reason))
-
-    async def _wait_taken(self, live: _Live) -> None:
-        """Prefill side: like sglang, answer only after the decode engine took the KV."""
-        timeout = env_timeout(BOOTSTRAP_TIMEOUT_ENV)
-        try:
-            await asyncio.wait_for(live.taken.wait(), timeout)
-        except asyncio.TimeoutError:
-            self.handoffs.discard(live.bootstrap.room)
-            raise HandoffError(
-                f"KVTransferError(bootstrap_room={live.bootstrap.room}): no decode engine took the "
-                f"KV of request {live.req.rid} within {timeout:g}s ({BOOTSTRAP_TIMEOUT_ENV})") from None
-
-    async def _receive(self, lives: list[_Live]) -> None:
-        """Decode side: fetch every item's hand-off from its prefill engine (concurrently) and
-        turn it into the request's state; HandoffError (HTTP 500) if one does not arrive."""
-        wanted = [lv for lv in lives if lv.bootstrap is not None and not lv.done]
-        if not wanted:
-            return
-        if self._fetch_pool is None:
-            self._fetch_pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="pd-fetch")
-        timeout = env_timeout(WAITING_TIMEOUT_ENV)
-        for lv in wanted:
-            lv.transferring = True
-        try:
-            results = await asyncio.gather(*[
-                self.loop.run_in_executor(self._fetch_pool, fetch_handoff, lv.bootstrap, timeout,
-                                          lambda lv=lv: lv.done or self._closing)
-                for lv in wanted])
-        except BaseException:
-            for lv in wanted:  # the other fetches stop at their next poll round
-                lv.done = True
-            raise
-        finally:
-            for lv in wanted:
-                lv.transferring = False
-        for lv, handoff in zip(wanted, results, strict=True):
-            if handoff is not None and not lv.done:
-                self._apply_handoff(lv, handoff)
-
-    def _apply_handoff(self, live: _Live, h: Handoff) -> None:
-        req = live.req
-        if list(h.prompt_ids) != req.prompt_ids:
-            raise HandoffError(f"KVTransferError(bootstrap_room={h.room}): the hand-off is for "
-                               f"another prompt ({len(h.prompt_ids)} tokens, this request has "
-                               f"{len(req.prompt_ids)})")
-        if h.first_token < 0:  # the prefill produced no token (max_new_tokens 0): run it here
-            return
-        req.ids = [*req.prompt_ids, h.first_token]
-        if req.return_logprob and h.logprob is not None:
-            req.output_logprobs = [h.logprob]
-            if req.top_logprobs_num and h.top_logprobs is not None:
-                req.output_top_logprobs = [list(h.top_logprobs)]
-        req.kv_import = h.kv
-        req.generator_state = h.generator_state
-        req.cached_tokens = h.cached_tokens
-        req.input_logprob_start = None  # the prefill engine answers those; the router merges them
-        if h.weight_version != self.scheduler.weight_version:
-            req.version_events.append((h.weight_version, 1))
-        req.first_token_at = time.perf_counter()
 
     def _sink_for(self, live: _Live):
         loop = self.loop
@@ -305,8 +205,8 @@ class Frontend:
             async with self._pause_cond:
                 await self._pause_cond.wait_for(
                     lambda: not self.paused or all(lv.done for lv in lives))
-            if self.disaggregation_mode == "decode":
-                await self._receive(lives)
+            if self.decode is not None:
+                await self.decode.receive(lives, self.loop, lambda: self._closing)
                 async with self._pause_cond:  # the engine may have paused during the transfer
                     await self._pause_cond.wait_for(
                         lambda: not self.paused or all(lv.done for lv in lives))
@@ -354,12 +254,13 @@ class Frontend:
             # Outside the update lock: a decode engine that is slow to take the KV must not
             # hold up a weight update or a pause of this engine.
             for live, out in deferred:
-                await self._wait_taken(live)
+                await self.prefill.wait_taken(live)
                 yield live.index, out
         finally:
             for lv in lives:
-                if not lv.submitted:  # submitted ones are published by the scheduler
-                    self._publish_failure(lv, "the prefill request was aborted before it ran")
+                if not lv.submitted and self.prefill is not None:  # else the scheduler publishes
+                    self.prefill.publish_failure(lv, "the prefill request was aborted before it ran")
+                if not lv.submitted:
                     lv.done = True  # a KV fetch still polling for it stops
                 self.live.pop(lv.req.rid, None)
             unfinished = [lv.req.rid for lv in lives if lv.submitted and not lv.done]
@@ -471,7 +372,8 @@ class Frontend:
 
     @contextlib.asynccontextmanager
     async def model_update(self) -> AsyncIterator[None]:
-        """The update lock of sglang §6.0: writer lock unless the engine is paused."""
+        """sglang's update lock: the writer side unless the engine is paused (docs/REFERENCE_ENGINE.md,
+        "Weights": locking)."""
         async with self._pause_cond:
             paused = self.paused
         if paused:
@@ -487,8 +389,8 @@ class Frontend:
     def close(self) -> None:
         """Stop PD fetches still polling (the process is shutting down)."""
         self._closing = True
-        if self._fetch_pool is not None:
-            self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        if self.decode is not None:
+            self.decode.close()
 
     def snapshot(self) -> dict[str, Any]:
         """Frontend state for diagnostics."""

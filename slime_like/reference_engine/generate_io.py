@@ -13,6 +13,7 @@ from typing import Any
 
 from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.reference_engine.disaggregation import Bootstrap, bootstrap_items
+from slime_like.reference_engine.request import Req, weight_version_spans
 from slime_like.reference_engine.sampling import (
     SamplingSpec,
     SchemaError,
@@ -20,7 +21,6 @@ from slime_like.reference_engine.sampling import (
     check_sampling_schema,
     resolve_sampling_params,
 )
-from slime_like.reference_engine.scheduler import Req, weight_version_spans
 
 
 def _check_or_list(body: dict, key: str, ok, list_name: str, item_type: str) -> None:

@@ -58,7 +58,7 @@ def _bearer_ok(header: str | None, key: str) -> bool:
 
 def decide_auth(method: str, path: str, header: str | None, api_key: str | None,
                 admin_api_key: str | None, level: AuthLevel) -> int | None:
-    """None when allowed, else the status (401/403) — sglang's auth rules (contract §2.3)."""
+    """None when allowed, else the status (401/403) — sglang's auth rules (docs/REFERENCE_ENGINE.md, "Other endpoints": auth)."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return None
     if level == AuthLevel.ADMIN_FORCE:

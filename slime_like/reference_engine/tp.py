@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -31,11 +32,13 @@ import torch.distributed as dist
 
 from slime_like.errors import LaunchError
 from slime_like.reference_engine.args import EngineArgs, split_host_port
+from slime_like.reference_engine.rank_ops import RankOp
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _READY_TIMEOUT_S = 300.0
+RANK_TIMEOUT_S = 3600.0  # how long an operation may take on another rank
 
 
 def die_with_parent() -> None:
@@ -72,7 +75,8 @@ def default_group_init_method(args: EngineArgs, local_port: int | None = None) -
 
 
 def rank_main(rank: int, args: EngineArgs, init_method: str | None, conn=None) -> None:
-    """Entry point of TP rank `rank` >= 1: load the model, join the group, serve rank ops.
+    """Entry point of TP rank `rank` >= 1: load the model, join the group, run the rank
+    operations rank 0 sends (`rank_ops`), one at a time.
 
     `conn` is the pipe to rank 0 on node 0; a rank on another node (conn None) dials node
     0's rank driver instead and meets the others at the dist-init address.
@@ -120,9 +124,8 @@ def rank_main(rank: int, args: EngineArgs, init_method: str | None, conn=None) -
             break
         if msg is None:
             break
-        method, kwargs = msg
         try:
-            result = getattr(receiver, method)(**kwargs)
+            result = receiver.run(msg)
             if hasattr(result, "wait"):  # a Completion: finish the copy before answering
                 result = result.wait()
             conn.send(("ok", result))
@@ -212,13 +215,22 @@ class TPGroup:
                     self._lost(f"TP rank {rank} exited with code {proc.exitcode}")
             time.sleep(0.2)
 
-    def start(self, method: str, per_rank_kwargs: list[dict]) -> None:
-        """Send `method` to ranks 1..N-1 (rank 0's kwargs are per_rank_kwargs[0], run by the caller)."""
-        for conn, kwargs in zip(self._conns, per_rank_kwargs[1:], strict=True):
-            conn.send((method, kwargs))
+    def run(self, ops: Sequence[RankOp], local: Callable[[RankOp], Any],
+            timeout: float = RANK_TIMEOUT_S) -> list[tuple[bool, Any]]:
+        """`ops[r]` on every rank r: ranks 1..N-1 through their pipes, rank 0 by `local` in
+        this thread; [(ok, result)] in rank order (a failure's result is its message)."""
+        for conn, o in zip(self._conns, ops[1:], strict=True):
+            conn.send(o)
+        try:
+            results: list[tuple[bool, Any]] = [(True, local(ops[0]))]
+        except Exception as e:  # noqa: BLE001 - becomes the HTTP answer
+            results = [(False, f"{type(e).__name__}: {e}")]
+        for status, value in self.collect(timeout=timeout):
+            results.append((status == "ok", value))
+        return results
 
     def collect(self, timeout: float | None = None) -> list[tuple[str, Any]]:
-        """The (status, result) of ranks 1..N-1 for the last `start`."""
+        """The (status, result) of ranks 1..N-1 for the operations last sent."""
         out = []
         for rank, conn in enumerate(self._conns, start=1):
             try:

@@ -1,29 +1,33 @@
 """Engine-level weight operations: sglang's gate, locking, versioning and flush semantics.
 
-Each operation runs rank 0's part on the scheduler thread (between forward steps, in
-arrival order, like sglang's scheduler) and fans the same operation out to TP ranks
-1..N-1. Answers are `(success, message)` with sglang 0.5.23's texts.
+Each endpoint turns its request into a typed rank operation (`rank_ops`) and hands it to
+the scheduler thread, which runs it between forward steps, in arrival order, like
+sglang's scheduler: on rank 0 there, and on TP ranks 1..N-1 through their pipes
+(`TPGroup.run`). Answers are `(success, message)` with sglang 0.5.23's texts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from slime_like.protocol import io_struct as p
+from slime_like.reference_engine import rank_ops as op
 from slime_like.reference_engine.frontend import Frontend
+from slime_like.reference_engine.rank_ops import Completion, RankOp
 from slime_like.reference_engine.scheduler import Scheduler
 from slime_like.reference_engine.tp import TPGroup
-from slime_like.reference_engine.weight_receiver import Completion, WeightReceiver
+from slime_like.reference_engine.weight_receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
 FLUSH_AFTER_UPDATE_FAILED = (
     "Weights were updated, but the cache was not flushed because requests are still running or "
     "queued. Retract or finish them, then call /flush_cache.")
-_RANK_TIMEOUT_S = 3600.0
 
 
 class WeightControl:
@@ -49,21 +53,17 @@ class WeightControl:
 
     # ---- fan-out ---------------------------------------------------------------------------
 
-    def _fanout_sync(self, method: str, kwargs: list[dict] | dict) -> list[tuple[bool, Any]]:
-        """On the scheduler thread: run `method` on every rank; [(ok, result)] in rank order."""
-        per_rank = kwargs if isinstance(kwargs, list) else [kwargs] * self.tp.size
-        self.tp.start(method, per_rank)
-        try:
-            local = getattr(self.receiver, method)(**per_rank[0])
-            results: list[tuple[bool, Any]] = [(True, local)]
-        except Exception as e:  # noqa: BLE001 - becomes the HTTP answer
-            results = [(False, f"{type(e).__name__}: {e}")]
-        for status, value in self.tp.collect(timeout=_RANK_TIMEOUT_S):
-            results.append((status == "ok", value))
-        return results
+    def _per_rank(self, ops: RankOp | Sequence[RankOp]) -> list[RankOp]:
+        return list(ops) if isinstance(ops, list | tuple) else [ops] * self.tp.size
 
-    async def _fanout(self, method: str, kwargs: list[dict] | dict) -> list[tuple[bool, Any]]:
-        return await asyncio.wrap_future(self.scheduler.call(lambda: self._fanout_sync(method, kwargs)))
+    def _fanout_here(self, ops: RankOp | Sequence[RankOp]) -> list[tuple[bool, Any]]:
+        """Already on the scheduler thread: run the operation on every rank."""
+        return self.tp.run(self._per_rank(ops), self.receiver.run)
+
+    async def _fanout(self, ops: RankOp | Sequence[RankOp]) -> list[tuple[bool, Any]]:
+        """The operation on every rank, on the scheduler thread; [(ok, result)] by rank."""
+        return await asyncio.wrap_future(self.scheduler.call(
+            functools.partial(self.tp.run, self._per_rank(ops), self.receiver.run)))
 
     @staticmethod
     def _merge(results: list[tuple[bool, Any]]) -> tuple[bool, str]:
@@ -114,18 +114,18 @@ class WeightControl:
 
     async def init_group(self, req: p.InitWeightsUpdateGroupRequest) -> tuple[bool, str]:
         """/init_weights_update_group on every TP rank (blocks until the rendezvous)."""
-        results = await self._fanout("init_group", {
-            "master_address": req.master_address, "master_port": req.master_port,
-            "rank_offset": req.rank_offset, "world_size": req.world_size,
-            "group_name": req.group_name, "backend": req.backend})
+        results = await self._fanout(op.InitGroup(
+            master_address=req.master_address, master_port=req.master_port,
+            rank_offset=req.rank_offset, world_size=req.world_size,
+            group_name=req.group_name, backend=req.backend))
         ok, message = self._merge(results)
         if not ok:  # do not leave some ranks in a group the others failed to join
-            await self._fanout("destroy_group", {"group_name": req.group_name})
+            await self._fanout(op.DestroyGroup(req.group_name))
         return ok, message
 
     async def destroy_group(self, req: p.DestroyWeightsUpdateGroupRequest) -> tuple[bool, str]:
         """/destroy_weights_update_group on every TP rank."""
-        return self._merge(await self._fanout("destroy_group", {"group_name": req.group_name}))
+        return self._merge(await self._fanout(op.DestroyGroup(req.group_name)))
 
     # ---- sessions --------------------------------------------------------------------------
 
@@ -146,7 +146,7 @@ class WeightControl:
             failed = await self._settle_copies()
             if self._tensor_loads:  # only then can a rank hold IPC storages to let go of
                 self._tensor_loads = False
-                await self._fanout("end_session", {})
+                await self._fanout(op.EndSession())
             self.session_open = False
             if failed:
                 return False, "; ".join(str(m) for _, m in failed)
@@ -165,9 +165,9 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            kwargs = {"names": req.names, "dtypes": req.dtypes, "shapes": req.shapes,
-                      "group_name": req.group_name, "load_format": req.load_format}
-            results = await self._fanout("receive_distributed", kwargs)
+            results = await self._fanout(op.ReceiveDistributed(
+                names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                group_name=req.group_name, load_format=req.load_format))
             answered = []
             for ok, value in results:
                 if ok and isinstance(value, Completion):
@@ -198,8 +198,8 @@ class WeightControl:
         async with self.frontend.model_update():
             t0 = time.perf_counter()
             self._tensor_loads = self.session_open
-            results = await self._fanout("load_tensor_payload", [
-                {"payload": payloads[r], "load_format": req.load_format} for r in range(self.tp.size)])
+            results = await self._fanout([op.LoadTensorPayload(payloads[r], req.load_format)
+                                          for r in range(self.tp.size)])
             ok, message = self._merge(results)
             self.metrics.weight_load(time.perf_counter() - t0)
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
@@ -210,8 +210,7 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            results = await self._fanout("load_from_disk", {"model_path": req.model_path,
-                                                             "load_format": req.load_format})
+            results = await self._fanout(op.LoadFromDisk(req.model_path, req.load_format))
             ok, message = self._merge(results)
             self.metrics.weight_load(time.perf_counter() - t0)
             if ok:
@@ -236,7 +235,7 @@ class WeightControl:
     async def check_weights(self, req: p.WeightsCheckerRequest) -> dict:
         """/weights_checker: per-rank checksums, snapshot and compare."""
         if req.action == "checksum":
-            results = await self._fanout("checksums", {"skip_tensor_list": req.skip_tensor_list})
+            results = await self._fanout(op.Checksums(req.skip_tensor_list))
             if not all(ok for ok, _ in results):
                 return {"success": False, "message": self._merge(results)[1]}
             ranks = [value for _, value in results]
@@ -248,13 +247,13 @@ class WeightControl:
             return {"success": True, "message": "Success.", "ranks": ranks,
                     "per_engine_checksum": h.hexdigest()}
         if req.action == "snapshot":
-            results = await self._fanout("checksums", {"skip_tensor_list": req.skip_tensor_list})
+            results = await self._fanout(op.Checksums(req.skip_tensor_list))
             self._snapshot = {i: v["checksums"] for i, (_, v) in enumerate(results)}
             return {"success": True, "message": "Success."}
         if req.action == "compare":
             if self._snapshot is None:
                 return {"success": False, "message": "compare needs a snapshot: call action='snapshot' first"}
-            results = await self._fanout("checksums", {"skip_tensor_list": req.skip_tensor_list})
+            results = await self._fanout(op.Checksums(req.skip_tensor_list))
             diff = [f"tp{i}:{name}" for i, (_, v) in enumerate(results)
                     for name, c in v["checksums"].items() if self._snapshot.get(i, {}).get(name) != c]
             if diff:
@@ -280,7 +279,7 @@ class WeightControl:
                 self.scheduler.flush_now()
                 self.scheduler.pool.release()
             if "weights" in tags:
-                results = self._fanout_sync("release_weights", {})
+                results = self._fanout_here(op.ReleaseWeights())
                 ok, message = self._merge(results)
                 if not ok:
                     raise ValueError(f"releasing weights failed: {message}")
@@ -299,7 +298,7 @@ class WeightControl:
                 raise ValueError(f"memory tags {missing} were not released (released: "
                                  f"{sorted(self.released_tags)}); sglang raises KeyError here")
             if "weights" in tags:
-                results = self._fanout_sync("resume_weights", {})
+                results = self._fanout_here(op.ResumeWeights())
                 ok, message = self._merge(results)
                 if not ok:
                     raise ValueError(f"resuming weights failed: {message}")

@@ -214,6 +214,7 @@ TrainerActor = ray.remote(max_concurrency=4)(TrainerRank)
 
 
 def trainer_env() -> dict[str, str]:
-    """Environment for trainer actors: NVLink multicast off, P2P/SHM left on (see DESIGN)."""
+    """Environment for trainer actors: NVLink multicast off, P2P/SHM left on (as sglang's own
+    trainer-side test has it; docs/WEIGHT_SYNC.md, "Failure behaviour": environment)."""
     return {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
             "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0")}

@@ -32,7 +32,7 @@ def _argvs(args, model_path: str | None = None) -> list[dict]:
 
 # Where each CPU config runs end to end (the real job through Ray and sglang-router).
 RUN_BY = {
-    "quickstart.yaml": "tests/rollout/test_train_job.py",
+    "quickstart.yaml": "tests/job/test_train_job.py",
     "chaos.yaml": "tests/chaos/test_chaos.py",
     "multi_model_cpu.yaml": "tests/topologies/test_multi_model.py",
     "pd_cpu.yaml": "tests/topologies/test_pd.py",

@@ -6,8 +6,8 @@ import pytest
 
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.generate_io import build_output, parse_generate
+from slime_like.reference_engine.request import Req
 from slime_like.reference_engine.sampling import SchemaError
-from slime_like.reference_engine.scheduler import Req
 
 TOK = ByteTokenizer()
 

@@ -12,6 +12,7 @@ from slime_like.reference_engine.load_plan import (
     distributed_entries,
     request_key,
 )
+from slime_like.reference_engine.weight_receiver import copy_planned
 
 
 class _Model(nn.Module):
@@ -33,7 +34,7 @@ def _land(params, arena, named):
     plan = build_plan(distributed_entries(_key(named)), params, arena, tied=False,
                       architecture="test")
     assert not plan.problems, plan.problems
-    plan.apply(buf)
+    copy_planned(plan, buf)
     return plan
 
 
@@ -90,11 +91,11 @@ def test_engine_receiver_reuses_plans_and_rebuilds_them_after_release(tiny_model
     key = _key(named)
     buf, _ = flatten(named)
     for _ in range(2):
-        receiver._plan(key).apply(buf)
+        copy_planned(receiver._plan(key), buf)
     assert (receiver.plans.misses, receiver.plans.hits) == (1, 1)
     receiver.release_weights()
     receiver.resume_weights()
-    receiver._plan(key).apply(buf)
+    copy_planned(receiver._plan(key), buf)
     assert receiver.plans.misses == 2  # the old plan pointed at the released storage
     for n, t in named:
         assert torch.equal(receiver.params[n], t), n

@@ -1,4 +1,4 @@
-"""/release_memory_occupation and /resume_memory_occupation by tag (contract §6.10).
+"""/release_memory_occupation and /resume_memory_occupation by tag (docs/REFERENCE_ENGINE.md, "Weights").
 
 The colocated flow users run around a train step: pause (retract), release weights and KV,
 train, resume, push weights, continue. With `--enable-weights-cpu-backup` resuming `weights`

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from slime_like.models.loading import load_pretrained, save_state_dict_atomic
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.protocol.buckets import TensorMeta, dtype_name, flatten, plan_buckets
+from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.protocol.weight_group import (
     destroy_process_group,
     host_store,
     init_custom_process_group,
 )
-from slime_like.reference_engine.weight_receiver import overall_checksum, tensor_checksum
 
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("weights under test")

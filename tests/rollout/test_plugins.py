@@ -14,7 +14,7 @@ from slime_like.rollout.plugins import Plugins, load_function, toy_reward
 from slime_like.rollout.prompts import PromptItem
 
 TOK = ByteTokenizer()
-M = "tests.rollout.rl_plugins"
+M = "tests.job.rl_plugins"
 
 
 def _args(*flags: str) -> argparse.Namespace:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slime_like.engine.handle import EngineHandle
-from slime_like.reference_engine.weight_receiver import tensor_checksum
+from slime_like.protocol.checksums import tensor_checksum
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.trainer.serve_dtype import serve_dtype
 from slime_like.weights.sync import WeightSync, WeightSyncConfig

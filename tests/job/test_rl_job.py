@@ -21,8 +21,8 @@ import ray
 
 from slime_like.config.parse import parse_args
 from slime_like.train import train
+from tests.job import rl_plugins
 from tests.models.hf_helpers import write_hf_checkpoint
-from tests.rollout import rl_plugins
 
 REPO = Path(__file__).resolve().parents[2]
 MATH = ["--config", "examples/math_rl/config.yaml", "--rollout-batch-size", "4",
@@ -54,7 +54,7 @@ def test_a_transformers_checkpoint_trains_with_its_tokenizer_and_exact_logprobs(
     rl_plugins.CALLS.clear()
     args = parse_args([*MATH, "--output-dir", str(tmp_path / "run"), "--num-rollout", "3",
                        "--hf-checkpoint", str(ckpt), "--apply-chat-template",
-                       "--custom-generate-function-path", "tests.rollout.rl_plugins.router_generate"])
+                       "--custom-generate-function-path", "tests.job.rl_plugins.router_generate"])
     assert train(args) == 0
 
     steps = _metrics(tmp_path / "run")

@@ -1,0 +1,119 @@
+"""The attempts of one full weight update, retried for the engines that still answer.
+
+    for attempt in fleet.sync_attempts():
+        with attempt as update:
+            update.report = push(update)
+
+Each attempt opens a `Fleet.updating()`; a failure inside it (WeightSyncError, FleetError)
+is swallowed when another attempt follows, leaving out the engines that no longer answer.
+The last failure raises. While the attempts run, resyncs of replacement engines wait
+(`Fleet.syncing`); when they end, the STALE engines get their resyncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from slime_like.errors import FleetError, WeightSyncError
+from slime_like.protocol.weight_version import WeightVersion
+
+if TYPE_CHECKING:
+    from slime_like.fleet.fleet import Fleet, Update
+
+logger = logging.getLogger(__name__)
+
+
+class SyncAttempts:
+    """The attempts of one full update (`Fleet.sync_attempts`); iterate, enter each."""
+
+    def __init__(self, fleet: Fleet, retries: int, wait_s: float,
+                 version: WeightVersion | None):
+        self.fleet = fleet
+        self.retries = retries
+        self.wait_s = wait_s
+        self.version = version
+        self.attempt = 0
+        self.excluded: set[str] = set()
+        self.done = False
+        fleet._syncing.set()
+
+    def __iter__(self) -> SyncAttempts:
+        return self
+
+    def __next__(self) -> SyncAttempt:
+        if self.done:
+            raise StopIteration
+        return SyncAttempt(self)
+
+    def failed(self, err: BaseException) -> bool:
+        """After a failed attempt: True if another follows (leaving out who does not answer)."""
+        if self.attempt >= self.retries:
+            self.finish()
+            return False
+        # Give the exit watchers and probes a moment, then leave out whatever does not
+        # answer now (a kill between attempts would fail them all).
+        time.sleep(min(2.0, 0.25 * 2 ** self.attempt))
+        self.attempt += 1
+        with self.fleet.lock:
+            candidates = self.fleet.targets(None)
+        # Engines the failed attempt found taking no control call (e.g. never answering
+        # their group join) are left out as well; the health monitor relaunches them if
+        # their scheduler stays stuck.
+        named = set(getattr(err, "unresponsive", None) or ())
+        self.excluded = self.fleet.unresponsive(candidates) | {
+            e.engine_id for e in candidates if e.url in named}
+        logger.warning("weight sync failed (%s); retrying for the living engines%s", err,
+                       f" (leaving out {sorted(self.excluded)} for now)" if self.excluded else "")
+        return True
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.fleet._syncing.clear()
+            self.fleet.recovery.resync_stale_later()
+
+
+class SyncAttempt:
+    """One attempt: entering it opens the update (its `Update`); a failure inside is
+    swallowed when another attempt follows."""
+
+    def __init__(self, run: SyncAttempts):
+        self.run = run
+        self._context: contextlib.AbstractContextManager[Update] | None = None
+
+    def __enter__(self) -> Update:
+        run, fleet = self.run, self.run.fleet
+        while True:
+            try:
+                run.excluded = fleet.wait_for_syncable(run.wait_s, run.excluded)
+            except BaseException:
+                run.finish()
+                raise
+            self._context = fleet.updating(version=run.version, exclude=run.excluded)
+            try:
+                return self._context.__enter__()
+            except (WeightSyncError, FleetError) as err:
+                # Opening failed (e.g. no engine left to sync): that attempt is spent.
+                if not run.failed(err):
+                    raise
+            except BaseException:
+                run.finish()
+                raise
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        assert self._context is not None
+        try:
+            self._context.__exit__(exc_type, exc, tb)
+        except BaseException:
+            self.run.finish()
+            raise
+        if exc is None:
+            self.run.finish()
+            return False
+        if isinstance(exc, WeightSyncError | FleetError) and self.run.failed(exc):
+            return True  # the next attempt follows
+        self.run.finish()
+        return False

@@ -1,0 +1,95 @@
+"""What one TP rank is asked to do with its weights: small typed operations.
+
+The engine sends every rank the same kind of message, sglang's io_struct style: a frozen
+dataclass per operation, picklable through a rank's pipe, run by its type
+(`WeightReceiver.run`), never a method name looked up with `getattr`. `Completion` is the
+outcome of an operation whose CUDA copy may still be running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InitGroup:
+    """Join weight group `group_name` as rank `rank_offset + tp_rank`."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class DestroyGroup:
+    group_name: str
+
+
+@dataclass(frozen=True)
+class ReceiveDistributed:
+    """Take part in the trainer's broadcast(s) of one update request, then load by name."""
+
+    names: Sequence[str]
+    dtypes: Sequence[str]
+    shapes: Sequence[Sequence[int]]
+    group_name: str
+    load_format: str | None
+
+
+@dataclass(frozen=True)
+class LoadTensorPayload:
+    """This rank's serialized tensors (one payload per TP rank)."""
+
+    payload: str | bytes
+    load_format: str | None
+
+
+@dataclass(frozen=True)
+class LoadFromDisk:
+    model_path: str
+    load_format: str | None
+
+
+@dataclass(frozen=True)
+class Checksums:
+    skip_tensor_list: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class ReleaseWeights:
+    """Drop the parameter storage (shapes kept; a CPU backup with weights backup on)."""
+
+
+@dataclass(frozen=True)
+class ResumeWeights:
+    """Give the parameters storage again (their contents back from a backup, if kept)."""
+
+
+@dataclass(frozen=True)
+class EndSession:
+    """The update session ended: let go of IPC storages it did not use."""
+
+
+RankOp = (InitGroup | DestroyGroup | ReceiveDistributed | LoadTensorPayload | LoadFromDisk
+          | Checksums | ReleaseWeights | ResumeWeights | EndSession)
+
+
+class Completion:
+    """The outcome of a rank operation; on CUDA it may still be running on a stream."""
+
+    def __init__(self, ok: bool, message: str, event: Any = None, keep: Any = None):
+        self.ok, self.message = ok, message
+        self._event = event
+        self._keep = keep  # buffers that must outlive the asynchronous copy
+
+    def wait(self) -> tuple[bool, str]:
+        """Block until the copy finished; (success, message)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event, self._keep = None, None
+        return self.ok, self.message
