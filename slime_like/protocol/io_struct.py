@@ -1,7 +1,7 @@
 """The SGLang 0.5.23 HTTP protocol as typed bodies, shared by the client and the reference engine.
 
 One definition per request so a field can never be spelled two ways. Field names and
-defaults follow sglang's `io_struct.py` (see the contract in the project docs). Unknown
+defaults follow sglang's `io_struct.py` (docs/REFERENCE_ENGINE.md lists every endpoint). Unknown
 keys are ignored (sglang's msgspec structs ignore them), except in `SamplingParams`, where
 0.5.23's schema gate rejects them with 400.
 """

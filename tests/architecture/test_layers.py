@@ -33,8 +33,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("slime_like.observe",),
     ("slime_like.submit",),
     ("slime_like.job",),
-    ("slime_like.api", "slime_like.train", "slime_like.cli", "slime_like"),
+    ("slime_like.api",),
+    ("slime_like.train",),
+    ("slime_like.cli",),
 ]
+# The package's own __init__ (its version) sits at the bottom: anything may import it.
+PACKAGE_INIT = "slime_like"
 
 # What the reference engine (a separate program) may import from the framework.
 REFERENCE_ENGINE_MAY_IMPORT = ("slime_like.protocol", "slime_like.models", "slime_like.errors",
@@ -42,6 +46,8 @@ REFERENCE_ENGINE_MAY_IMPORT = ("slime_like.protocol", "slime_like.models", "slim
 
 
 def layer_of(module: str) -> int:
+    if module == PACKAGE_INIT:
+        return 0
     best = None
     for i, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
@@ -70,19 +76,22 @@ def _typing_only(tree: ast.AST) -> set[int]:
     return out
 
 
-def imports_of(path: Path, *, typing: bool = True) -> list[tuple[int, str]]:
-    """(line, module) of every slime_like import; `typing=False` leaves out the imports under
-    `if TYPE_CHECKING:` (a part naming the type of the object that owns it)."""
+def _import_nodes(path: Path, typing: bool) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module (functions too); `typing=False` leaves out the
+    ones under `if TYPE_CHECKING:` (a part naming the type of the object that owns it)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     skip = set() if typing else _typing_only(tree)
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+            and id(n) not in skip]
+
+
+def imports_of(path: Path, *, typing: bool = True) -> list[tuple[int, str]]:
+    """(line, module) of every slime_like import."""
     out = []
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in _import_nodes(path, typing):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.startswith("slime_like")]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.startswith("slime_like"):
+        elif node.module and node.level == 0 and node.module.startswith("slime_like"):
             names = [f"{node.module}.{a.name}" for a in node.names]
             # `from slime_like.x import y` names module x.y when y is a submodule
             out += [(node.lineno, n if (PACKAGE.parent / n.replace(".", "/")).with_suffix(".py").exists()
@@ -153,17 +162,13 @@ def test_package_root_holds_only_the_allowed_modules():
         [d.name for d in packages if not (d / "__init__.py").is_file()]
 
 
-def _third_party(path: Path, typing: bool = False) -> list[tuple[int, str]]:
-    """(line, top-level name) of every non-slime_like import, wherever it sits (functions too)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    skip = set() if typing else _typing_only(tree)
+def _third_party(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of every import that runs, wherever it sits (functions too)."""
     out = []
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in _import_nodes(path, typing=False):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name.split(".")[0]) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif node.module and node.level == 0:
             out.append((node.lineno, node.module.split(".")[0]))
     return out
 

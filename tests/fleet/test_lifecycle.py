@@ -76,3 +76,23 @@ def test_a_dead_engine_comes_back_only_through_a_sync():
 def test_illegal_transition_crosses_ray_boundaries():
     err = pickle.loads(pickle.dumps(IllegalTransition("x", S.DEAD, S.REGISTERED)))
     assert err.src is S.DEAD and "DEAD -> REGISTERED" in str(err)
+
+
+def test_an_engine_stopped_while_launching_says_it_never_served_and_why(tmp_path):
+    """A run that fails during the launch stops engines still LAUNCHING: their STOPPED event
+    says so and carries why (on a GPU run this read as a bare STOPPED <- LAUNCHING)."""
+    from slime_like.cluster.placement import JobPlacement
+    from slime_like.config.parse import parse_args
+    from slime_like.config.slices import fleet_settings
+    from slime_like.fleet.events import FleetEvent
+    from slime_like.fleet.fleet import Fleet
+
+    args = parse_args(["--config", "configs/quickstart.yaml"])
+    events: list[FleetEvent] = []
+    settings = fleet_settings(args, log_dir=str(tmp_path), model_paths={"default": "model"})
+    fleet = Fleet(settings, JobPlacement(None, args.nominal_plan), on_event=events.append)
+    fleet.shutdown(reason="the job failed (LaunchError: engine0: healthy but cannot generate)")
+    assert [(e.subject, e.kind, e.previous) for e in events] == [
+        (e.engine_id, S.STOPPED, S.LAUNCHING) for e in fleet.engines]
+    assert all(e.details["reason"] == "the job failed (LaunchError: engine0: healthy but cannot "
+               "generate) while it was launching: it never served" for e in events)

@@ -191,3 +191,45 @@ def test_run_info_saves_resolved_flags_versions_and_git_revision(tmp_path):
 
 def test_json_safe_keeps_plain_values_and_names_the_rest():
     assert json_safe({"a": (1, 2.5, None, True)}) == {"a": [1, 2.5, None, True]}
+
+
+def test_the_event_table_is_in_time_order_and_one_runs_own(tmp_path):
+    """A second run into the same folder (the first failed while launching) reports only
+    itself: the earlier run's files move to earlier-runs/1, so its clock does not interleave
+    (a reused folder listed 14.8 s before 14.3 s); rows logged out of order come out sorted."""
+    first = RunReport(tmp_path)
+    log = Events(first)
+    log(E0, "LAUNCHING", time_s=0.1)
+    log(E0, "STOPPED", time_s=14.8, reason="the job failed (LaunchError: x) while it was "
+                                            "launching: it never served")
+    first.render()
+    second = RunReport(tmp_path)
+    moved = second.begin_run()
+    assert moved == tmp_path / "earlier-runs" / "1"
+    assert (moved / "engine_timeline.jsonl").is_file() and (moved / "report.md").is_file()
+    assert not (tmp_path / "engine_timeline.jsonl").exists()
+    log = Events(second)
+    log(E0, "LAUNCHING", time_s=0.1)
+    log(E0, "LOADED", time_s=9.0, url="http://127.0.0.1:31000")
+    log(E0, "UPDATING", time_s=9.5)
+    log(E0, "REGISTERED", time_s=9.6, version="1")
+    log(E0, "DEAD", time_s=14.8, reason="server process exited with code -9")
+    log(E0, "RELAUNCHING", time_s=14.3)  # logged after, stamped before (another thread)
+    text = second.render().read_text()
+    rows = [x for x in text.splitlines() if x.startswith("| ") and not x.startswith("| t (s)")]
+    times = [float(r.split("|")[1]) for r in rows]
+    assert times == sorted(times) and len(rows) == 2, rows
+    assert "STOPPED" not in text and "LaunchError" not in text
+    assert RunReport(tmp_path).begin_run() == tmp_path / "earlier-runs" / "2"
+
+
+def test_a_colocated_release_and_resume_are_routine(tmp_path):
+    report = RunReport(tmp_path)
+    log = Events(report)
+    for t, state in enumerate(["LAUNCHING", "LOADED", "UPDATING", "REGISTERED", "OFFLOADED",
+                               "REGISTERED", "UPDATING", "REGISTERED", "OFFLOADED", "STALE",
+                               "UPDATING", "REGISTERED"]):
+        log(E0, state, time_s=float(t))
+    text = report.render().read_text()
+    assert "12 events, 12 routine ones left out" in text
+    assert "| OFFLOADED |" not in text

@@ -26,4 +26,7 @@ def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path,
     for e in offloads:
         after = events[events.index(e) + 1]
         assert after["state"] == "REGISTERED" and after["reason"] == "memory resumed", after
+    # the release and resume around every train step are routine: not in the report's table
+    report = (tmp_path / "report.md").read_text()
+    assert "| OFFLOADED |" not in report and f"| {ENGINE} | REGISTERED |" not in report, report
     no_process_outlives(tmp_path)
