@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slime_like.errors import ConfigError
+from slime_like.models.chat_template import TINY_CHAT_TEMPLATE
 from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
 from slime_like.models.hf_tokenizer import Tokenizer, load_tokenizer
 from slime_like.models.tiny import make_tiny_model
@@ -46,7 +47,7 @@ def preflight(args: argparse.Namespace) -> Plugins:
         raise ConfigError("--prompt-data", f"no such file: {args.prompt_data}")
     if args.prompt_data and kind != "hub":  # read it: a bad line fails now, with its number
         prompt_source(args, load_tokenizer(args.hf_checkpoint) if args.hf_checkpoint
-                      else ByteTokenizer())
+                      else ByteTokenizer(chat_template=TINY_CHAT_TEMPLATE))
     if args.load:
         latest_checkpoint(args.load)
     return Plugins.from_args(args)

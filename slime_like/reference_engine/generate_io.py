@@ -233,7 +233,9 @@ def build_output(req: Req, n_out: int, finished: bool, version: str, *, job: Gen
         meta["output_token_logprobs"] = [[lp, tok, text_of(tok)] for lp, tok in zip(lps, out_ids[start:], strict=False)]
         meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if req.top_logprobs_num:
-            meta["input_top_logprobs"] = []
+            meta["input_top_logprobs"] = [
+                None if row is None else [[lp, tok, text_of(tok)] for lp, tok in row]
+                for row in req.input_top_logprobs]
             meta["output_top_logprobs"] = [
                 [[lp, tok, text_of(tok)] for lp, tok in row] for row in req.output_top_logprobs[start:n_out]]
     if finished:

@@ -166,6 +166,10 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
                                            "msg": "JSON decode error", "input": {},
                                            "ctx": {"error": e.msg}}]) from e
+        except (RecursionError, UnicodeDecodeError) as e:  # nested too deep; not UTF-8
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                           "msg": f"JSON decode error: {type(e).__name__}",
+                                           "input": {}}]) from e
 
     @app.api_route(paths.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -237,13 +241,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     @app.get(paths.GET_SERVER_INFO)
     async def server_info():
         return engine.server_info()
-
-    @app.get("/v1/models")
-    async def models():
-        name = engine.served_model_name
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang",
-            "root": name, "parent": None, "max_model_len": engine.context_len}]}
 
     @app.get(paths.V1_LOADS)
     async def loads(include: str = "core", format: str = "json", dp_rank: int | None = None):
