@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from slime_like.errors import ConfigError
 from slime_like.models.chat_template import read_chat_template
-from slime_like.models.tokenizer import VOCAB_SIZE, ByteTokenizer
+from slime_like.models.tokenizer import ByteTokenizer, byte_vocab
 
 
 class Tokenizer(Protocol):
@@ -66,7 +66,7 @@ def is_byte_tokenizer(model_dir: str | Path) -> bool:
     model_dir = Path(model_dir)
     model = _read_json(model_dir / "tokenizer.json").get("model") or {}
     return (model.get("type") == "BPE" and not model.get("merges")
-            and len(model.get("vocab") or {}) == VOCAB_SIZE)
+            and model.get("vocab") == byte_vocab())
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:

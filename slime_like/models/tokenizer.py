@@ -73,13 +73,19 @@ class ByteTokenizer:
         return "".join(parts)
 
 
+def byte_vocab() -> dict[str, int]:
+    """tokenizer.json's vocabulary of this tokenizer: the specials, then GPT-2's byte chars."""
+    vocab = {tok: i for i, tok in SPECIAL_TOKENS.items()}
+    vocab.update({ch: BYTE_OFFSET + b for b, ch in _bytes_to_unicode().items()})
+    return vocab
+
+
 def write_tokenizer_files(model_dir: str | Path, model_max_length: int = 1024,
                           chat_template: str | None = None) -> None:
     """tokenizer.json, tokenizer_config.json (with `chat_template` when given) and
     special_tokens_map.json for AutoTokenizer."""
     model_dir = Path(model_dir)
-    vocab = {tok: i for i, tok in SPECIAL_TOKENS.items()}
-    vocab.update({ch: BYTE_OFFSET + b for b, ch in _bytes_to_unicode().items()})
+    vocab = byte_vocab()
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                   "use_regex": False}
     tokenizer = {

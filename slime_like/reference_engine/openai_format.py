@@ -128,10 +128,14 @@ def stream_delta(out: dict, cursor: StreamCursor, incremental: bool) -> tuple[st
         cursor.tokens += len(rows)
         cursor.ids += len(ids)
         return text, rows, tops, ids
+    if meta.get("finish_reason") is None:
+        # A character whose bytes have not all arrived decodes as U+FFFD for now: hold it
+        # back until it is complete (sglang's detokenizer waits the same way).
+        text = text.rstrip("\ufffd")
     delta = text[cursor.text_len:]
     new_rows, new_tops = rows[cursor.tokens:], tops[cursor.tokens:]
     new_ids = ids[cursor.ids:]
-    cursor.text_len, cursor.tokens, cursor.ids = len(text), len(rows), len(ids)
+    cursor.text_len, cursor.tokens, cursor.ids = max(cursor.text_len, len(text)), len(rows), len(ids)
     return delta, new_rows, new_tops, new_ids
 
 
