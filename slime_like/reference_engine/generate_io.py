@@ -22,6 +22,10 @@ from slime_like.reference_engine.sampling import (
 )
 from slime_like.reference_engine.scheduler import Req, weight_version_spans
 
+# One request expands into prompts x n sequences up front; past this it is refused rather
+# than allocated (sglang has no bound and would try).
+MAX_SEQUENCES_PER_REQUEST = 4096
+
 
 def _check_or_list(body: dict, key: str, ok, list_name: str, item_type: str) -> None:
     """serde-style type check of a field that is either a value or a list of values."""
@@ -133,6 +137,9 @@ def parse_generate(body: dict, *, tokenizer: Tokenizer, vocab_size: int, context
     if len(n_values) > 1:
         raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
     n = n_values.pop()
+    if isinstance(n, int) and n_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise ValueError(f"{n_prompts} prompts x n={n} is more than the "
+                         f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for.")
     if n > 1 and any(isinstance(body.get(k), list) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num")):
         raise ValueError("Cannot use list return_logprob with parallel_sample_num > 1")
     return_logprob = _per_item(body.get("return_logprob"), n_prompts, "return_logprob", False)
