@@ -91,6 +91,8 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     steps of an interval; it answers from the copy of the served weights it kept at the
     last sync, so the comparison is always at the version the samples claim. Engines report
     logprobs of the temperature-scaled distribution; the trainer scales the same way.
+    Every model token is compared, in every turn of a multi-turn sample; the tokens an
+    environment inserted (`loss_mask` 0) carry no engine logprob and are skipped.
     """
     stale = sorted({s.weight_version for s in samples if s.weight_version != str(version)})
     if stale:
@@ -103,8 +105,9 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
                                        temperature)
     worst = 0.0
     for s, lp in zip(current, ours, strict=True):
-        for a, b in zip(s.output_logprobs, lp, strict=True):
-            worst = max(worst, abs(a - b))
+        for a, b, model_token in zip(s.output_logprobs, lp, s.model_token_mask(), strict=True):
+            if model_token:
+                worst = max(worst, abs(a - b))
     if worst > tolerance:
         raise LogprobMismatch(f"engine vs trainer log-probabilities differ by {worst:.3g} "
                               f"(> {tolerance:g}) at weight version {version}: the engines "
@@ -131,9 +134,10 @@ def reference_kl(args: argparse.Namespace, fleet: Fleet, samples: list[Sample],
         return None, {}
     ref = fleet.token_logprobs([(s.prompt_ids, s.output_ids) for s in samples],
                                fleet.reference_model)
-    per_sample = [sum(a - b for a, b in zip(s.output_logprobs, r, strict=True))
+    per_sample = [sum(a - b for a, b, m in zip(s.output_logprobs, r, s.model_token_mask(),
+                                               strict=True) if m)
                   for s, r in zip(samples, ref, strict=True)]
-    tokens = sum(len(r) for r in ref) or 1
+    tokens = sum(sum(s.model_token_mask()) for s in samples) or 1
     out = {"kl_ref": sum(per_sample) / tokens, "kl_model": fleet.reference_model}
     if args.kl_coef > 0:
         for i, kl in enumerate(per_sample):
@@ -238,7 +242,9 @@ def train(args: argparse.Namespace) -> int:
                   "kl_loss_type": args.kl_loss_type} if args.use_kl_loss else {}
             with (fleet.offloaded() if args.offload_rollout else contextlib.nullcontext()) \
                     as released:
-                train_metrics = trainer.train_step(pairs, advantages,
+                masks = ([s.loss_mask for s in samples]
+                         if any(s.loss_mask is not None for s in samples) else None)
+                train_metrics = trainer.train_step(pairs, advantages, loss_masks=masks,
                                                    temperature=args.rollout_temperature, **kl)
             sync = {}
             if (step + 1) % args.update_weights_interval == 0:
@@ -255,6 +261,8 @@ def train(args: argparse.Namespace) -> int:
                 "samples_requested": len(prompts) * n,
                 "samples_returned": len(samples),
                 "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
+                "logprob_checked_tokens": sum(sum(s.model_token_mask()) for s in samples),
+                "env_tokens": sum(len(s.output_ids) - sum(s.model_token_mask()) for s in samples),
                 "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
                 "retried_requests": sum(s.attempts > 1 for s in samples),
                 "sample_weight_versions": weight_versions(samples),

@@ -196,3 +196,37 @@ def test_custom_params_are_accepted_and_change_nothing(engine):
     with_params = _native(engine, TOK.encode("custom"), 5,
                           custom_params={"return_top_p_token_ids": True})
     assert with_params["output_ids"] == plain["output_ids"]
+
+
+def test_the_agentic_example_plays_its_episode_through_chat_completions(engine, router):
+    """examples/agentic/openai_episode.py through the router: a call, the tool's answer as a
+    `tool` message, the answer; the sample is the exact token sequence the server ran."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from examples.agentic import openai_episode
+    from slime_like.rollout.generate import Sample
+
+    router.client.add_worker(engine.url)
+    call = TOK.encode("#")[0]
+    sample = Sample(0, TOK.encode("3+4="), [], [], "", "", prompt="3+4=", label="7")
+    # the bias makes the model call the tool at once and again when it answers
+    params = {"temperature": 1.0, "logit_bias": {str(call): 100.0}}
+    out = asyncio.run(openai_episode.generate(SimpleNamespace(hf_checkpoint=None), sample, params,
+                                              router_url=router.url))
+    messages = [{"role": "user", "content": "3+4="}]
+    prompt = TOK.encode(render_chat(TINY_CHAT_TEMPLATE, messages))
+    env = TOK.encode("\ntool: 7\n\nassistant: ")
+    assert out.meta["turn_texts"] == ["#", "#"] and out.meta["env_texts"] == ["7\n"]
+    assert out.output_ids == [call, *env, call]
+    assert out.loss_mask == [1] + [0] * len(env) + [1]
+    assert out.output_logprobs[1:-1] == [0.0] * len(env)
+    # turn 2's logprob is the engine's on exactly this context: what the server rendered
+    # from the messages is the prompt, the model's turn and the tool's tokens, in order
+    native = engine.generate({"input_ids": prompt + out.output_ids[:-1], "return_logprob": True,
+                              "sampling_params": {"max_new_tokens": 1, "temperature": 1.0,
+                                                  "logit_bias": {str(call): 100.0}}}).json()
+    assert native["output_ids"] == [call]
+    assert out.output_logprobs[-1] == pytest.approx(native["meta_info"]["output_token_logprobs"][0][0],
+                                                    abs=1e-6)
+    assert {s["version"] for s in out.meta["weight_versions"]} == {out.weight_version}
