@@ -98,3 +98,32 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], *
                    weight_version=str(version), finish_reason=choice.finish_reason or "",
                    meta={"weight_versions": spans, "model_turns": len(turn_texts),
                          "env_texts": env_texts, "turn_texts": turn_texts})
+
+
+async def _demo(base_url: str, n: int) -> None:
+    import types
+
+    from slime_like.models.tokenizer import ByteTokenizer as _Tok
+
+    tok, args = _Tok(), types.SimpleNamespace(hf_checkpoint=None)
+    kept = 0
+    for i in range(n):
+        a, b = i % 5, (i // 5) % 5
+        sample = Sample(i, tok.encode(f"{a}+{b}="), [], [], "", "", prompt=f"{a}+{b}=",
+                        label=str(a + b))
+        try:
+            out = await generate(args, sample, {"temperature": 1.0}, router_url=base_url)
+        except PluginError as e:
+            print(f"{sample.prompt} refused: {e}")
+            continue
+        kept += 1
+        print(f"{sample.prompt} turns={out.meta['turn_texts']!r} tool={out.meta['env_texts']!r} "
+              f"mask={out.loss_mask}")
+    print(f"{kept}/{n} episodes rebuilt exactly")
+
+
+if __name__ == "__main__":
+    import asyncio
+    import sys
+
+    asyncio.run(_demo(sys.argv[1].rstrip("/"), int(sys.argv[2]) if len(sys.argv) > 2 else 10))

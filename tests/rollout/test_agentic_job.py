@@ -21,7 +21,7 @@ from slime_like.train import train
 from tests.rollout import rl_plugins
 
 TOK = ByteTokenizer()
-STEPS, BATCH, N = 24, 4, 8
+STEPS, BATCH, N = 20, 4, 8
 
 
 @pytest.fixture
