@@ -11,7 +11,7 @@ either, or is refused with a 400 naming it (`protocol/openai_struct.py`).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,15 +28,14 @@ from slime_like.reference_engine.openai_format import (
     DONE,
     StreamCursor,
     TokenText,
+    answer,
     chat_chunk,
     chat_logprobs,
     completion_logprobs,
     finish_fields,
-    response_usage,
     sse,
     stream_delta,
     usage,
-    weight_metadata,
 )
 from slime_like.reference_engine.sampling import SchemaError
 
@@ -110,10 +109,16 @@ def register_openai_routes(app: FastAPI, engine) -> None:
         except SchemaError as e:  # the native gate's message names the field
             raise ValueError(str(e)) from e
 
-    async def kick_start(job: GenerateJob) -> tuple[AsyncIterator, tuple[int, dict]]:
-        """Start the stream and take its first output, so a refusal is still an HTTP error."""
-        stream = frontend.run(job).__aiter__()
-        return stream, await stream.__anext__()
+    async def launch(body: dict, stream: bool) -> tuple[list[dict] | None, AsyncIterator | None,
+                                                        tuple[int, dict] | None]:
+        """(outputs, None, None), or (None, the stream, its first output): a stream is started
+        before the answer begins, so a refusal is still an HTTP error (sglang does the same)."""
+        job = job_of(body)
+        if not stream:
+            outs = await frontend.generate(job)
+            return ([outs] if isinstance(outs, dict) else outs), None, None
+        events = frontend.run(job).__aiter__()
+        return None, events, await events.__anext__()
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -166,11 +171,7 @@ def register_openai_routes(app: FastAPI, engine) -> None:
                 **req.routing()}
         echoes = echo_texts(req) if req.echo else []
         try:
-            job = job_of(body)
-            if req.stream:
-                stream, first = await kick_start(job)
-            else:
-                outs = await frontend.generate(job)
+            outs, stream, first = await launch(body, req.stream)
         except _SERVING_ERRORS as e:
             return _serving_error(e)
         created = int(time.time())
@@ -187,7 +188,6 @@ def register_openai_routes(app: FastAPI, engine) -> None:
             return completion_logprobs(token_text, rows, tops, start)
 
         if not req.stream:
-            outs = [outs] if isinstance(outs, dict) else outs
             choices = []
             for i, out in enumerate(outs):
                 meta = out["meta_info"]
@@ -201,60 +201,42 @@ def register_openai_routes(app: FastAPI, engine) -> None:
                     choice["token_ids"] = out["output_ids"]
                     choice["prompt_token_ids"] = out.get("prompt_token_ids")
                 choices.append(choice)
-            return {"id": outs[0]["meta_info"]["id"], "object": "text_completion",
-                    "created": created, "model": req.model, "choices": choices,
-                    "usage": response_usage(outs, req.n),
-                    "metadata": weight_metadata(outs[0]["meta_info"])}
+            return answer("text_completion", outs, choices, req.model, req.n, created)
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        tally = StreamTally(first[1]["meta_info"]["id"], req.stream_options)
+        sent_chars: dict[int, int] = {}
 
-        async def events() -> AsyncIterator[bytes]:
-            cursors: dict[int, StreamCursor] = {}
-            sent_chars: dict[int, int] = {}
-            counts: dict[int, tuple[int, int]] = {}
-            cid = first[1]["meta_info"]["id"]
-            try:
-                async for index, out in _chain(first, stream):
-                    meta = out["meta_info"]
-                    cid = meta["id"]
-                    counts[index] = (meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
-                    reason, matched = finish_fields(meta)
-                    if reason == "abort" and meta["finish_reason"].get("status_code"):
-                        yield _stream_error(ValueError(meta["finish_reason"].get("message", "Aborted")))
-                        break
-                    cur = cursors.setdefault(index, StreamCursor())
-                    is_first = not cur.started
-                    text, rows, tops, ids = stream_delta(out, cur, frontend.incremental_streaming)
-                    if is_first and echoes:
-                        text = echoes[index // req.n] + text
-                    start = sent_chars.get(index, 0)
-                    lp = choice_logprobs(out, rows, tops, is_first, start)
-                    sent_chars[index] = start + len(text)
-                    choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason,
-                              "matched_stop": matched}
-                    if req.return_token_ids:
-                        choice["token_ids"] = ids
-                        if is_first:
-                            choice["prompt_token_ids"] = out.get("prompt_token_ids")
-                    cur.started = True
-                    chunk = {"id": cid, "object": "text_completion", "created": created,
-                             "model": req.model, "choices": [choice]}
-                    if continuous:
-                        chunk["usage"] = usage(*counts[index])
-                    yield sse(chunk)
-                if include_usage:
-                    prompt_total = sum(p for i, (p, _) in counts.items() if i % req.n == 0)
-                    info = {k: v for k, v in usage(prompt_total, sum(c for _, c in counts.values())).items()
-                            if v is not None}
-                    yield sse({"id": cid, "object": "text_completion", "created": created,
-                               "model": req.model, "choices": [], "usage": info})
-            except _SERVING_ERRORS as e:
-                yield _stream_error(e)
-            finally:
-                await stream.aclose()  # a client that went away: its requests are aborted
-            yield DONE
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def completion_chunks(index: int, out: dict) -> list[bytes]:
+            cur, reason, matched = tally.cursors[index], *finish_fields(out["meta_info"])
+            is_first = not cur.started
+            text, rows, tops, ids = stream_delta(out, cur, frontend.incremental_streaming)
+            if is_first and echoes:
+                text = echoes[index // req.n] + text
+            start = sent_chars.get(index, 0)
+            lp = choice_logprobs(out, rows, tops, is_first, start)
+            sent_chars[index] = start + len(text)
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason,
+                      "matched_stop": matched}
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+                if is_first:
+                    choice["prompt_token_ids"] = out.get("prompt_token_ids")
+            cur.started = True
+            chunk = {"id": tally.cid, "object": "text_completion", "created": created,
+                     "model": req.model, "choices": [choice]}
+            if tally.continuous:
+                chunk["usage"] = tally.usage_of(index)
+            return [sse(chunk)]
+
+        def completion_tail() -> list[bytes]:
+            if not tally.include_usage:
+                return []
+            info = {k: v for k, v in tally.total_usage(req.n).items() if v is not None}
+            return [sse({"id": tally.cid, "object": "text_completion", "created": created,
+                         "model": req.model, "choices": [], "usage": info})]
+
+        return StreamingResponse(_events(first, stream, tally, completion_chunks, completion_tail),
+                                 media_type="text/event-stream")
 
     # ---- chat completions ------------------------------------------------------------------
 
@@ -292,17 +274,12 @@ def register_openai_routes(app: FastAPI, engine) -> None:
                     "return_text_in_logprobs": True,
                     "return_prompt_token_ids": req.return_prompt_token_ids or req.return_token_ids,
                     **req.routing()}
-            job = job_of(body)
-            if req.stream:
-                stream, first = await kick_start(job)
-            else:
-                outs = await frontend.generate(job)
+            outs, stream, first = await launch(body, req.stream)
         except _SERVING_ERRORS as e:
             return _serving_error(e)
         created = int(time.time())
 
         if not req.stream:
-            outs = [outs] if isinstance(outs, dict) else outs
             choices = []
             for i, out in enumerate(outs):
                 meta = out["meta_info"]
@@ -320,60 +297,96 @@ def register_openai_routes(app: FastAPI, engine) -> None:
                 if req.return_meta_info:
                     choice["meta_info"] = meta
                 choices.append(choice)
-            return {"id": outs[0]["meta_info"]["id"], "object": "chat.completion",
-                    "created": created, "model": req.model, "choices": choices,
-                    "usage": response_usage(outs, req.n),
-                    "metadata": weight_metadata(outs[0]["meta_info"])}
+            return answer("chat.completion", outs, choices, req.model, req.n, created)
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        tally = StreamTally(first[1]["meta_info"]["id"], req.stream_options)
+        finished: dict[int, tuple[str, Any]] = {}
 
-        async def events() -> AsyncIterator[bytes]:
-            cursors: dict[int, StreamCursor] = {}
-            counts: dict[int, tuple[int, int]] = {}
-            finished: dict[int, tuple[str, Any]] = {}
-            cid = first[1]["meta_info"]["id"]
-            try:
-                async for index, out in _chain(first, stream):
-                    meta = out["meta_info"]
-                    cid = meta["id"]
-                    counts[index] = (meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
-                    reason, matched = finish_fields(meta)
-                    if reason == "abort" and meta["finish_reason"].get("status_code"):
-                        yield _stream_error(ValueError(meta["finish_reason"].get("message", "Aborted")))
-                        break
-                    cur = cursors.setdefault(index, StreamCursor())
-                    if not cur.started:
-                        cur.started = True
-                        yield sse(chat_chunk(cid, created, req.model, index,
-                                             delta={"role": "assistant", "content": ""}))
-                    text, rows, tops, _ = stream_delta(out, cur, frontend.incremental_streaming)
-                    lp = chat_logprobs(token_text, rows, tops) if req.logprobs and rows else None
-                    # Unlike sglang, a step whose tokens add no text (a special token, part of
-                    # a character) still sends its logprobs, so every token's logprob arrives.
-                    if text or lp:
-                        yield sse(chat_chunk(cid, created, req.model, index, delta={"content": text},
-                                             logprobs=lp,
-                                             usage_info=usage(*counts[index]) if continuous else None))
-                    if reason is not None:
-                        finished[index] = (reason, matched)
-                for index, (reason, matched) in finished.items():
-                    yield sse(chat_chunk(cid, created, req.model, index, delta={},
-                                         finish_reason=reason, matched_stop=matched))
-                if include_usage:
-                    prompt_total = sum(p for i, (p, _) in counts.items() if i % req.n == 0)
-                    yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                               "model": req.model, "choices": [],
-                               "usage": usage(prompt_total, sum(c for _, c in counts.values()))})
-            except _SERVING_ERRORS as e:
-                yield _stream_error(e)
-            finally:
-                await stream.aclose()  # a client that went away: its requests are aborted
-            yield DONE
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def chat_chunks(index: int, out: dict) -> list[bytes]:
+            cur, reason, matched = tally.cursors[index], *finish_fields(out["meta_info"])
+            chunks = []
+            if not cur.started:
+                cur.started = True
+                chunks.append(sse(chat_chunk(tally.cid, created, req.model, index,
+                                             delta={"role": "assistant", "content": ""})))
+            text, rows, tops, _ = stream_delta(out, cur, frontend.incremental_streaming)
+            lp = chat_logprobs(token_text, rows, tops) if req.logprobs and rows else None
+            # Unlike sglang, a step whose tokens add no text (a special token, part of a
+            # character) still sends its logprobs, so every token's logprob arrives.
+            if text or lp:
+                chunks.append(sse(chat_chunk(
+                    tally.cid, created, req.model, index, delta={"content": text}, logprobs=lp,
+                    usage_info=tally.usage_of(index) if tally.continuous else None)))
+            if reason is not None:
+                finished[index] = (reason, matched)
+            return chunks
+
+        def chat_tail() -> list[bytes]:
+            chunks = [sse(chat_chunk(tally.cid, created, req.model, index, delta={},
+                                     finish_reason=reason, matched_stop=matched))
+                      for index, (reason, matched) in finished.items()]
+            if tally.include_usage:
+                chunks.append(sse({"id": tally.cid, "object": "chat.completion.chunk",
+                                   "created": created, "model": req.model, "choices": [],
+                                   "usage": tally.total_usage(req.n)}))
+            return chunks
+
+        return StreamingResponse(_events(first, stream, tally, chat_chunks, chat_tail),
+                                 media_type="text/event-stream")
+
+
+async def _events(first: tuple[int, dict], rest: AsyncIterator, tally: StreamTally,
+                  chunks_of: Callable[[int, dict], list[bytes]],
+                  tail: Callable[[], list[bytes]]) -> AsyncIterator[bytes]:
+    """An OpenAI event stream: chunks per native output, the tail, `[DONE]`; a failure
+    mid-stream is an `error` event, and a client that went away has its requests aborted."""
+    try:
+        async for index, out in _chain(first, rest):
+            if (error := tally.see(index, out)) is not None:
+                yield error
+                break
+            for chunk in chunks_of(index, out):
+                yield chunk
+        else:
+            for chunk in tail():
+                yield chunk
+    except _SERVING_ERRORS as e:
+        yield _stream_error(e)
+    finally:
+        await rest.aclose()
+    yield DONE
 
 
 async def _chain(first: tuple[int, dict], rest: AsyncIterator) -> AsyncIterator[tuple[int, dict]]:
     yield first
     async for item in rest:
         yield item
+
+
+class StreamTally:
+    """Per-choice cursors and token counts of one stream, and its usage options."""
+
+    def __init__(self, cid: str, options: Any):
+        self.cid = cid
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous = bool(options and options.continuous_usage_stats)
+        self.cursors: dict[int, StreamCursor] = {}
+        self.counts: dict[int, tuple[int, int]] = {}
+
+    def see(self, index: int, out: dict) -> bytes | None:
+        """Record a native output; the error event if the scheduler aborted it with a status."""
+        meta = out["meta_info"]
+        self.cid = meta["id"]
+        self.counts[index] = (meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
+        self.cursors.setdefault(index, StreamCursor())
+        reason = meta.get("finish_reason") or {}
+        if reason.get("type") == "abort" and reason.get("status_code"):
+            return _stream_error(ValueError(reason.get("message", "Aborted")))
+        return None
+
+    def usage_of(self, index: int) -> dict:
+        return usage(*self.counts[index])
+
+    def total_usage(self, n: int) -> dict:
+        prompt = sum(p for i, (p, _) in self.counts.items() if i % n == 0)
+        return usage(prompt, sum(c for _, c in self.counts.values()))

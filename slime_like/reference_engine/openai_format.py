@@ -55,6 +55,14 @@ def weight_metadata(meta: dict) -> dict:
     return out
 
 
+def answer(kind: str, outs: list[dict], choices: list[dict], model: str, n: int,
+           created: int) -> dict:
+    """A whole non-streamed answer (`text_completion` or `chat.completion`)."""
+    return {"id": outs[0]["meta_info"]["id"], "object": kind, "created": created, "model": model,
+            "choices": choices, "usage": response_usage(outs, n),
+            "metadata": weight_metadata(outs[0]["meta_info"])}
+
+
 class TokenText:
     """Per-token display text and bytes, lossless for byte-level vocabularies."""
 
