@@ -190,12 +190,19 @@ def test_models_list_and_retrieve(api, engine):
             client.models.retrieve("tiny")
 
 
-def test_custom_params_are_accepted_and_change_nothing(engine):
+def test_custom_params_are_accepted_and_change_nothing(engine, router):
     """slime's --rollout-top-p sends custom_params; sglang ignores them without a processor."""
+    import requests
+
     plain = _native(engine, TOK.encode("custom"), 5)
     with_params = _native(engine, TOK.encode("custom"), 5,
                           custom_params={"return_top_p_token_ids": True})
     assert with_params["output_ids"] == plain["output_ids"]
+    router.client.add_worker(engine.url)
+    r = requests.post(router.url + "/generate", timeout=30, json={
+        "input_ids": TOK.encode("custom"), "sampling_params": {
+            "max_new_tokens": 5, **GREEDY, "custom_params": {"return_top_p_token_ids": True}}})
+    assert r.status_code == 200 and r.json()["output_ids"] == plain["output_ids"], r.text
 
 
 def test_the_agentic_example_plays_its_episode_through_chat_completions(engine, router):
