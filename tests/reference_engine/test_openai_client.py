@@ -10,8 +10,11 @@ its schema lacks, refuses token-id prompts, answers /v1/models itself) the test 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from slime_like.models.chat_template import TINY_CHAT_TEMPLATE, render_chat
+from slime_like.models.loading import load_pretrained
+from slime_like.models.tokenizer import VOCAB_SIZE as VOCAB
 from slime_like.models.tokenizer import ByteTokenizer
 
 openai = pytest.importorskip("openai")
@@ -126,7 +129,19 @@ def test_completions_take_any_model_echo_and_stream_their_logprobs(api, engine):
     assert streamed == pytest.approx(c.logprobs.token_logprobs[5:], abs=1e-6)
 
 
-def test_sampling_fields_change_the_tokens_or_are_refused_by_name(api, engine):
+def _local_greedy(model_dir, prompt: list[int], n: int, adjust) -> list[int]:
+    """Greedy decoding on the checkpoint loaded here, with `adjust(logits, output)` applied."""
+    model = load_pretrained(model_dir)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = adjust(model(torch.tensor([ids]))[0, -1].float(), out)
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_sampling_fields_change_the_tokens_or_are_refused_by_name(api, engine, tiny_model_dir):
     client, _ = api
 
     def tokens(**kw) -> list[int]:
@@ -137,12 +152,22 @@ def test_sampling_fields_change_the_tokens_or_are_refused_by_name(api, engine):
         return r.choices[0].model_extra["token_ids"]
 
     base = tokens()
+    assert base == _local_greedy(tiny_model_dir, TOK.encode("aaaa"), 24, lambda lg, out: lg)
     assert len(set(base)) < len(base), "the greedy baseline repeats tokens (the penalties' case)"
-    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
-               {"extra": {"repetition_penalty": 2.0}}):
+
+    def seen(out):
+        return torch.bincount(torch.tensor(out, dtype=torch.long), minlength=VOCAB) if out \
+            else torch.zeros(VOCAB)
+
+    # sglang's formulas over the generated tokens, computed here on the checkpoint itself
+    rules = [({"frequency_penalty": 2.0}, lambda lg, out: lg - 2.0 * seen(out)),
+             ({"presence_penalty": 2.0}, lambda lg, out: lg - 2.0 * (seen(out) > 0).float()),
+             ({"extra": {"repetition_penalty": 2.0}}, lambda lg, out: torch.where(
+                 seen(out) > 0, torch.where(lg < 0, lg * 2.0, lg / 2.0), lg))]
+    for kw, rule in rules:
         penalized = tokens(**kw)
         assert penalized != base, kw
-        assert len(set(penalized)) > len(set(base)), kw
+        assert penalized == _local_greedy(tiny_model_dir, TOK.encode("aaaa"), 24, rule), kw
     forced = TOK.encode("z")[0]
     assert tokens(logit_bias={str(forced): 100.0}) == [forced] * 24
     # min_p = 1 keeps only the most likely token: sampling at temperature 1 is greedy again
