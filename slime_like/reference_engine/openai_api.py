@@ -246,10 +246,10 @@ def register_openai_routes(app: FastAPI, engine) -> None:
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         if not req.messages:
             return error_response("Messages cannot be empty.")
-        if (refusal := check(req)) is not None:
-            return refusal
         if req.tool_choice == "required" and not req.tools:
             return error_response("Tools cannot be empty if tool choice is set to required.")
+        if (refusal := check(req)) is not None:
+            return refusal
         limit = req.max_new_tokens()
         if limit and limit > engine.context_len:
             return error_response(f"max_completion_tokens is too large: {limit}.This model "
