@@ -161,7 +161,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool", "function", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "function", "developer",
+                  "latest_reminder", "root"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
