@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
+from slime_like.reference_engine.client_watch import ClientGone, unless_client_gone
 from slime_like.reference_engine.disaggregation import HandoffError
 from slime_like.reference_engine.engine import ReferenceEngine
 from slime_like.reference_engine.frontend import EngineUnavailable
@@ -193,27 +194,16 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
                                           "code": code, "retryable": code == 503}})
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(stream(), media_type="text/event-stream")
-        task = asyncio.create_task(frontend.generate(job))
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
-                if done:
-                    break
-                if await request.is_disconnected():  # sglang aborts requests of gone clients
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
-                    return Response(status_code=499)
-            return JSONResponse(task.result())
+            return JSONResponse(await unless_client_gone(request, frontend.generate(job)))
+        except ClientGone:  # sglang aborts the requests of a client that went away
+            return Response(status_code=499)
         except ValueError as e:
             return error_400(e)
         except EngineUnavailable as e:
             raise HTTPException(status_code=503, detail=str(e)) from e
         except HandoffError as e:  # sglang aborts the request with 500 when the KV never came
             raise HTTPException(status_code=e.status_code, detail=str(e)) from e
-        finally:
-            if not task.done():
-                task.cancel()
 
     # ---- health and info -------------------------------------------------------------------
 

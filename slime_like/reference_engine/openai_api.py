@@ -16,11 +16,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from slime_like.protocol.openai_struct import ChatCompletionRequest, CompletionRequest
 from slime_like.reference_engine.chat_prompt import ChatPrompter
+from slime_like.reference_engine.client_watch import ClientGone, unless_client_gone
 from slime_like.reference_engine.disaggregation import HandoffError
 from slime_like.reference_engine.frontend import EngineUnavailable
 from slime_like.reference_engine.generate_io import GenerateJob
@@ -109,13 +110,14 @@ def register_openai_routes(app: FastAPI, engine) -> None:
         except SchemaError as e:  # the native gate's message names the field
             raise ValueError(str(e)) from e
 
-    async def launch(body: dict, stream: bool) -> tuple[list[dict] | None, AsyncIterator | None,
-                                                        tuple[int, dict] | None]:
+    async def launch(request: Request, body: dict, stream: bool
+                     ) -> tuple[list[dict] | None, AsyncIterator | None, tuple[int, dict] | None]:
         """(outputs, None, None), or (None, the stream, its first output): a stream is started
-        before the answer begins, so a refusal is still an HTTP error (sglang does the same)."""
+        before the answer begins, so a refusal is still an HTTP error (sglang does the same).
+        A client that goes away before its answer has its request aborted (ClientGone)."""
         job = job_of(body)
         if not stream:
-            outs = await frontend.generate(job)
+            outs = await unless_client_gone(request, frontend.generate(job))
             return ([outs] if isinstance(outs, dict) else outs), None, None
         events = frontend.run(job).__aiter__()
         return None, events, await events.__anext__()
@@ -171,9 +173,11 @@ def register_openai_routes(app: FastAPI, engine) -> None:
                 **req.routing()}
         echoes = echo_texts(req) if req.echo else []
         try:
-            outs, stream, first = await launch(body, req.stream)
+            outs, stream, first = await launch(request, body, req.stream)
         except _SERVING_ERRORS as e:
             return _serving_error(e)
+        except ClientGone:
+            return Response(status_code=499)
         created = int(time.time())
 
         def choice_logprobs(out: dict, rows: list, tops: list, first: bool, start: int) -> dict | None:
@@ -274,9 +278,11 @@ def register_openai_routes(app: FastAPI, engine) -> None:
                     "return_text_in_logprobs": True,
                     "return_prompt_token_ids": req.return_prompt_token_ids or req.return_token_ids,
                     **req.routing()}
-            outs, stream, first = await launch(body, req.stream)
+            outs, stream, first = await launch(request, body, req.stream)
         except _SERVING_ERRORS as e:
             return _serving_error(e)
+        except ClientGone:
+            return Response(status_code=499)
         created = int(time.time())
 
         if not req.stream:

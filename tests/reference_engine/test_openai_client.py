@@ -262,3 +262,31 @@ def test_the_agentic_example_plays_its_episode_through_chat_completions(engine, 
     assert out.output_logprobs[-1] == pytest.approx(native["meta_info"]["output_token_logprobs"][0][0],
                                                     abs=1e-6)
     assert {s["version"] for s in out.meta["weight_versions"]} == {out.weight_version}
+
+
+def _aborted_total(engine) -> float:
+    for line in engine.get("/metrics").text.splitlines():
+        if line.startswith("sglang:num_aborted_requests_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_goes_away_has_its_request_aborted(engine):
+    """As sglang: a non-streamed chat whose client closed the connection stops generating."""
+    import json
+    import socket
+    import time
+
+    body = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 900, "n": 64,
+                       "ignore_eos": True}).encode()
+    host, port = engine.url.rsplit("//", 1)[1].split(":")
+    before = _aborted_total(engine)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)  # 64 x 900 tokens take several seconds on a CPU
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _aborted_total(engine) < before + 64:
+        time.sleep(0.2)
+    assert _aborted_total(engine) == before + 64  # every sequence, running or waiting
+    assert engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0
