@@ -16,7 +16,6 @@ import json
 from types import SimpleNamespace
 from typing import get_args
 
-import pytest
 import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -112,17 +111,7 @@ def _objects(fields: tuple[str, ...], generation: bool):
     return obj.map(lambda o: json.dumps(o).encode())
 
 
-@pytest.fixture(scope="module")
-def fuzzed(tiny_model_dir, tmp_path_factory):
-    e = start_engine(tiny_model_dir, tmp_path_factory.mktemp("fuzz-engine"),
-                     "--enable-weights-cpu-backup", "--context-length", "128",
-                     "--max-running-requests", "8")
-    yield e
-    stop_engine(e)
-
-
-@pytest.mark.parametrize(("method", "path", "fields"), ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
-def test_no_malformed_body_gets_a_5xx(fuzzed, method, path, fields):
+def _fuzz_route(url: str, method: str, path: str, fields: tuple[str, ...]) -> None:
     generation = path in GENERATION
     raw = raw_bodies if generation else raw_bodies.filter(_not_a_valid_control_call)
 
@@ -134,7 +123,7 @@ def test_no_malformed_body_gets_a_5xx(fuzzed, method, path, fields):
            query=st.dictionaries(st.sampled_from(QUERY_KEYS), st.text(max_size=5), max_size=2))
     def one(body: bytes, content_type: str | None, query: dict):
         headers = {"Content-Type": content_type} if content_type else {}
-        r = requests.request(method, fuzzed.url + path, data=body if fields else None,
+        r = requests.request(method, url + path, data=body if fields else None,
                              headers=headers, params=query, timeout=30)
         if r.status_code == 500 and STATE_500.get(path, "\0") in r.text:
             return
@@ -143,10 +132,20 @@ def test_no_malformed_body_gets_a_5xx(fuzzed, method, path, fields):
     one()
 
 
-def test_the_fuzzed_engine_still_serves(fuzzed):
-    """Runs after the fuzz (same module): nothing left it paused, released or broken."""
-    assert fuzzed.proc.poll() is None, fuzzed.log_tail()
-    assert fuzzed.get("/ready").status_code == 200  # not paused
-    assert fuzzed.get("/health_generate").status_code == 200
-    r = fuzzed.generate({"text": "still here", "sampling_params": {"max_new_tokens": 4}})
-    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+def test_no_route_answers_a_malformed_body_with_a_5xx_and_the_engine_keeps_serving(
+        tiny_model_dir, tmp_path):
+    """One test (one engine, one xdist worker): every route in turn, then the engine serves."""
+    engine = start_engine(tiny_model_dir, tmp_path, "--enable-weights-cpu-backup",
+                          "--context-length", "128", "--max-running-requests", "8")
+    try:
+        for method, path, fields in ROUTES:
+            _fuzz_route(engine.url, method, path, fields)
+        # nothing left it paused, released, in a weight update or broken
+        assert engine.proc.poll() is None, engine.log_tail()
+        assert engine.get("/ready").status_code == 200
+        assert engine.get("/health_generate").status_code == 200
+        r = engine.generate({"text": "still here", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+        assert engine.get("/v1/loads?include=memory").json()["loads"][0]["memory"]["kv_cache_bytes"] > 0
+    finally:
+        stop_engine(engine)

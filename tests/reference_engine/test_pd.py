@@ -135,6 +135,9 @@ def test_a_batch_through_the_pd_router_matches_a_regular_engine(pd):
     r = requests.post(router_url + "/generate", json=plain, timeout=60)
     assert r.status_code == 200 and r.json()["output_ids"] == want[2]["output_ids"]
 
+    # The OpenAI routes go through the same hand-off (checked here: one fixture, one worker).
+    _assert_openai_routes_match(pd)
+
 
 def after_both_worked(before: tuple[int, int], prefill, decode) -> bool:
     return _steps(prefill) > before[0] and _steps(decode) > before[1]
@@ -215,7 +218,7 @@ def test_an_abort_pause_of_the_decode_engine_aborts_requests_waiting_for_their_k
     assert time.monotonic() - t0 < WAITING_TIMEOUT_S - 0.5  # well before the waiting timeout
 
 
-def test_openai_routes_through_the_pd_router_match_a_regular_engine(pd):
+def _assert_openai_routes_match(pd) -> None:
     """Chat and completions through the PD router: the prefill engine hands the KV over and
     the decode engine answers, as for /generate."""
     router_url, prefill, decode, regular, _ = pd
