@@ -26,6 +26,8 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
     steps of an interval; it answers from the copy of the served weights it kept at the
     last sync, so the comparison is always at the version the samples claim. Engines report
     logprobs of the temperature-scaled distribution; the trainer scales the same way.
+    Every model token is compared, in every turn of a multi-turn sample; the tokens an
+    environment inserted (`loss_mask` 0) carry no engine logprob and are skipped.
     """
     stale = sorted({s.weight_version for s in samples if s.weight_version != str(version)})
     if stale:
@@ -38,8 +40,9 @@ def check_logprobs(samples: list[Sample], trainer: TrainerGroup, version: int,
                                        temperature)
     worst = 0.0
     for s, lp in zip(current, ours, strict=True):
-        for a, b in zip(s.output_logprobs, lp, strict=True):
-            worst = max(worst, abs(a - b))
+        for a, b, model_token in zip(s.output_logprobs, lp, s.model_token_mask(), strict=True):
+            if model_token:
+                worst = max(worst, abs(a - b))
     if worst > tolerance:
         raise LogprobMismatch(f"engine vs trainer log-probabilities differ by {worst:.3g} "
                               f"(> {tolerance:g}) at weight version {version}: the engines "

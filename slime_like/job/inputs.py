@@ -14,6 +14,7 @@ from pathlib import Path
 
 from slime_like.config.slices import JobSettings
 from slime_like.errors import ConfigError
+from slime_like.models.chat_template import TINY_CHAT_TEMPLATE
 from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
 from slime_like.models.hf_tokenizer import Tokenizer, load_tokenizer
 from slime_like.models.tiny import make_tiny_model
@@ -49,7 +50,8 @@ def preflight(settings: JobSettings, *, dry_run: bool = False) -> Preflight:
     if prompts.prompt_data and not Path(prompts.prompt_data).is_file():
         raise ConfigError("--prompt-data", f"no such file: {prompts.prompt_data}")
     if prompts.prompt_data and kind != "hub":  # read it: a bad line fails now, with its number
-        prompt_source(prompts, load_tokenizer(ckpt) if ckpt else ByteTokenizer())
+        prompt_source(prompts, load_tokenizer(ckpt) if ckpt
+                      else ByteTokenizer(chat_template=TINY_CHAT_TEMPLATE))
     if settings.checkpoints.load:
         latest_checkpoint(settings.checkpoints.load)
     return Preflight(Plugins.from_args(settings.plugin_args), warnings)

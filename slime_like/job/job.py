@@ -228,8 +228,11 @@ class Job:
         pairs = [(s.prompt_ids, s.output_ids) for s in samples]
         offload = self.fleet.offloaded() if self.settings.offload_rollout else \
             contextlib.nullcontext()
+        # A multi-turn sample's loss mask leaves the environment's tokens out of the loss.
+        masks = ([s.loss_mask for s in samples]
+                 if any(s.loss_mask is not None for s in samples) else None)
         with offload as released:
-            metrics = self.trainer.train_step(pairs, scores.advantages,
+            metrics = self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
                                               temperature=self.settings.rollout.temperature,
                                               **extra)
         return metrics, released
@@ -265,6 +268,8 @@ class Job:
             "samples_requested": len(rollout.prompts) * settings.rollout.n_samples_per_prompt,
             "samples_returned": len(samples),
             "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
+            "logprob_checked_tokens": sum(sum(s.model_token_mask()) for s in samples),
+            "env_tokens": sum(len(s.output_ids) - sum(s.model_token_mask()) for s in samples),
             "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
             "retried_requests": sum(s.attempts > 1 for s in samples),
             "sample_weight_versions": weight_versions(samples),

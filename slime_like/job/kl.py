@@ -23,9 +23,10 @@ def reference_kl(settings: KLSettings, fleet: Fleet, samples: list[Sample],
         return None, {}
     ref = fleet.token_logprobs([(s.prompt_ids, s.output_ids) for s in samples],
                                fleet.reference_model)
-    per_sample = [sum(a - b for a, b in zip(s.output_logprobs, r, strict=True))
+    per_sample = [sum(a - b for a, b, m in zip(s.output_logprobs, r, s.model_token_mask(),
+                                               strict=True) if m)
                   for s, r in zip(samples, ref, strict=True)]
-    tokens = sum(len(r) for r in ref) or 1
+    tokens = sum(sum(s.model_token_mask()) for s in samples) or 1
     out: dict[str, Any] = {"kl_ref": sum(per_sample) / tokens, "kl_model": fleet.reference_model}
     if settings.kl_coef > 0:
         for i, kl in enumerate(per_sample):

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from slime_like.errors import ConfigError
-from slime_like.models.tokenizer import VOCAB_SIZE, ByteTokenizer
+from slime_like.models.chat_template import read_chat_template
+from slime_like.models.tokenizer import ByteTokenizer, byte_vocab
 
 
 class Tokenizer(Protocol):
@@ -60,18 +61,12 @@ def _read_json(path: Path) -> dict:
 
 
 def is_byte_tokenizer(model_dir: str | Path) -> bool:
-    """True if the directory's tokenizer is exactly the project's byte-level one.
-
-    A chat template in tokenizer_config.json needs `transformers` to render, so such a
-    tokenizer is not treated as the plain byte tokenizer.
-    """
+    """True if the directory's tokenizer is exactly the project's byte-level one (a chat
+    template beside it is rendered with jinja2, `models/chat_template.py`)."""
     model_dir = Path(model_dir)
-    config = _read_json(model_dir / "tokenizer_config.json")
-    if config.get("chat_template") or (model_dir / "chat_template.jinja").is_file():
-        return False
     model = _read_json(model_dir / "tokenizer.json").get("model") or {}
     return (model.get("type") == "BPE" and not model.get("merges")
-            and len(model.get("vocab") or {}) == VOCAB_SIZE)
+            and model.get("vocab") == byte_vocab())
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -86,7 +81,7 @@ def load_tokenizer(model_dir: str | Path, *, add_special_tokens: bool = True,
     """The tokenizer of a checkpoint directory (or hub id); the byte tokenizer if it has none."""
     local = Path(model_dir).is_dir()
     if local and (not has_tokenizer(model_dir) or is_byte_tokenizer(model_dir)):
-        return ByteTokenizer()
+        return ByteTokenizer(chat_template=read_chat_template(model_dir))
     try:
         from transformers import AutoTokenizer
     except ImportError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from slime_like.models.chat_template import TINY_CHAT_TEMPLATE
 from slime_like.models.config import ModelConfig
 from slime_like.models.loading import build_model, init_dummy_weights, save_state_dict_atomic
 from slime_like.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer_files
@@ -32,7 +33,8 @@ def tiny_config(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int
 def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int | None = None, seed: int = 0,
                     tie_word_embeddings: bool = False) -> Path:
-    """Write config.json, model.safetensors, generation_config.json and tokenizer files."""
+    """Write config.json, model.safetensors, generation_config.json and tokenizer files
+    (with a small chat template, so OpenAI chat routes run on the tiny model too)."""
     config = tiny_config(layers, hidden, heads, kv_heads, tie_word_embeddings=tie_word_embeddings)
     model = build_model(config)
     init_dummy_weights(model, seed)
@@ -42,5 +44,6 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden: int = 64, h
             {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2),
     }
     out = save_state_dict_atomic(model.hf_state_dict(), out_dir, extra_files=extra)
-    write_tokenizer_files(out, model_max_length=config.max_position_embeddings)
+    write_tokenizer_files(out, model_max_length=config.max_position_embeddings,
+                          chat_template=TINY_CHAT_TEMPLATE)
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>"}
+SPECIAL_TOKEN_NAMES = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 BYTE_OFFSET = 3
 VOCAB_SIZE = BYTE_OFFSET + 256
 
@@ -32,12 +33,28 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class ByteTokenizer:
-    """encode/decode without any tokenizer library (fast engine start-up)."""
+    """encode/decode without any tokenizer library (fast engine start-up).
+
+    `chat_template` is the checkpoint's (the tiny model ships one), rendered with jinja2 by
+    `apply_chat_template`; None when the checkpoint has none.
+    """
 
     pad_token_id = PAD_ID
     bos_token_id = BOS_ID
     eos_token_id = EOS_ID
     vocab_size = VOCAB_SIZE
+
+    def __init__(self, chat_template: str | None = None):
+        self.chat_template = chat_template
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text of `messages`, the assistant's turn opened (as transformers does)."""
+        from slime_like.models.chat_template import render_chat
+
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        return render_chat(self.chat_template, messages, add_generation_prompt=True,
+                           special_tokens=SPECIAL_TOKEN_NAMES)
 
     def encode(self, text: str) -> list[int]:
         return [BYTE_OFFSET + b for b in text.encode("utf-8")]
@@ -56,11 +73,19 @@ class ByteTokenizer:
         return "".join(parts)
 
 
-def write_tokenizer_files(model_dir: str | Path, model_max_length: int = 1024) -> None:
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer."""
-    model_dir = Path(model_dir)
+def byte_vocab() -> dict[str, int]:
+    """tokenizer.json's vocabulary of this tokenizer: the specials, then GPT-2's byte chars."""
     vocab = {tok: i for i, tok in SPECIAL_TOKENS.items()}
     vocab.update({ch: BYTE_OFFSET + b for b, ch in _bytes_to_unicode().items()})
+    return vocab
+
+
+def write_tokenizer_files(model_dir: str | Path, model_max_length: int = 1024,
+                          chat_template: str | None = None) -> None:
+    """tokenizer.json, tokenizer_config.json (with `chat_template` when given) and
+    special_tokens_map.json for AutoTokenizer."""
+    model_dir = Path(model_dir)
+    vocab = byte_vocab()
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                   "use_regex": False}
     tokenizer = {
@@ -91,6 +116,8 @@ def write_tokenizer_files(model_dir: str | Path, model_max_length: int = 1024) -
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
+    if chat_template:
+        config["chat_template"] = chat_template
     special = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
                "pad_token": SPECIAL_TOKENS[PAD_ID]}
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))

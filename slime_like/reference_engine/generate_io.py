@@ -22,6 +22,10 @@ from slime_like.reference_engine.sampling import (
     resolve_sampling_params,
 )
 
+# One request expands into prompts x n sequences up front; past this it is refused rather
+# than allocated (sglang has no bound and would try).
+MAX_SEQUENCES_PER_REQUEST = 4096
+
 
 def _check_or_list(body: dict, key: str, ok, list_name: str, item_type: str) -> None:
     """serde-style type check of a field that is either a value or a list of values."""
@@ -133,6 +137,9 @@ def parse_generate(body: dict, *, tokenizer: Tokenizer, vocab_size: int, context
     if len(n_values) > 1:
         raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
     n = n_values.pop()
+    if isinstance(n, int) and n_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise ValueError(f"{n_prompts} prompts x n={n} is more than the "
+                         f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for.")
     if n > 1 and any(isinstance(body.get(k), list) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num")):
         raise ValueError("Cannot use list return_logprob with parallel_sample_num > 1")
     return_logprob = _per_item(body.get("return_logprob"), n_prompts, "return_logprob", False)
@@ -233,7 +240,9 @@ def build_output(req: Req, n_out: int, finished: bool, version: str, *, job: Gen
         meta["output_token_logprobs"] = [[lp, tok, text_of(tok)] for lp, tok in zip(lps, out_ids[start:], strict=False)]
         meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if req.top_logprobs_num:
-            meta["input_top_logprobs"] = []
+            meta["input_top_logprobs"] = [
+                None if row is None else [[lp, tok, text_of(tok)] for lp, tok in row]
+                for row in req.input_top_logprobs]
             meta["output_top_logprobs"] = [
                 [[lp, tok, text_of(tok)] for lp, tok in row] for row in req.output_top_logprobs[start:n_out]]
     if finished:

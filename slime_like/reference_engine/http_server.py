@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
+from slime_like.reference_engine.client_watch import ClientGone, unless_client_gone
 from slime_like.reference_engine.disaggregation import HandoffError
 from slime_like.reference_engine.engine import ReferenceEngine
 from slime_like.reference_engine.frontend import EngineUnavailable
@@ -166,6 +167,10 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
                                            "msg": "JSON decode error", "input": {},
                                            "ctx": {"error": e.msg}}]) from e
+        except (RecursionError, UnicodeDecodeError) as e:  # nested too deep; not UTF-8
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                           "msg": f"JSON decode error: {type(e).__name__}",
+                                           "input": {}}]) from e
 
     @app.api_route(paths.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -189,27 +194,16 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
                                           "code": code, "retryable": code == 503}})
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(stream(), media_type="text/event-stream")
-        task = asyncio.create_task(frontend.generate(job))
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
-                if done:
-                    break
-                if await request.is_disconnected():  # sglang aborts requests of gone clients
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
-                    return Response(status_code=499)
-            return JSONResponse(task.result())
+            return JSONResponse(await unless_client_gone(request, frontend.generate(job)))
+        except ClientGone:  # sglang aborts the requests of a client that went away
+            return Response(status_code=499)
         except ValueError as e:
             return error_400(e)
         except EngineUnavailable as e:
             raise HTTPException(status_code=503, detail=str(e)) from e
         except HandoffError as e:  # sglang aborts the request with 500 when the KV never came
             raise HTTPException(status_code=e.status_code, detail=str(e)) from e
-        finally:
-            if not task.done():
-                task.cancel()
 
     # ---- health and info -------------------------------------------------------------------
 
@@ -237,13 +231,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     @app.get(paths.GET_SERVER_INFO)
     async def server_info():
         return engine.server_info()
-
-    @app.get("/v1/models")
-    async def models():
-        name = engine.served_model_name
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang",
-            "root": name, "parent": None, "max_model_len": engine.context_len}]}
 
     @app.get(paths.V1_LOADS)
     async def loads(include: str = "core", format: str = "json", dp_rank: int | None = None):

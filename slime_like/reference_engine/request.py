@@ -43,6 +43,7 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprob_start: int | None = None  # prompt position the input-logprob window opens at
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     slot: int | None = None
     kv_len: int = 0  # positions of `ids` whose KV sits in the slot
     cached_tokens: int = 0

@@ -101,6 +101,17 @@ class SamplingSpec:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change this request's logits before sampling."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -146,13 +157,13 @@ def resolve_sampling_params(raw: dict | None, vocab_size: int) -> SamplingSpec:
     for tid in p.stop_token_ids or []:
         if not 0 <= tid < vocab_size:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {tid}.")
-    # Features a tiny CPU model cannot honour are refused rather than silently ignored.
+    logit_bias = _logit_bias(p.logit_bias, vocab_size)
+    # custom_params feed a custom logit processor; without one sglang ignores them, and so
+    # does this engine (slime sends {"return_top_p_token_ids": true} with --rollout-top-p).
+    # Features this engine does not implement are refused rather than silently ignored.
     unsupported = [k for k in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex",
-                               "logit_bias", "custom_params", "beam_width", "watermark", "choice")
+                               "beam_width", "watermark", "choice")
                    if getattr(p, k) not in (None, {}, [])]
-    if p.min_p or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
-        unsupported += [k for k in ("min_p", "frequency_penalty", "presence_penalty")
-                        if getattr(p, k)] + (["repetition_penalty"] if p.repetition_penalty != 1.0 else [])
     if unsupported:
         raise ValueError(f"sampling_params {unsupported} are not supported by the reference engine.")
     stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
@@ -161,8 +172,53 @@ def resolve_sampling_params(raw: dict | None, vocab_size: int) -> SamplingSpec:
         min_new_tokens=p.min_new_tokens, stop_strs=[s for s in stops if s],
         stop_token_ids=set(p.stop_token_ids or []), ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens, no_stop_trim=p.no_stop_trim, n=p.n,
-        sampling_seed=p.sampling_seed,
+        sampling_seed=p.sampling_seed, min_p=p.min_p, frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty, repetition_penalty=p.repetition_penalty,
+        logit_bias=logit_bias,
     )
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """sglang's logit_bias: {"<token id>": bias}; a key that is no token id is a 400."""
+    out: dict[int, float] = {}
+    for key, bias in (raw or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias key {key!r} is not a token id.") from None
+        if not 0 <= tid < vocab_size:
+            raise ValueError(f"logit_bias key {key!r} is outside the vocabulary [0, {vocab_size}).")
+        if not math.isfinite(bias):
+            raise ValueError(f"logit_bias of token {key} must be finite, got {bias}.")
+        out[tid] = float(bias)
+    return out
+
+
+@torch.no_grad()
+def adjust_logits(logits: torch.Tensor, specs: list[SamplingSpec],
+                  outputs: list[list[int]]) -> torch.Tensor:
+    """sglang's penalties over each request's generated tokens, then its logit bias.
+
+    frequency: minus penalty x count; presence: minus penalty once a token appeared;
+    repetition: logits of tokens that appeared are divided by it (multiplied when negative).
+    Reported logprobs are those of the adjusted distribution, as in sglang.
+    """
+    logits = logits.float().clone()
+    for b, (spec, out) in enumerate(zip(specs, outputs, strict=True)):
+        if not spec.adjusts_logits:
+            continue
+        row = logits[b]
+        if out and (spec.frequency_penalty or spec.presence_penalty or spec.repetition_penalty != 1.0):
+            ids = torch.tensor(out, dtype=torch.long, device=logits.device)
+            counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+            seen = counts > 0
+            row -= spec.frequency_penalty * counts + spec.presence_penalty * seen.float()
+            if spec.repetition_penalty != 1.0:
+                rp = spec.repetition_penalty
+                row[seen] = torch.where(row[seen] < 0, row[seen] * rp, row[seen] / rp)
+        for tid, bias in spec.logit_bias.items():
+            row[tid] += bias
+    return logits
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -194,11 +250,15 @@ def sample_batch(logits: torch.Tensor, specs: list[SamplingSpec],
         top_k = torch.tensor([min(specs[i].top_k, vocab) for i in sampled_rows], device=logits.device)
         top_p = torch.tensor([specs[i].top_p for i in sampled_rows], dtype=torch.float32,
                              device=logits.device)
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        min_p = torch.tensor([specs[i].min_p for i in sampled_rows], dtype=torch.float32,
+                             device=logits.device)
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()) or bool((min_p > 0).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=logits.device)[None, :]
             drop = rank >= top_k[:, None]
             drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]
+            # min_p (sglang's): drop tokens below min_p x the most likely token's probability
+            drop |= sorted_p < sorted_p[:, :1] * min_p[:, None]
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Rows sharing a

@@ -26,7 +26,7 @@ from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.reference_engine.kv_cache import BatchKV, KVPool, PrefixCache, extend_mask
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.request import Req, finish_abort, finish_abort_waiting
-from slime_like.reference_engine.sampling import make_generator, sample_batch
+from slime_like.reference_engine.sampling import adjust_logits, make_generator, sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +372,9 @@ class Scheduler:
         else:
             last = logits[torch.arange(len(rows), device=self.device),
                           torch.tensor(lens, device=self.device) - 1]
+        if any(r.spec.adjusts_logits for r in rows):
+            last = adjust_logits(last, [r.spec for r in rows],
+                                 [r.ids[len(r.prompt_ids):] for r in rows])
         tokens, logprobs, logprobs_all = sample_batch(last, [r.spec for r in rows],
                                                       [r.generator for r in rows],
                                                       any(r.return_logprob for r in rows))
@@ -405,12 +408,19 @@ class Scheduler:
         lp = torch.log_softmax(row_logits.float(), dim=-1)
         prompt = r.prompt_ids
         out: list[tuple[float | None, int]] = []
+        tops: list[list[tuple[float, int]] | None] = []
+        k = min(r.top_logprobs_num, lp.shape[-1])
         for pos in range(r.input_logprob_start, len(prompt)):
             if pos == 0:
                 out.append((None, prompt[0]))
+                tops.append(None)
             else:
                 out.append((lp[pos - 1 - kv_start, prompt[pos]].item(), prompt[pos]))
+                if k:
+                    vals, idx = lp[pos - 1 - kv_start].topk(k)
+                    tops.append(list(zip(vals.tolist(), idx.tolist(), strict=True)))
         r.input_logprobs = out
+        r.input_top_logprobs = tops if k else []
 
     def _finish_reason(self, r: Req, tok: int) -> dict | None:
         n_out = r.num_output

@@ -32,7 +32,10 @@ class Sample:
     """One completion of one prompt, as the engine produced it.
 
     The job fills `prompt`, `response`, `label` and `metadata` (slime's names) before the
-    reward function sees the sample; `reward` holds its score.
+    reward function sees the sample; `reward` holds its score. A multi-turn sample
+    (`rollout/multiturn.py`) has `loss_mask`: 1 per output token the model produced
+    (trained on, log-probability checked), 0 per token an environment or tool inserted
+    (logprob 0.0, never trained on); None means every output token is the model's.
     """
 
     prompt_index: int
@@ -48,6 +51,11 @@ class Sample:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     reward: float | None = None
+    loss_mask: list[int] | None = None
+
+    def model_token_mask(self) -> list[int]:
+        """1 per output token the model produced (all of them unless `loss_mask` says)."""
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.output_ids)
 
 
 # sglang-router's error code when no worker is routed (or every one is unhealthy).

@@ -200,6 +200,11 @@ def _check_samples(samples: Any, n_prompts: int, n: int, flag: str) -> list[Samp
             raise PluginError(flag, f"sample {k} (prompt {s.prompt_index}) has "
                                     f"{len(s.output_ids)} output_ids but "
                                     f"{len(s.output_logprobs)} output_logprobs")
+        if s.loss_mask is not None and (len(s.loss_mask) != len(s.output_ids)
+                                        or any(m not in (0, 1) for m in s.loss_mask)):
+            raise PluginError(flag, f"sample {k} (prompt {s.prompt_index}) has a loss_mask of "
+                                    f"{len(s.loss_mask)} entries for {len(s.output_ids)} "
+                                    "output_ids; expected one 0 or 1 per output token")
         if s.weight_version in (None, "", "None"):
             raise PluginError(flag, f"sample {k} (prompt {s.prompt_index}) has no "
                                     "weight_version")

@@ -34,16 +34,19 @@ class TrainerGroup:
 
     def train_step(self, samples: list, advantages: list[float], *,
                    ref_logprobs: list[list[float]] | None = None, kl_loss_coef: float = 0.0,
-                   kl_loss_type: str = "low_var_kl", temperature: float = 1.0) -> dict[str, float]:
+                   kl_loss_type: str = "low_var_kl", temperature: float = 1.0,
+                   loss_masks: list[list[int] | None] | None = None) -> dict[str, float]:
         """Split the batch over ranks (strided shards), step all, report rank 0's metrics."""
         n = len(self.actors)
         refs = ref_logprobs if ref_logprobs is not None else [None] * len(samples)
-        shards = [(samples[i::n], advantages[i::n], refs[i::n]) for i in range(n)]
+        masks = loss_masks if loss_masks is not None else [None] * len(samples)
+        shards = [(samples[i::n], advantages[i::n], refs[i::n], masks[i::n]) for i in range(n)]
         results = ray.get([
             a.train_step.remote(s, adv, ref_logprobs=None if ref_logprobs is None else r,
                                 kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type,
-                                temperature=temperature)
-            for a, (s, adv, r) in zip(self.actors, shards, strict=True)])
+                                temperature=temperature,
+                                loss_masks=None if loss_masks is None else m)
+            for a, (s, adv, r, m) in zip(self.actors, shards, strict=True)])
         return results[0]
 
     def completion_logprobs(self, samples: list, version: int | None = None,

@@ -19,10 +19,10 @@ def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-
 
 @dataclass
 class PackedBatch:
-    """Prompt+completion rows, right-padded, with a mask over completion tokens."""
+    """Prompt+completion rows, right-padded, with a mask over the completion tokens to train."""
 
     input_ids: torch.Tensor        # [B, T]
-    completion_mask: torch.Tensor  # [B, T] bool: position t holds a generated token
+    completion_mask: torch.Tensor  # [B, T] bool: position t holds a model token to train on
     advantages: torch.Tensor       # [B]
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -31,15 +31,26 @@ class PackedBatch:
 
 
 def pack(samples: Sequence[tuple[list[int], list[int]]], advantages: Sequence[float],
-         pad_id: int = 0) -> PackedBatch:
-    """samples: (prompt_ids, output_ids) pairs -> a padded batch."""
+         pad_id: int = 0, loss_masks: Sequence[Sequence[int] | None] | None = None) -> PackedBatch:
+    """samples: (prompt_ids, output_ids) pairs -> a padded batch.
+
+    `loss_masks` (one per sample, 1 per output token the model produced, 0 for tokens an
+    environment or tool inserted; None = all the model's) keeps inserted tokens out of the
+    loss while they stay in the context the model's later tokens were conditioned on.
+    """
     width = max(len(p) + len(o) for p, o in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(samples), width), dtype=torch.bool)
     for i, (prompt, output) in enumerate(samples):
         row = prompt + output
         ids[i, : len(row)] = torch.tensor(row)
-        mask[i, len(prompt): len(row)] = True
+        lm = loss_masks[i] if loss_masks is not None else None
+        if lm is None:
+            mask[i, len(prompt): len(row)] = True
+        else:
+            if len(lm) != len(output):
+                raise ValueError(f"sample {i}: loss mask of {len(lm)} for {len(output)} output tokens")
+            mask[i, len(prompt): len(row)] = torch.tensor(lm, dtype=torch.bool)
     return PackedBatch(ids, mask, torch.tensor(advantages, dtype=torch.float32))
 
 

@@ -71,15 +71,17 @@ class PolicyTrainer:
                    advantages: Sequence[float], max_grad_norm: float = 1.0, *,
                    ref_logprobs: Sequence[Sequence[float]] | None = None,
                    kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl",
-                   temperature: float = 1.0) -> dict[str, float]:
+                   temperature: float = 1.0,
+                   loss_masks: Sequence[Sequence[int] | None] | None = None) -> dict[str, float]:
         """One optimiser step on this rank's samples; gradients averaged across ranks.
 
         With `ref_logprobs` (a frozen reference model's, per sampled token) and
         `kl_loss_coef > 0` the loss adds kl_loss_coef x the mean per-token KL estimate.
         `temperature` (the rollout's) scales the logits as sampling did, so the loss is
         taken under the distribution the samples came from (slime does the same).
+        `loss_masks` (multi-turn samples) leave environment tokens out of the loss and KL.
         """
-        batch: PackedBatch = pack(samples, advantages).to(self.device)
+        batch: PackedBatch = pack(samples, advantages, loss_masks=loss_masks).to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
         if temperature != 1.0:

@@ -58,3 +58,15 @@ def unversioned_rollout(args, rollout_id, prompts, *, n_samples_per_prompt, **kw
 
 def short_rollout(args, rollout_id, prompts, **kwargs):
     return [Sample(0, prompts[0].input_ids, [5], [-1.0], "1", "length")]
+
+
+AGENTIC: list[Sample] = []
+
+
+async def recorded_calculator(args, sample, sampling_params, **kwargs) -> Sample:
+    """The agentic example's generate function, keeping every episode it returns."""
+    from examples.agentic import calculator
+
+    out = await calculator.generate(args, sample, sampling_params, **kwargs)
+    AGENTIC.append(out)
+    return out

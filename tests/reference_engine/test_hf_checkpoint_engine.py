@@ -23,8 +23,20 @@ def test_engine_tokenizes_text_with_the_checkpoint_tokenizer_and_matches_transfo
                                                  "ignore_eos": True}})
         assert r.status_code == 200, r.text
         out = r.json()
+        # /v1/chat/completions renders the checkpoint's template (jinja2, no transformers in
+        # the engine) exactly as transformers does, and encodes it without added specials
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 3+4?"}]
+        chat = engine.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                    "return_prompt_token_ids": True})
+        assert chat.status_code == 200, chat.text
     finally:
         stop_engine(engine)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(ckpt))
+    rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.json()["choices"][0]["prompt_token_ids"] == hf.encode(rendered,
+                                                                      add_special_tokens=False)
     tok = load_tokenizer(ckpt)
     prompt = tok.encode("What is 3+4? Answer: ")
     assert out["meta_info"]["prompt_tokens"] == len(prompt)

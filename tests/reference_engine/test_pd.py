@@ -135,6 +135,9 @@ def test_a_batch_through_the_pd_router_matches_a_regular_engine(pd):
     r = requests.post(router_url + "/generate", json=plain, timeout=60)
     assert r.status_code == 200 and r.json()["output_ids"] == want[2]["output_ids"]
 
+    # The OpenAI routes go through the same hand-off (checked here: one fixture, one worker).
+    _assert_openai_routes_match(pd)
+
 
 def after_both_worked(before: tuple[int, int], prefill, decode) -> bool:
     return _steps(prefill) > before[0] and _steps(decode) > before[1]
@@ -213,3 +216,26 @@ def test_an_abort_pause_of_the_decode_engine_aborts_requests_waiting_for_their_k
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert time.monotonic() - t0 < WAITING_TIMEOUT_S - 0.5  # well before the waiting timeout
+
+
+def _assert_openai_routes_match(pd) -> None:
+    """Chat and completions through the PD router: the prefill engine hands the KV over and
+    the decode engine answers, as for /generate."""
+    router_url, prefill, decode, regular, _ = pd
+    before = (_steps(prefill), _steps(decode))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 6,
+            "temperature": 0.0, "logprobs": True, "ignore_eos": True}
+    got = requests.post(router_url + "/v1/chat/completions", json=chat, timeout=60)
+    want = requests.post(regular.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert got.status_code == 200, got.text
+    got = got.json()
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert [e["logprob"] for e in got["choices"][0]["logprobs"]["content"]] == pytest.approx(
+        [e["logprob"] for e in want["choices"][0]["logprobs"]["content"]], abs=1e-5)
+    assert after_both_worked(before, prefill, decode)
+    completion = {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0.0,
+                  "ignore_eos": True}
+    got = requests.post(router_url + "/v1/completions", json=completion, timeout=60)
+    assert got.status_code == 200, got.text
+    want = requests.post(regular.url + "/v1/completions", json=completion, timeout=60).json()
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
