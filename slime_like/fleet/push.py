@@ -1,7 +1,7 @@
 """FleetWeights: push a model or state dict from this process into a fleet's engines.
 
 For users with a trainer of their own (a torchrl loop, Megatron, FSDP) who drive the fleet
-from their own Ray driver: `push(model)` runs one full update through `fleet.sync`, so the
+from their own Ray driver: `push(model)` runs one full update (`fleet.sync_attempts`), so the
 fleet's routing invariant and failure handling apply unchanged. It is also the fleet's
 weight source for replacement engines: a replacement gets the weights of the last push,
 but only while they are still unchanged since (no optimizer step touched them); otherwise
