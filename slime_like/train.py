@@ -52,10 +52,11 @@ def train(args: argparse.Namespace) -> int:
     return job.run()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`slime-like train`: parse and validate the flags, then run the job (or `--dry-run`)."""
+def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
+    """`slime-like train`: parse and validate the flags, then run the job (or `--dry-run`).
+    `defaults`: an entry point's own flag defaults (`train_async`)."""
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, defaults=defaults)
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    """A float in (0, 1] (a share of something, e.g. of the samples checked)."""
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port number."""
     value = _number(int, text)

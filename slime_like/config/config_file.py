@@ -74,6 +74,11 @@ def _actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, argparse.Acti
             continue
         # Two flags may share a dest (sglang's deprecated spelling); keep the first.
         out.setdefault(action.dest, action)
+    for action in parser._actions:
+        # Every spelling of a flag is a key too (pause_generation_mode and pause_mode).
+        for option in action.option_strings:
+            if option.startswith("--"):
+                out.setdefault(option[2:].replace("-", "_"), action)
     return out
 
 
@@ -157,5 +162,5 @@ def load_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
         converted = convert_value(actions[dest], value, where)
         if dest in FILE_RELATIVE and converted is not None:
             converted = str(Path(path).parent / converted)
-        out[dest] = converted
+        out[actions[dest].dest] = converted
     return out

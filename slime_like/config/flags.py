@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from slime_like.config import argtypes as t
+from slime_like.config.async_flags import add_async_flags
 from slime_like.config.passthrough import (
     add_router_flags,
     add_sglang_server_flags,
@@ -17,7 +18,6 @@ from slime_like.config.passthrough import (
 )
 
 ENGINE_PROGRAMS = ("sglang", "reference")
-PAUSE_MODES = ("abort", "retract", "in_place")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
 # the distributed (broadcast) path otherwise. On CPU the broadcast runs over gloo.
 WEIGHT_TRANSPORTS = ("nccl", "distributed", "tensor", "disk")
@@ -207,10 +207,6 @@ def _weights(p: argparse.ArgumentParser) -> None:
                    help="Sync weights every this many rollout steps. Between syncs the "
                         "trainer keeps a copy of the served weights, so the log-probability "
                         "check compares at the version the samples were made at.")
-    g.add_argument("--pause-mode", choices=PAUSE_MODES, default="retract",
-                   help="How engines pause for an update: abort in-flight requests, retract "
-                        "them (resumed after, KV recomputed) or freeze them in place (KV kept, "
-                        "stale).")
 
 
 def _fault_tolerance(p: argparse.ArgumentParser) -> None:
@@ -299,7 +295,7 @@ def _tracking(p: argparse.ArgumentParser) -> None:
 
 
 GROUP_BUILDERS = (_cluster, _rollout, _kl, _data, _checkpoint, _topology, _router, _weights,
-                  _fault_tolerance, _ours, _tracking)
+                  add_async_flags, _fault_tolerance, _ours, _tracking)
 
 
 def build_parser(prog: str = "slime-like train") -> argparse.ArgumentParser:

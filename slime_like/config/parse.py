@@ -25,7 +25,8 @@ def _config_path(argv: Sequence[str]) -> str | None:
     return known.config
 
 
-def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
+               defaults: dict | None = None) -> argparse.Namespace:
     """Parse and validate the job's flags; raises ConfigError naming the flag or YAML path.
 
     The result carries slime-style attributes (`args.rollout_num_gpus`, ...) plus
@@ -35,6 +36,8 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if defaults:  # an entry point's own defaults (train_async: one-step); --config wins
+        parser.set_defaults(**defaults)
     config = _config_path(argv)
     if config is not None:
         parser.set_defaults(**load_config_file(config, parser))

@@ -12,6 +12,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_like.config.async_flags import staleness_bound
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -254,6 +256,7 @@ class RolloutSettings:
     n_samples_per_prompt: int = 4
     temperature: float = 1.0
     max_new_tokens: int = 16
+    deterministic: bool = False   # sglang's --enable-deterministic-inference: seeded samples
 
     @property
     def sampling_params(self) -> dict[str, Any]:
@@ -306,6 +309,31 @@ class TrainerSettings:
 
 
 @dataclass(frozen=True)
+class AsyncSettings:
+    """The job's schedule and what bounds and corrects its asynchrony (docs/ASYNC.md)."""
+
+    mode: str = "sync"                 # sync | one-step | fully-async
+    pause_mode: str = "retract"
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    max_staleness: int = 0             # versions a sample's oldest token may lag the trainer
+    check_fraction: float = 1.0        # share of samples whose every token is re-checked
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "sync"
+
+
+def async_settings(args: argparse.Namespace) -> AsyncSettings:
+    return AsyncSettings(mode=args.async_mode, pause_mode=args.pause_mode,
+                         partial_rollout=bool(args.partial_rollout),
+                         mask_offpolicy_in_partial_rollout=bool(
+                             args.mask_offpolicy_in_partial_rollout),
+                         max_staleness=staleness_bound(args),
+                         check_fraction=args.logprob_check_fraction)
+
+
+@dataclass(frozen=True)
 class JobSettings:
     """Every slice of one job, built once from the parsed flags (`job_settings`)."""
 
@@ -323,6 +351,7 @@ class JobSettings:
     update_weights_interval: int = 1
     logprob_check_tolerance: float = 1e-4
     output_dir: str | None = None
+    asynchrony: AsyncSettings = AsyncSettings()
     # Plug-ins (`--custom-rm-path`, `--rollout-function-path`, ...) get slime's `args`.
     plugin_args: argparse.Namespace | None = None
 
@@ -334,7 +363,9 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
         rollout=RolloutSettings(batch_size=args.rollout_batch_size or 8,
                                 n_samples_per_prompt=args.n_samples_per_prompt,
                                 temperature=args.rollout_temperature,
-                                max_new_tokens=args.rollout_max_response_len or 16),
+                                max_new_tokens=args.rollout_max_response_len or 16,
+                                deterministic=bool(args.sglang_flags.get(
+                                    "enable_deterministic_inference"))),
         kl=KLSettings(use_kl_loss=bool(args.use_kl_loss), kl_loss_coef=args.kl_loss_coef,
                       kl_loss_type=args.kl_loss_type, kl_coef=args.kl_coef),
         checkpoints=CheckpointSettings(save=args.save, save_interval=args.save_interval,
@@ -350,7 +381,7 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
         offload_rollout=bool(args.offload_rollout),
         update_weights_interval=args.update_weights_interval,
         logprob_check_tolerance=args.logprob_check_tolerance,
-        output_dir=args.output_dir, plugin_args=args)
+        output_dir=args.output_dir, asynchrony=async_settings(args), plugin_args=args)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from slime_like.config.async_flags import resolve_async
 from slime_like.config.layout import layout_from_args, nominal_bundles, plan_job
 from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
 from slime_like.config.topology import resolve_topology
@@ -149,6 +150,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _exclusive(args)
     _refuse_unsupported(args)
     _resolve_offload(args)
+    resolve_async(args)
     _check_sizes(args)
     _check_router_flags(args)
     _check_addresses(args)

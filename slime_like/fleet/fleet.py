@@ -383,21 +383,30 @@ class Fleet:
                  on_sample: Callable[[int], None] | None = None,
                  model: str | None = None) -> list[Sample]:
         """Generate through the model's router (n samples per prompt, with logprobs)."""
+        with self.generator(model) as gen:
+            samples = gen.generate(prompts, n, sampling_params, on_sample)
+        self.last_generation = {"requested": len(prompts) * n, "returned": len(samples),
+                                "resubmitted": gen.resubmitted}
+        return samples
+
+    @contextlib.contextmanager
+    def generator(self, model: str | None = None, **options: Any) -> Iterator[RouterGenerator]:
+        """A generator through the model's router, known to the fleet while it is open: the
+        requests it has in flight are resubmitted when an engine stops answering.
+        `options` are RouterGenerator's (e.g. keep_mixed_versions, partial_rollout)."""
         model = model or self.updatable_model
         count = sum(1 for e in self.engines if e.model_name == model)
         gen = RouterGenerator(self.routers.url(model), api_key=self.settings.router.api_key,
                               concurrency=self.settings.engine.server_concurrency * max(1, count),
-                              request_timeout_s=self.settings.router.request_timeout_s)
+                              request_timeout_s=self.settings.router.request_timeout_s,
+                              **options)
         with self.lock:
             self._generators.add(gen)
         try:
-            samples = gen.generate(prompts, n, sampling_params, on_sample)
+            yield gen
         finally:
             with self.lock:
                 self._generators.discard(gen)
-        self.last_generation = {"requested": len(prompts) * n, "returned": len(samples),
-                                "resubmitted": gen.resubmitted}
-        return samples
 
     def token_logprobs(self, pairs: Sequence[tuple[list[int], list[int]]],
                        model: str) -> list[list[float]]:

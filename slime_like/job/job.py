@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,15 @@ from slime_like.config.slices import FleetSettings, JobSettings, SyncSettings
 from slime_like.errors import SlimeLikeError
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.checkpoints import save_checkpoint, save_due
-from slime_like.job.checks import check_logprobs, weight_versions
+from slime_like.job.checks import LogprobCheck, check_logprobs, weight_versions
 from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
+from slime_like.job.schedules import run_schedule
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
 from slime_like.protocol.weight_version import WeightVersion
 from slime_like.rollout.generate import Sample
-from slime_like.rollout.plugins import Plugins
+from slime_like.rollout.plugins import Plugins, fill_from_prompts
 from slime_like.rollout.prompts import PromptItem
 from slime_like.submit.connect import init_ray
 from slime_like.trainer.group import TrainerGroup
@@ -56,6 +58,8 @@ class Rollout:
     samples: list[Sample]
     seconds: float
     trainer_offloaded: dict = field(default_factory=dict)
+    #: what an asynchronous schedule adds to the step's metrics (staleness, drops, waits)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +70,24 @@ class Scores:
     advantages: list[float]
     ref_logprobs: list[list[float]] | None
     kl_metrics: dict[str, Any]
+
+
+def train_masks(samples: list[Sample], mask_offpolicy: bool) -> list[list[int]] | None:
+    """Per sample, 1 per output token to train on: the model's tokens (a multi-turn
+    sample's environment tokens are left out) and, with --mask-offpolicy-in-partial-rollout,
+    only the tokens of a partial sample's last weight version."""
+    masks = []
+    for s in samples:
+        mask = s.model_token_mask()
+        if mask_offpolicy and s.partial_resubmits and s.mixed:
+            newest = s.spans()[-1][0]
+            for version, start, end in s.spans():
+                if version != newest:
+                    mask[start:end] = [0] * (end - start)
+        masks.append(mask)
+    if all(s.loss_mask is None for s in samples) and all(all(m) for m in masks):
+        return None
+    return masks
 
 
 class Job:
@@ -101,8 +123,7 @@ class Job:
             self.launch()
             self.first_sync()
             self.start_chaos()
-            for step in range(self.start_step, self.settings.num_steps):
-                self.step(step)
+            run_schedule(self)
             self.finish()
             return 0
         except BaseException as err:
@@ -138,8 +159,16 @@ class Job:
             sync=replace(self._sync_settings, model_dir=model_path),
             use_transformers=bool(self.settings.model.hf_checkpoint),
             engine_dtype=self.settings.model.engine_dtype,
-            keep_served=self.settings.update_weights_interval > 1)
+            keep_versions=self.kept_versions())
         self.fleet.set_weight_source(self.trainer.push_weights)
+
+    def kept_versions(self) -> int:
+        """How many pushed versions the trainer keeps a copy of to check samples against:
+        every version a sample may still claim after the trainer moved on."""
+        asynchrony = self.settings.asynchrony
+        if asynchrony.enabled:
+            return asynchrony.max_staleness + 1
+        return 1 if self.settings.update_weights_interval > 1 else 0
 
     def first_sync(self) -> None:
         """The engines serve the trainer's weights (after `--load`: the loaded ones, as the
@@ -177,12 +206,24 @@ class Job:
 
     def step(self, step: int) -> None:
         """rollout -> score -> check -> train -> sync, then log and save."""
-        rollout = self.rollout(step)
+        self.learn(step, self.rollout(step))
+
+    def learn(self, step: int, rollout: Rollout,
+              before_sync: Callable[[], None] | None = None) -> None:
+        """What the trainer does with one step's samples: score -> check -> train ->
+        (`before_sync`, e.g. drain the next rollout) -> sync, then log and save."""
+        t0 = time.time()
         scores = self.score(rollout.samples)
-        worst = self.check(rollout.samples)
+        checked = self.check(rollout.samples, step)
         train_metrics, released = self.train(rollout.samples, scores)
+        busy = time.time() - t0
+        if before_sync is not None:
+            before_sync()
+        t1 = time.time()
         sync = self.sync(step)
-        self.log(step, rollout, scores, worst, train_metrics, released, sync)
+        busy += time.time() - t1
+        rollout.metrics["trainer_busy_s"] = round(busy, 4)
+        self.log(step, rollout, scores, checked, train_metrics, released, sync)
         self.save(step, sync)
 
     def rollout(self, step: int) -> Rollout:
@@ -198,12 +239,32 @@ class Job:
             hook = self.chaos.rollout_hook(step, total) or hook
         samples = self.plugins.rollout(
             settings.plugin_args, step, prompts, router_url=fleet.router_url(),
-            sampling_params=settings.rollout.sampling_params,
+            sampling_params=self.sampling_params(step * total),
             n=settings.rollout.n_samples_per_prompt, tokenizer=self.inputs.tokenizer,
             on_sample=hook, api_key=fleet.settings.router.api_key, generate=fleet.generate)
         if settings.trainer.offload_train:
             self.trainer.onload()
         return Rollout(prompts, samples, time.time() - t0, offloaded)
+
+    def sampling_params(self, first_sample: int) -> dict[str, Any]:
+        """The rollout's sampling parameters; under deterministic inference (sglang's
+        --enable-deterministic-inference, slime's rule) sample i of the run is seeded with
+        --rollout-seed + i, whichever schedule or engine makes it."""
+        params = dict(self.settings.rollout.sampling_params)
+        if self.settings.rollout.deterministic:
+            params["sampling_seed"] = self.settings.prompts.rollout_seed + first_sample
+        return params
+
+    def as_rollout(self, groups: list, waited_s: float) -> Rollout:
+        """A batch of the fully-async producer's groups as one step's rollout."""
+        prompts, samples = [], []
+        for i, group in enumerate(groups):
+            prompts.append(group.prompt)
+            for s in group.samples:
+                s.prompt_index = i
+                samples.append(s)
+        return Rollout(prompts, fill_from_prompts(samples, prompts, self.inputs.tokenizer),
+                       waited_s)
 
     def score(self, samples: list[Sample]) -> Scores:
         """Rewards from the reward function, shaped by the reference's KL where asked, and
@@ -213,11 +274,15 @@ class Job:
         advantages = group_advantages(rewards, self.settings.rollout.n_samples_per_prompt)
         return Scores(rewards, advantages, ref_logprobs, kl_metrics)
 
-    def check(self, samples: list[Sample]) -> float:
-        """The engines served the trainer's weights: the largest logprob difference."""
+    def check(self, samples: list[Sample], step: int = 0) -> LogprobCheck:
+        """The engines served the trainer's weights: every token at its span's version."""
+        asynchrony = self.settings.asynchrony
         return check_logprobs(samples, self.trainer, int(self.fleet.version),
                               self.settings.logprob_check_tolerance,
-                              self.settings.rollout.temperature)
+                              self.settings.rollout.temperature,
+                              staleness=asynchrony.max_staleness,
+                              kv_kept=asynchrony.pause_mode == "in_place",
+                              fraction=asynchrony.check_fraction, seed=step)
 
     def train(self, samples: list[Sample], scores: Scores) -> tuple[dict, list[str] | None]:
         """One GRPO step (colocated engines release their memory meanwhile); its metrics and
@@ -228,9 +293,8 @@ class Job:
         pairs = [(s.prompt_ids, s.output_ids) for s in samples]
         offload = self.fleet.offloaded() if self.settings.offload_rollout else \
             contextlib.nullcontext()
-        # A multi-turn sample's loss mask leaves the environment's tokens out of the loss.
-        masks = ([s.loss_mask for s in samples]
-                 if any(s.loss_mask is not None for s in samples) else None)
+        masks = train_masks(samples,
+                            self.settings.asynchrony.mask_offpolicy_in_partial_rollout)
         with offload as released:
             metrics = self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
                                               temperature=self.settings.rollout.temperature,
@@ -254,7 +318,7 @@ class Job:
                 update.report = self.trainer.push_weights(update) or {}
         return update.report
 
-    def log(self, step: int, rollout: Rollout, scores: Scores, worst: float,
+    def log(self, step: int, rollout: Rollout, scores: Scores, checked: LogprobCheck,
             train_metrics: dict, released: list[str] | None, sync: dict) -> None:
         """metrics.jsonl, tracking, the console."""
         settings, fleet, samples = self.settings, self.fleet, rollout.samples
@@ -264,11 +328,13 @@ class Job:
             "rollout_s": round(rollout.seconds, 3),
             "sync_s": round(sync.get("total_s", 0.0), 4),
             "weight_version": int(fleet.version),
-            "logprob_max_abs_diff": worst,
+            "logprob_max_abs_diff": checked.worst,
+            "logprob_checked_samples": checked.samples,
+            "logprob_checked_mixed_samples": checked.mixed_samples,
             "samples_requested": len(rollout.prompts) * settings.rollout.n_samples_per_prompt,
             "samples_returned": len(samples),
             "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
-            "logprob_checked_tokens": sum(sum(s.model_token_mask()) for s in samples),
+            "logprob_checked_tokens": checked.tokens,
             "env_tokens": sum(len(s.output_ids) - sum(s.model_token_mask()) for s in samples),
             "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
             "retried_requests": sum(s.attempts > 1 for s in samples),
@@ -277,13 +343,14 @@ class Job:
             **({"engines_offloaded": released} if settings.offload_rollout else {}),
             **({"trainer_offloaded": rollout.trainer_offloaded.get("trainer_offloaded")}
                if settings.trainer.offload_train else {}),
+            **rollout.metrics,
             **scores.kl_metrics,
             **train_metrics,
             **sync_metrics(sync),
         })
         logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                     "engines %s", step, sum(rewards) / len(rewards), rollout.seconds,
-                    sync.get("total_s", 0.0), worst, fleet.states())
+                    sync.get("total_s", 0.0), checked.worst, fleet.states())
 
     def save(self, step: int, sync: dict) -> None:
         """Every --save-interval steps (and after the last) a checkpoint."""

@@ -34,7 +34,7 @@ USED_DESTS = frozenset({
     "enable_metrics", "skip_server_warmup", "disaggregation_mode", "disaggregation_bootstrap_port",
     "nnodes", "node_rank", "dist_init_addr", "enable_memory_saver", "enable_weights_cpu_backup",
     "incremental_streaming_output", "skip_tokenizer_init", "dp_size", "pp_size", "log_level",
-    "soft_watchdog_timeout",
+    "soft_watchdog_timeout", "disable_radix_cache",
 })
 
 _SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -145,6 +145,7 @@ class EngineArgs:
     dist_init_addr: str | None = None
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
+    disable_radix_cache: bool = False
     incremental_streaming_output: bool = False
     skip_tokenizer_init: bool = False
     # sglang dumps a stuck scheduler's stack after this long (off by default there); the
@@ -258,6 +259,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         nnodes=values["nnodes"], node_rank=values["node_rank"],
         dist_init_addr=values["dist_init_addr"], enable_memory_saver=values["enable_memory_saver"],
         enable_weights_cpu_backup=values["enable_weights_cpu_backup"],
+        disable_radix_cache=bool(values["disable_radix_cache"]),
         incremental_streaming_output=values["incremental_streaming_output"],
         skip_tokenizer_init=values["skip_tokenizer_init"],
         soft_watchdog_timeout=values["soft_watchdog_timeout"],

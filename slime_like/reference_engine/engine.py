@@ -78,7 +78,9 @@ class ReferenceEngine:
         self.metrics = EngineMetrics(args.enable_metrics, self.served_model_name)
         self.scheduler = Scheduler(
             self.model, device=self.device, context_len=self.context_len, max_running=max_running,
-            prefix_cache_tokens=max_running * self.context_len, weight_version=args.weight_version,
+            # --disable-radix-cache: no prefix is kept (a cache of no capacity keeps none).
+            prefix_cache_tokens=0 if args.disable_radix_cache else max_running * self.context_len,
+            weight_version=args.weight_version,
             seed=args.random_seed, metrics=self.metrics, tokenizer=self.tokenizer,
             stall_report_s=args.soft_watchdog_timeout)
         # PD prefill: hand-offs by bootstrap room, served on --disaggregation-bootstrap-port.

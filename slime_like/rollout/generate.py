@@ -1,8 +1,12 @@
 """Rollout generation through the router: many concurrent /generate calls, retried on failure.
 
-A sample is only kept when its tokens were produced at one weight version (its
-`weight_versions` spans name a single version), so the trainer can recompute its
-log-probabilities at that version. A request that fails (its engine died, the router had no
+By default (the sync schedule) a sample is only kept when its tokens were produced at one
+weight version (its `weight_versions` spans name a single version). The asynchronous
+schedules keep samples whose tokens span several versions (`keep_mixed_versions`): each
+sample carries the engine's spans, and the trainer checks every token at its own span's
+version. With `partial_rollout` a request aborted by a weight update is sent again as
+prompt + the tokens it already has, with `max_new_tokens` reduced, and the two answers'
+tokens, log-probabilities and spans are joined. A request that fails (its engine died, the router had no
 worker for a moment) or that came back aborted is sent again, up to `max_attempts` times;
 while the router cannot be reached at all (it crashed and is being relaunched) requests
 wait and retry until `router_down_s` has passed, so a router restart loses no sample.
@@ -52,10 +56,57 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     reward: float | None = None
     loss_mask: list[int] | None = None
+    #: (version, start, end) over output token positions, as the engine reported them
+    #: (`meta_info.weight_versions`); empty means every token is `weight_version`'s.
+    weight_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    #: how often the sample was resubmitted as prompt + partial output (--partial-rollout)
+    partial_resubmits: int = 0
 
     def model_token_mask(self) -> list[int]:
         """1 per output token the model produced (all of them unless `loss_mask` says)."""
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.output_ids)
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(version, start, end) covering every output token."""
+        return list(self.weight_spans) or [(self.weight_version, 0, len(self.output_ids))]
+
+    def versions(self) -> list[str]:
+        """The distinct versions the sample's tokens were made at, oldest first."""
+        return sorted({v for v, _, _ in self.spans()}, key=_version_key)
+
+    @property
+    def mixed(self) -> bool:
+        """Its tokens were made at more than one weight version."""
+        return len(self.versions()) > 1
+
+
+def _version_key(version: str) -> tuple[int, int | str]:
+    return (0, int(version)) if version.isdigit() else (1, version)
+
+
+def join_spans(spans: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Adjacent spans of one version merged, empty spans dropped."""
+    out: list[tuple[str, int, int]] = []
+    for version, start, end in spans:
+        if end <= start:
+            continue
+        if out and out[-1][0] == version and out[-1][2] == start:
+            out[-1] = (version, out[-1][1], end)
+        else:
+            out.append((version, start, end))
+    return out
+
+
+def continue_sample(partial: Sample, more: Sample) -> Sample:
+    """`partial`'s tokens followed by those of `more` (the answer to prompt + partial)."""
+    offset = len(partial.output_ids)
+    spans = join_spans(partial.spans()
+                       + [(v, a + offset, b + offset) for v, a, b in more.spans()])
+    return Sample(partial.prompt_index, list(partial.prompt_ids),
+                  partial.output_ids + more.output_ids,
+                  partial.output_logprobs + more.output_logprobs, more.weight_version,
+                  more.finish_reason, attempts=partial.attempts, meta=more.meta,
+                  weight_spans=spans, partial_resubmits=partial.partial_resubmits + 1)
 
 
 # sglang-router's error code when no worker is routed (or every one is unhealthy).
@@ -92,6 +143,16 @@ class RouterOutage:
         return False
 
 
+def sample_params(sampling_params: dict[str, Any], index: int) -> dict[str, Any]:
+    """One sample's parameters: a `sampling_seed` in the batch's parameters is its base, and
+    sample `index` gets base + index (slime's rule under deterministic inference), so what
+    is sampled does not depend on which engine serves it."""
+    params = dict(sampling_params)
+    if params.get("sampling_seed") is not None:
+        params["sampling_seed"] = int(params["sampling_seed"]) + index
+    return params
+
+
 class GenerationError(RuntimeError):
     """A request kept failing after every retry."""
 
@@ -108,6 +169,21 @@ class RouterGenerator:
     request_timeout_s: float = 300.0
     #: how long a router that is down, or has no engine routed, is waited for
     router_down_s: float = ROUTER_DOWN_S
+    #: keep samples whose tokens span weight versions (the asynchronous schedules)
+    keep_mixed_versions: bool = False
+    #: an aborted request goes out again as prompt + its partial output (--partial-rollout)
+    partial_rollout: bool = False
+    #: the largest number of times one sample is aborted and continued or restarted
+    max_aborts: int = 1000
+
+    def __post_init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self._on_sample: Callable[[int], None] | None = None
+        self._done = 0
+        self.resubmitted = 0      # requests sent again because their engine stopped answering
+        self.aborted = 0          # answers that came back aborted (e.g. by a weight update)
+        self.partial_resubmits = 0
 
     def generate(self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any],
                  on_sample: Callable[[int], None] | None = None) -> list[Sample]:
@@ -118,14 +194,19 @@ class RouterGenerator:
         """
         self._on_sample = on_sample
         self._done = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._inflight: set[asyncio.Task] = set()
-        self.resubmitted = 0
         return asyncio.run(self._generate_all(prompts, n, sampling_params))
+
+    def session(self) -> aiohttp.ClientSession:
+        """A client session with the router's key, bound to the running loop (which
+        `resubmit_in_flight` then reaches): for callers that send `sample()`s themselves."""
+        self._loop = asyncio.get_running_loop()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return aiohttp.ClientSession(
+            headers=headers, timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
 
     def resubmit_in_flight(self) -> None:
         """Thread-safe: cancel every request in flight; each is sent again at once."""
-        loop = self._loop if hasattr(self, "_loop") else None
+        loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._cancel_in_flight)
 
@@ -134,18 +215,57 @@ class RouterGenerator:
             task.cancel("resubmit")
 
     async def _generate_all(self, prompts, n, sampling_params) -> list[Sample]:
-        self._loop = asyncio.get_running_loop()
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limit = asyncio.Semaphore(self.concurrency)
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-            tasks = [self._one(session, limit, i, ids, dict(sampling_params))
-                     for i, ids in enumerate(prompts) for _ in range(n)]
+        async with self.session() as session:
+            tasks = [self.sample(session, limit, i, ids, sample_params(sampling_params, i * n + j))
+                     for i, ids in enumerate(prompts) for j in range(n)]
             return list(await asyncio.gather(*tasks))
 
-    async def _one(self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, index: int,
-                   prompt_ids: list[int], sampling_params: dict[str, Any]) -> Sample:
-        body = {"input_ids": prompt_ids, "sampling_params": sampling_params,
+    async def sample(self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, index: int,
+                     prompt_ids: list[int], sampling_params: dict[str, Any]) -> Sample:
+        """One sample of `prompt_ids`: retried on failure, continued or restarted when a
+        weight update aborts it, until it finishes."""
+        budget = sampling_params.get("max_new_tokens")
+        partial: Sample | None = None
+        aborts = 0
+        while True:
+            params = dict(sampling_params)
+            ids = list(prompt_ids)
+            if partial is not None:
+                ids += partial.output_ids
+                if budget is not None:
+                    params["max_new_tokens"] = budget - len(partial.output_ids)
+            answer = await self._request(session, limit, index, ids, params)
+            answer.prompt_ids = list(prompt_ids)
+            if answer.finish_reason != "abort":
+                done = answer if partial is None else continue_sample(partial, answer)
+                done.attempts = max(done.attempts, answer.attempts)
+                self._done += 1
+                if self._on_sample is not None:
+                    self._on_sample(self._done)
+                return done
+            aborts += 1
+            self.aborted += 1
+            if aborts > self.max_aborts:
+                raise GenerationError(f"prompt {index}: aborted {aborts} times via "
+                                      f"{self.router_url}")
+            if self.partial_rollout and answer.output_ids:
+                partial = answer if partial is None else continue_sample(partial, answer)
+                self.partial_resubmits += 1
+                if budget is not None and len(partial.output_ids) >= budget:
+                    partial.finish_reason = "length"
+                    self._done += 1
+                    if self._on_sample is not None:
+                        self._on_sample(self._done)
+                    return partial
+            elif not self.partial_rollout:
+                partial = None  # generated again from its prompt
+
+    async def _request(self, session: aiohttp.ClientSession, limit: asyncio.Semaphore,
+                       index: int, input_ids: list[int],
+                       sampling_params: dict[str, Any]) -> Sample:
+        """One answer for `input_ids` (aborted ones included), retried on failure."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": True}
         last = ""
         attempt = 0
@@ -184,12 +304,12 @@ class RouterGenerator:
                 await asyncio.sleep(self.retry_backoff_s)
                 continue
             if status == 200:
-                sample = self._parse(index, prompt_ids, out)
-                if sample is not None:
-                    sample.attempts = attempt
-                    self._done += 1
-                    if self._on_sample is not None:
-                        self._on_sample(self._done)
+                sample = self.parse_answer(index, input_ids, out)
+                sample.attempts = attempt
+                if sample.finish_reason == "abort" and self.keep_mixed_versions:
+                    return sample  # a weight update's abort: continued or restarted above
+                if sample.finish_reason != "abort" and (self.keep_mixed_versions
+                                                        or not sample.mixed):
                     return sample
                 last = "aborted or produced at more than one weight version"
             elif status is not None:
@@ -207,20 +327,25 @@ class RouterGenerator:
             return 200, await resp.json(content_type=None)
 
     @staticmethod
-    def _parse(index: int, prompt_ids: list[int], out: Any) -> Sample | None:
+    def parse_answer(index: int, prompt_ids: list[int], out: Any) -> Sample:
+        """A /generate answer as a Sample (aborted and mixed-version ones too)."""
         if isinstance(out, list):
             out = out[0]
         answer = p.GenerateResponse.model_validate(out)
         meta = answer.meta_info
         finish = meta.finish_reason.type if meta.finish_reason else "unknown"
-        if finish == "abort":
-            return None
-        if len({s.version for s in meta.weight_versions}) > 1:
-            return None
         logprobs = [float(entry[0]) for entry in meta.output_token_logprobs]
+        spans = join_spans([(str(s.version), s.start, s.end) for s in meta.weight_versions])
         return Sample(index, list(prompt_ids), list(answer.output_ids), logprobs,
                       str(meta.weight_version), finish,
-                      meta={"id": meta.id, "cached_tokens": meta.cached_tokens})
+                      meta={"id": meta.id, "cached_tokens": meta.cached_tokens},
+                      weight_spans=spans if len(spans) > 1 else [])
+
+    @classmethod
+    def _parse(cls, index: int, prompt_ids: list[int], out: Any) -> Sample | None:
+        """A finished single-version answer, or None (aborted, or spans versions)."""
+        sample = cls.parse_answer(index, prompt_ids, out)
+        return None if sample.finish_reason == "abort" or sample.mixed else sample
 
 
 def _cancelling(task: asyncio.Task | None) -> int:

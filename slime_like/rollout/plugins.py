@@ -220,6 +220,21 @@ def _check_samples(samples: Any, n_prompts: int, n: int, flag: str) -> list[Samp
     return ordered
 
 
+def fill_from_prompts(samples: list[Sample], prompts: list[PromptItem],
+                      tokenizer: Tokenizer) -> list[Sample]:
+    """Each sample's prompt text, label, metadata and decoded response (slime's fields the
+    reward function reads), from the prompt at its `prompt_index`."""
+    for s in samples:
+        p = prompts[s.prompt_index]
+        s.prompt = s.prompt or p.text
+        if s.label is None:
+            s.label = p.label
+        s.metadata = s.metadata or dict(p.metadata)
+        if not s.response:
+            s.response = tokenizer.decode(s.output_ids)
+    return samples
+
+
 @dataclass
 class Plugins:
     """The job's reward, rollout and (optional) generate functions."""
@@ -255,16 +270,7 @@ class Plugins:
         flag = ("--custom-generate-function-path"
                 if self.rollout_path == DEFAULT_ROLLOUT and args.custom_generate_function_path
                 else "--rollout-function-path")
-        samples = _check_samples(out, len(prompts), n, flag)
-        for s in samples:
-            p = prompts[s.prompt_index]
-            s.prompt = s.prompt or p.text
-            if s.label is None:
-                s.label = p.label
-            s.metadata = s.metadata or dict(p.metadata)
-            if not s.response:
-                s.response = tokenizer.decode(s.output_ids)
-        return samples
+        return fill_from_prompts(_check_samples(out, len(prompts), n, flag), prompts, tokenizer)
 
     def rewards(self, args: argparse.Namespace, samples: list[Sample]) -> list[float]:
         """Score every sample (async reward functions concurrently); sets `sample.reward`."""

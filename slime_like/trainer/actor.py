@@ -23,6 +23,7 @@ import torch.distributed as dist
 from slime_like.engine.handle import EngineHandle
 from slime_like.trainer.checkpoint import load_rank_state, save_rank_state
 from slime_like.trainer.policy import PolicyTrainer
+from slime_like.trainer.versions import Span, VersionedWeights, span_logprobs
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -39,13 +40,12 @@ class TrainerRank:
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
                  sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
-                 engine_dtype: str | None = None, keep_served: bool = False):
+                 engine_dtype: str | None = None, keep_versions: int = 0):
         self.rank = rank
-        # --update-weights-interval > 1: the weights the engines serve, kept after each full
-        # sync, so samples are checked at the version they were made at.
-        self.keep_served = keep_served
-        self._served: torch.nn.Module | None = None
-        self._served_version: int | None = None
+        # The weights of the last `keep_versions` versions pushed, kept after each full sync
+        # (--update-weights-interval > 1, the asynchronous schedules), so samples are checked
+        # at the versions they were made at after the trainer moved on.
+        self._versions = VersionedWeights(keep_versions)
         self.use_transformers = use_transformers
         self.engine_dtype = engine_dtype
         self.world_size = world_size
@@ -99,17 +99,37 @@ class TrainerRank:
         """Log-probabilities of sampled tokens at `version` (the one the engines serve).
 
         After train steps without a sync the current weights are ahead of it; then the copy
-        kept at the last sync answers, and without one the call fails rather than compare
-        different weights.
+        kept at that version's sync answers, and without one the call fails rather than
+        compare different weights.
         """
         assert self.policy is not None
         with self._weights_lock:
-            if version is None or not self._dirty:
-                return self.policy.completion_logprobs(samples, temperature=temperature)
-            if self._served is not None and self._served_version == version:
-                return self.policy.completion_logprobs(samples, self._served, temperature)
+            model = None if version is None else self._model_at(version)
+            return self.policy.completion_logprobs(samples, model, temperature)
+
+    def span_logprobs(self, samples: list[tuple[list[int], list[int], list[Span]]],
+                      temperature: float = 1.0, kv_kept: bool = False) -> list[list[float]]:
+        """Every output token's log-probability at the version of its span (see
+        trainer/versions.py); `kv_kept`: the engines kept old-weight KV (in_place)."""
+        assert self.policy is not None
+        policy = self.policy
+        with self._weights_lock:
+            return span_logprobs(
+                self._model_at,
+                lambda model, pairs: policy.completion_logprobs(pairs, model, temperature),
+                samples, kv_kept=kv_kept, temperature=temperature, device=self.device)
+
+    def _model_at(self, version: int) -> torch.nn.Module:
+        """The weights of `version`: the live model while it is that version, else a copy."""
+        assert self.policy is not None
+        if version == self.version and not self._dirty:
+            return self.policy.model
+        kept = self._versions.get(version)
+        if kept is None:
             raise RuntimeError(f"the trainer's weights moved past version {version} and no "
-                               "copy of it was kept (keep_served)")
+                               f"copy of it was kept (kept: {self._versions.versions()}, "
+                               f"current {self.version}{' + a train step' if self._dirty else ''})")
+        return kept
 
     def offload(self) -> dict[str, Any]:
         """--offload-train: model and optimizer state leave the GPU while engines generate.
@@ -167,8 +187,7 @@ class TrainerRank:
                                                     engines=targets)
                 self.version = version
                 self._dirty = False
-                if self.keep_served:
-                    self._served, self._served_version = self.policy.snapshot(), version
+                self._versions.put(version, self.policy.model)
                 self._weights_lock.notify_all()
                 return report.as_dict()
             if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):

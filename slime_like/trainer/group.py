@@ -14,14 +14,14 @@ class TrainerGroup:
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
                  sync: SyncSettings, use_transformers: bool = False,
-                 engine_dtype: str | None = None, keep_served: bool = False):
+                 engine_dtype: str | None = None, keep_versions: int = 0):
         world = len(placement.plan.trainer)
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
                 rank, world, model_path, lr=lr, seed=seed,
                 sync_config=sync.weight_sync_kwargs(), use_transformers=use_transformers,
-                engine_dtype=engine_dtype, keep_served=keep_served and rank == 0)
+                engine_dtype=engine_dtype, keep_versions=keep_versions if rank == 0 else 0)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -52,6 +52,11 @@ class TrainerGroup:
     def completion_logprobs(self, samples: list, version: int | None = None,
                             temperature: float = 1.0) -> list[list[float]]:
         return ray.get(self.rank0.completion_logprobs.remote(samples, version, temperature))
+
+    def span_logprobs(self, samples: list, temperature: float = 1.0,
+                      kv_kept: bool = False) -> list[list[float]]:
+        """Each output token's log-probability at its span's version (rank 0)."""
+        return ray.get(self.rank0.span_logprobs.remote(samples, temperature, kv_kept))
 
     def offload(self) -> dict:
         """--offload-train: every rank's model and optimizer state leave the GPU."""

@@ -129,13 +129,6 @@ class PolicyTrainer:
             out.append(lp[i, len(prompt): len(prompt) + len(output)].tolist())
         return out
 
-    def snapshot(self) -> torch.nn.Module:
-        """A frozen copy of the current weights (what the engines serve after a sync)."""
-        import copy
-
-        frozen = copy.deepcopy(self.model)
-        frozen.requires_grad_(False)
-        return frozen
 
     def move_to(self, device: str) -> None:
         """Move the model and the optimizer state (offload to "cpu", or back)."""

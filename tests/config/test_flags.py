@@ -36,7 +36,7 @@ def test_help_lists_flags_by_group():
                  "--rollout-external-engine-addrs", "--sglang-router-request-timeout-secs",
                  "--sglang-server-concurrency", "--update-weight-disk-dir",
                  "--update-weights-interval", "--use-fault-tolerance",
-                 "--rollout-health-check-first-wait", "--engine", "--pause-mode", "--config",
+                 "--rollout-health-check-first-wait", "--engine", "--pause-generation-mode", "--config",
                  "--sglang-mem-fraction-static", "--router-policy"]:
         assert f"  {flag}" in text, flag
 
@@ -121,7 +121,7 @@ def test_router_flags_carry_slime_defaults_and_user_values():
     (["--rollout-num-gpus", "-1"], "--rollout-num-gpus: must be >= 0, got -1"),
     (["--rollout-num-gpus-per-engine", "0"], "--rollout-num-gpus-per-engine: must be > 0, got 0"),
     (["--rollout-num-gpus", "four"], "--rollout-num-gpus: must be an integer, got 'four'"),
-    (["--pause-mode", "freeze"], "--pause-mode: invalid choice: 'freeze' (choose from 'abort', "
+    (["--pause-mode", "freeze"], "--pause-generation-mode: invalid choice: 'freeze' (choose from 'abort', "
                                  "'retract', 'in_place')"),
     (["--sglang-tp-size", "2"], "--sglang-tp-size: not a flag: set from "
                                 "--rollout-num-gpus-per-engine and pp_size; a server group may "

@@ -39,6 +39,7 @@ RUN_BY = {
     "colocate_cpu.yaml": "tests/topologies/test_colocate.py",
     "external_cpu.yaml": "tests/topologies/test_external.py",
     "multinode_cpu.yaml": "tests/topologies/test_multinode.py",
+    "async_cpu.yaml": "tests/job/test_async_job.py",
 }
 GPU_ONLY = ("colocate.yaml", "multi_model.yaml", "pd.yaml")
 

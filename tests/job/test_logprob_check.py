@@ -14,8 +14,8 @@ class _Trainer:
     def __init__(self, lps):
         self.lps, self.calls = lps, []
 
-    def completion_logprobs(self, pairs, version=None, temperature=1.0):
-        self.calls.append((version, temperature))
+    def span_logprobs(self, rows, temperature=1.0, kv_kept=False):
+        self.calls.append(([spans for _, _, spans in rows], temperature))
         return self.lps
 
 
@@ -25,10 +25,11 @@ def _sample(lps, version="3"):
 
 def test_tolerance_decides_what_fails():
     trainer = _Trainer([[-1.0, -2.0]])
-    assert check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-2) == pytest.approx(1e-3)
+    assert check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-2).worst == \
+        pytest.approx(1e-3)
     with pytest.raises(LogprobMismatch, match="differ by 0.001"):
         check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-4)
-    assert trainer.calls[-1] == (3, 1.0)  # asked at the samples' version
+    assert trainer.calls[-1] == ([[(3, 0, 2)]], 1.0)  # asked at the samples' version
 
 
 def test_a_sample_from_another_version_is_a_stale_serve():

@@ -1,0 +1,140 @@
+"""The job's three schedules: the same steps (`Job.rollout`, `Job.learn`) in three orders.
+
+- `sync`: rollout k, then score, check, train and sync on it; the engines wait while the
+  trainer works and the trainer waits while they generate.
+- `one-step` (slime's `train_async.py`): rollout k+1 is generated while step k trains; the
+  weight update waits until it is done (no request is in flight at a sync), so every
+  sample is exactly one version behind the trained one after the first step.
+- `fully-async`: a producer (`rollout/producer.py`) generates without pause; the trainer
+  takes batches from its buffer and updates the weights while requests run
+  (`--pause-generation-mode`); samples may span versions and are at most
+  `--max-weight-staleness` versions behind.
+
+See docs/ASYNC.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from slime_like.rollout.producer import RolloutProducer
+
+if TYPE_CHECKING:
+    from slime_like.job.job import Job
+
+logger = logging.getLogger("slime_like.train")
+
+
+def run_schedule(job: Job) -> None:
+    """Every step of the job, in the order of its `--async-mode`."""
+    mode = job.settings.asynchrony.mode
+    {"sync": run_sync, "one-step": run_one_step, "fully-async": run_fully_async}[mode](job)
+
+
+def run_sync(job: Job) -> None:
+    for step in range(job.start_step, job.settings.num_steps):
+        job.step(step)
+
+
+def run_one_step(job: Job) -> None:
+    """Rollout k+1 overlaps step k's training; it is drained before step k's sync."""
+    steps = range(job.start_step, job.settings.num_steps)
+    with ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
+        pending: Future | None = pool.submit(job.rollout, steps[0]) if steps else None
+        for step in steps:
+            t0 = time.time()
+            rollout = pending.result()
+            waited = time.time() - t0
+            nxt = pool.submit(job.rollout, step + 1) if step + 1 < steps.stop else None
+            rollout.metrics.update({"async_mode": "one-step", "trainer_wait_s": round(waited, 4),
+                                    "staleness": _ages(rollout.samples, int(job.fleet.version))})
+            job.learn(step, rollout, before_sync=(lambda f=nxt: f.exception()) if nxt else None)
+            pending = nxt
+
+
+class _StepHook:
+    """The producer's per-sample callback, forwarded to the current step's chaos hook."""
+
+    def __init__(self):
+        self.hook = None
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def arm(self, hook) -> None:
+        with self.lock:
+            self.hook, self.count = hook, 0
+
+    def __call__(self, _: int) -> None:
+        with self.lock:
+            self.count += 1
+            hook, count = self.hook, self.count
+        if hook is not None:
+            hook(count)
+
+
+def run_fully_async(job: Job) -> None:
+    """A producer that never stops; the trainer takes batches and updates in flight."""
+    settings, fleet = job.settings, job.fleet
+    asynchrony, rollout_settings = settings.asynchrony, settings.rollout
+    n, batch = rollout_settings.n_samples_per_prompt, rollout_settings.batch_size
+    hook = _StepHook()
+    with fleet.generator(keep_mixed_versions=True,
+                         partial_rollout=asynchrony.partial_rollout) as generator:
+        producer = RolloutProducer(
+            generator, job.inputs.source.next_batch, n=n,
+            sampling_params=job.sampling_params(job.start_step * batch * n),
+            batch_groups=batch, max_staleness=asynchrony.max_staleness, on_sample=hook)
+        producer.start()
+        seen = {"aborted": 0, "partial": 0, "resubmitted": 0}
+        try:
+            for step in range(job.start_step, settings.num_steps):
+                if job.chaos is not None:
+                    hook.arm(job.chaos.rollout_hook(step, batch * n))
+                version = int(fleet.version)
+                taken = producer.take(version)
+                rollout = job.as_rollout(taken.groups, taken.waited_s)
+                now = {"aborted": generator.aborted, "partial": generator.partial_resubmits,
+                       "resubmitted": generator.resubmitted}
+                rollout.metrics.update({
+                    "async_mode": "fully-async",
+                    "trainer_wait_s": round(taken.waited_s, 4),
+                    "staleness": {str(k): v for k, v in sorted(taken.staleness.items())},
+                    "samples_dropped_stale": taken.dropped_stale * n,
+                    "samples_mixed_version": sum(s.mixed for s in rollout.samples),
+                    "samples_partial": sum(s.partial_resubmits > 0 for s in rollout.samples),
+                    "requests_aborted": now["aborted"] - seen["aborted"],
+                    "partial_resubmits": now["partial"] - seen["partial"],
+                    "requests_resubmitted": now["resubmitted"] - seen["resubmitted"],
+                    "group_seqs": [g.seq for g in taken.groups],
+                })
+                seen = now
+
+                def before_sync(metrics=rollout.metrics) -> None:
+                    # What the weight update is about to pause: requests in flight.
+                    metrics["groups_in_flight_at_sync"] = producer.in_flight()
+
+                job.learn(step, rollout, before_sync=before_sync)
+                producer.trained()
+        finally:
+            counts = producer.stop()
+            summary = {"mode": "fully-async", "samples_per_group": n,
+                       "groups": vars(counts), "balanced": counts.balanced()}
+            (job.out / "async.json").write_text(json.dumps(summary, indent=1))
+            job.notes.append(
+                f"fully-async: {counts.admitted} groups admitted, {counts.taken} trained, "
+                f"{counts.dropped_stale} dropped as stale, {counts.left_over} left over at "
+                f"the end" + ("" if counts.balanced() else " (UNBALANCED)"))
+
+
+def _ages(samples, version: int) -> dict[str, int]:
+    """Samples by how many versions their oldest token is behind `version`."""
+    ages: dict[str, int] = {}
+    for s in samples:
+        age = str(version - min(int(v) for v in s.versions()))
+        ages[age] = ages.get(age, 0) + 1
+    return ages
