@@ -16,6 +16,7 @@ from slime_like.config.passthrough import (
     add_sglang_server_flags,
     reserved_flag_hints,
 )
+from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
@@ -295,7 +296,8 @@ def _tracking(p: argparse.ArgumentParser) -> None:
 
 
 GROUP_BUILDERS = (_cluster, _rollout, _kl, _data, _checkpoint, _topology, _router, _weights,
-                  add_async_flags, _fault_tolerance, _ours, _tracking)
+                  add_async_flags, _fault_tolerance, _ours, _tracking,
+                  add_off_policy_flags, add_dynamic_sampling_flags)
 
 
 def build_parser(prog: str = "slime-like train") -> argparse.ArgumentParser:

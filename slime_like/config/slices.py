@@ -279,6 +279,50 @@ class KLSettings:
 
 
 @dataclass(frozen=True)
+class OffPolicySettings:
+    """The loss's off-policy correction (slime's `--use-rollout-logprobs`, `--use-tis`, ...).
+
+    Neither flag set: on-policy GRPO, exactly today's loss. `eps_clip_high` None means
+    `eps_clip` (slime's default).
+    """
+
+    use_rollout_logprobs: bool = False
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.use_rollout_logprobs or self.use_tis
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def off_policy_settings(args: argparse.Namespace) -> OffPolicySettings:
+    return OffPolicySettings(use_rollout_logprobs=bool(args.use_rollout_logprobs),
+                             use_tis=bool(args.use_tis), tis_clip=args.tis_clip,
+                             tis_clip_low=args.tis_clip_low, eps_clip=args.eps_clip,
+                             eps_clip_high=args.eps_clip_high)
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSettings:
+    """`--over-sampling-batch-size` prompts per round, groups kept by `--dynamic-sampling-
+    filter-path` (loaded with the plug-ins: `rollout.dynamic_sampling.GroupFilter`)."""
+
+    over_sampling_batch_size: int | None = None
+    filter_path: str | None = None
+
+    def draw_size(self, batch_size: int) -> int:
+        """Prompts drawn per round for a step of `batch_size` prompts."""
+        return self.over_sampling_batch_size or batch_size
+
+
+@dataclass(frozen=True)
 class CheckpointSettings:
     """`--save DIR` every `--save-interval` steps (and after the last), `--load DIR`."""
 
@@ -347,6 +391,8 @@ class JobSettings:
     observe: ObserveSettings
     prompts: PromptSettings
     chaos: ChaosSettings
+    off_policy: OffPolicySettings = OffPolicySettings()
+    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()
     offload_rollout: bool = False
     update_weights_interval: int = 1
     logprob_check_tolerance: float = 1e-4
@@ -378,6 +424,10 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
                                 offload_train=bool(args.offload_train)),
         placement=placement_settings(args), observe=observe_settings(args),
         prompts=prompt_settings(args), chaos=chaos_settings(args),
+        off_policy=off_policy_settings(args),
+        dynamic_sampling=DynamicSamplingSettings(
+            over_sampling_batch_size=args.over_sampling_batch_size,
+            filter_path=args.dynamic_sampling_filter_path),
         offload_rollout=bool(args.offload_rollout),
         update_weights_interval=args.update_weights_interval,
         logprob_check_tolerance=args.logprob_check_tolerance,

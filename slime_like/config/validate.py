@@ -13,6 +13,8 @@ import logging
 from slime_like.config.async_flags import resolve_async
 from slime_like.config.layout import layout_from_args, nominal_bundles, plan_job
 from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
+from slime_like.config.rl_flags import check_dynamic_sampling, resolve_off_policy
+from slime_like.config.slices import RolloutSettings
 from slime_like.config.topology import resolve_topology
 from slime_like.errors import ConfigError
 
@@ -156,6 +158,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _check_addresses(args)
     _resolve_transport(args)
     _check_checkpointing(args)
+    resolve_off_policy(args)
+    check_dynamic_sampling(args, args.rollout_batch_size or RolloutSettings.batch_size)
     _resolve_rollout_gpus(args)
     if args.engine == "sglang" and args.hf_checkpoint is None and \
             not args.rollout_external_engine_addrs and args.sglang_config is None:

@@ -19,6 +19,7 @@ from slime_like.models.hf_checkpoint import check_checkpoint, local_checkpoint
 from slime_like.models.hf_tokenizer import Tokenizer, load_tokenizer
 from slime_like.models.tiny import make_tiny_model
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.rollout.dynamic_sampling import GroupFilter
 from slime_like.rollout.plugins import Plugins
 from slime_like.rollout.prompts import PromptSource, prompt_source
 from slime_like.trainer.checkpoint import Checkpoint, latest_checkpoint
@@ -28,15 +29,18 @@ logger = logging.getLogger("slime_like.train")
 
 @dataclass
 class Preflight:
-    """What the checks found: the plug-ins, and warnings for the operator (dry run)."""
+    """What the checks found: the plug-ins, the dynamic-sampling filter, and warnings for
+    the operator (dry run)."""
 
     plugins: Plugins
     warnings: list[str]
+    group_filter: GroupFilter
 
 
 def preflight(settings: JobSettings, *, dry_run: bool = False) -> Preflight:
     """Checks that read files or import code, before anything starts (also for --dry-run):
-    the checkpoint, the prompt file, the plug-ins, the checkpoint to resume from.
+    the checkpoint, the prompt file, the plug-ins (and `--dynamic-sampling-filter-path`),
+    the checkpoint to resume from.
 
     A dry run does not need the checkpoint's files: a hub id it cannot reach now is a
     warning, not an error.
@@ -54,7 +58,8 @@ def preflight(settings: JobSettings, *, dry_run: bool = False) -> Preflight:
                       else ByteTokenizer(chat_template=TINY_CHAT_TEMPLATE))
     if settings.checkpoints.load:
         latest_checkpoint(settings.checkpoints.load)
-    return Preflight(Plugins.from_args(settings.plugin_args), warnings)
+    plugins = Plugins.from_args(settings.plugin_args)
+    return Preflight(plugins, warnings, GroupFilter.from_args(settings.plugin_args))
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ray
 
 from slime_like.cluster.placement import JobPlacement
-from slime_like.config.slices import SyncSettings
+from slime_like.config.slices import OffPolicySettings, SyncSettings
 from slime_like.trainer.actor import TrainerActor, trainer_env
 
 
@@ -35,18 +35,29 @@ class TrainerGroup:
     def train_step(self, samples: list, advantages: list[float], *,
                    ref_logprobs: list[list[float]] | None = None, kl_loss_coef: float = 0.0,
                    kl_loss_type: str = "low_var_kl", temperature: float = 1.0,
-                   loss_masks: list[list[int] | None] | None = None) -> dict[str, float]:
-        """Split the batch over ranks (strided shards), step all, report rank 0's metrics."""
+                   loss_masks: list[list[int] | None] | None = None,
+                   rollout_logprobs: list[list[float]] | None = None,
+                   off_policy: OffPolicySettings | None = None) -> dict[str, float]:
+        """Split the batch over ranks (strided shards), step all, report rank 0's metrics.
+
+        `rollout_logprobs` (the engines', per output token) and `off_policy` reach every
+        rank's loss (`PolicyTrainer.train_step`).
+        """
         n = len(self.actors)
-        refs = ref_logprobs if ref_logprobs is not None else [None] * len(samples)
-        masks = loss_masks if loss_masks is not None else [None] * len(samples)
-        shards = [(samples[i::n], advantages[i::n], refs[i::n], masks[i::n]) for i in range(n)]
+        none = [None] * len(samples)
+        refs = ref_logprobs if ref_logprobs is not None else none
+        masks = loss_masks if loss_masks is not None else none
+        behaviour = rollout_logprobs if rollout_logprobs is not None else none
+        shards = [(samples[i::n], advantages[i::n], refs[i::n], masks[i::n], behaviour[i::n])
+                  for i in range(n)]
         results = ray.get([
             a.train_step.remote(s, adv, ref_logprobs=None if ref_logprobs is None else r,
                                 kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type,
                                 temperature=temperature,
-                                loss_masks=None if loss_masks is None else m)
-            for a, (s, adv, r, m) in zip(self.actors, shards, strict=True)])
+                                loss_masks=None if loss_masks is None else m,
+                                rollout_logprobs=None if rollout_logprobs is None else b,
+                                off_policy=off_policy)
+            for a, (s, adv, r, m, b) in zip(self.actors, shards, strict=True)])
         return results[0]
 
     def completion_logprobs(self, samples: list, version: int | None = None,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_like.config.slices import OffPolicySettings
+
 
 def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> list[float]:
     """(r - mean) / (std + eps) within each consecutive group of `group_size` samples."""
@@ -68,6 +70,51 @@ def policy_gradient_loss(logprobs: torch.Tensor, batch: PackedBatch) -> torch.Te
     return per_token.sum() / mask.sum().clamp(min=1.0)
 
 
+def off_policy_loss(logprobs: torch.Tensor, batch: PackedBatch, rollout_logprobs: torch.Tensor,
+                    settings: OffPolicySettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy-gradient loss corrected for samples the engines made (slime's meaning).
+
+    `rollout_logprobs` ([B, T], laid out like `logprobs`) are the engines' behaviour
+    log-probabilities; the trainer's own before the step are `logprobs` detached (one
+    optimiser step per batch). Per model token, with A the advantage:
+
+    - `use_rollout_logprobs`: ratio r = exp(logp - rollout_logp), PPO-clipped to
+      [1 - eps_clip, 1 + eps_clip_high]: a token whose clipped side is the smaller
+      objective (A > 0 and r above, A < 0 and r below the range) gets no gradient;
+    - `use_tis`: weight clamp(exp(logp_trainer - rollout_logp), tis_clip_low, tis_clip),
+      no gradient through it, multiplied onto the token's loss.
+
+    The loss is written -A x w x logp with w the (detached) product of the two: its
+    gradient is slime's -A x r x tis x grad(logp) for unclipped tokens, and at r = w = 1
+    it is `policy_gradient_loss` exactly, value and gradient.
+    """
+    mask = batch.completion_mask
+    tokens = mask.float().sum().clamp(min=1.0)
+    current = logprobs.detach()
+    behaviour = torch.where(mask, rollout_logprobs, current)  # outside the loss: ratio 1
+
+    def mean(x: torch.Tensor) -> float:
+        return float((x.float() * mask).sum() / tokens)
+
+    advantages = batch.advantages[:, None]
+    weight = torch.ones_like(current)
+    metrics = {"train_rollout_logprob_abs_diff": mean((current - behaviour).abs())}
+    if settings.use_rollout_logprobs:
+        ratio = torch.exp(current - behaviour)
+        clipped = (((advantages > 0) & (ratio > 1.0 + settings.clip_high))
+                   | ((advantages < 0) & (ratio < 1.0 - settings.eps_clip)))
+        weight = ratio * (~clipped)
+        metrics.update(ratio_mean=mean(ratio), ppo_clipfrac=mean(clipped),
+                       ppo_kl=mean(behaviour - current))
+    if settings.use_tis:
+        tis = torch.exp(current - behaviour)
+        truncated = tis.clamp(min=settings.tis_clip_low, max=settings.tis_clip)
+        weight = weight * truncated
+        metrics.update(tis_mean=mean(tis), tis_clipfrac=mean(truncated != tis))
+    per_token = -advantages * weight * logprobs * mask.float()
+    return per_token.sum() / tokens, metrics
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate from log-probabilities of sampled tokens.
 
@@ -85,11 +132,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
 
 
 def ref_logprob_rows(samples: Sequence[tuple[list[int], list[int]]],
-                     ref: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    """Reference log-probabilities laid out like `pack`'s completion positions ([B, T])."""
+                     ref: Sequence[Sequence[float]], width: int,
+                     what: str = "reference") -> torch.Tensor:
+    """Per-token log-probabilities (a reference model's, the engines') laid out like
+    `pack`'s completion positions ([B, T])."""
     out = torch.zeros((len(samples), width), dtype=torch.float32)
     for i, ((prompt, output), row) in enumerate(zip(samples, ref, strict=True)):
         if len(row) != len(output):
-            raise ValueError(f"sample {i}: {len(row)} reference logprobs for {len(output)} tokens")
+            raise ValueError(f"sample {i}: {len(row)} {what} logprobs for {len(output)} tokens")
         out[i, len(prompt): len(prompt) + len(output)] = torch.tensor(row, dtype=torch.float32)
     return out

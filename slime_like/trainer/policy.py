@@ -14,12 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime_like.config.slices import OffPolicySettings
 from slime_like.models import load_pretrained
 from slime_like.models.hf_checkpoint import load_transformers_model
 from slime_like.models.transformer import hf_named_parameters
 from slime_like.trainer.grpo import (
     PackedBatch,
     kl_penalty,
+    off_policy_loss,
     pack,
     policy_gradient_loss,
     ref_logprob_rows,
@@ -72,7 +74,9 @@ class PolicyTrainer:
                    ref_logprobs: Sequence[Sequence[float]] | None = None,
                    kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl",
                    temperature: float = 1.0,
-                   loss_masks: Sequence[Sequence[int] | None] | None = None) -> dict[str, float]:
+                   loss_masks: Sequence[Sequence[int] | None] | None = None,
+                   rollout_logprobs: Sequence[Sequence[float]] | None = None,
+                   off_policy: OffPolicySettings | None = None) -> dict[str, float]:
         """One optimiser step on this rank's samples; gradients averaged across ranks.
 
         With `ref_logprobs` (a frozen reference model's, per sampled token) and
@@ -80,15 +84,25 @@ class PolicyTrainer:
         `temperature` (the rollout's) scales the logits as sampling did, so the loss is
         taken under the distribution the samples came from (slime does the same).
         `loss_masks` (multi-turn samples) leave environment tokens out of the loss and KL.
+        `off_policy` with `use_rollout_logprobs` or `use_tis` corrects the loss with the
+        engines' `rollout_logprobs` (one per output token; see `grpo.off_policy_loss`).
         """
+        if off_policy is not None and off_policy.enabled and rollout_logprobs is None:
+            raise ValueError("the off-policy correction (--use-rollout-logprobs / --use-tis) "
+                             "needs rollout_logprobs: the engines' log-probabilities")
         batch: PackedBatch = pack(samples, advantages, loss_masks=loss_masks).to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
         if temperature != 1.0:
             logits = logits.float() / temperature
         logprobs = token_logprobs(logits, batch.input_ids)
-        loss = policy_gradient_loss(logprobs, batch)
         metrics: dict[str, float] = {}
+        if off_policy is not None and off_policy.enabled:
+            behaviour = ref_logprob_rows(samples, rollout_logprobs, logprobs.shape[1],
+                                         what="rollout").to(self.device)
+            loss, metrics = off_policy_loss(logprobs, batch, behaviour, off_policy)
+        else:
+            loss = policy_gradient_loss(logprobs, batch)
         if ref_logprobs is not None and kl_loss_coef > 0:
             ref = ref_logprob_rows(samples, ref_logprobs, logprobs.shape[1]).to(self.device)
             mask = batch.completion_mask.to(self.device).float()
