@@ -48,7 +48,7 @@ def train(args: argparse.Namespace) -> int:
     settings = job_settings(args)
     checked = preflight(settings)  # a bad prompt file or plug-in fails before anything
     job = Job(settings, fleet_settings(args, log_dir=str(out / "logs"), keys=make_keys(args)),
-              sync_settings(args, model_dir=None), checked.plugins, out)
+              sync_settings(args, model_dir=None), checked.plugins, out, checked.group_filter)
     return job.run()
 
 

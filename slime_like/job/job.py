@@ -36,6 +36,7 @@ from slime_like.job.schedules import run_schedule
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
 from slime_like.protocol.weight_version import WeightVersion
+from slime_like.rollout.dynamic_sampling import GroupFilter, collect_groups
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.plugins import Plugins, fill_from_prompts
 from slime_like.rollout.prompts import PromptItem
@@ -72,6 +73,19 @@ class Scores:
     kl_metrics: dict[str, Any]
 
 
+def kept_batch(groups: list[list[Sample]]) -> tuple[list[PromptItem], list[Sample]]:
+    """The prompts and samples of the groups dynamic sampling kept, renumbered in order."""
+    prompts, samples = [], []
+    for i, group in enumerate(groups):
+        first = group[0]
+        prompts.append(PromptItem(first.prompt, list(first.prompt_ids), first.label,
+                                  dict(first.metadata)))
+        for s in group:
+            s.prompt_index = i
+            samples.append(s)
+    return prompts, samples
+
+
 def train_masks(samples: list[Sample], mask_offpolicy: bool) -> list[list[int]] | None:
     """Per sample, 1 per output token to train on: the model's tokens (a multi-turn
     sample's environment tokens are left out) and, with --mask-offpolicy-in-partial-rollout,
@@ -94,10 +108,13 @@ class Job:
     """One RL job built from its typed settings; `run()` is the whole of it."""
 
     def __init__(self, settings: JobSettings, fleet_settings: FleetSettings,
-                 sync_settings: SyncSettings, plugins: Plugins, out_dir: Path):
+                 sync_settings: SyncSettings, plugins: Plugins, out_dir: Path,
+                 group_filter: GroupFilter | None = None):
         self.settings = settings
         self.out = out_dir
         self.plugins = plugins
+        # --dynamic-sampling-filter-path: which prompt groups are trained on.
+        self.group_filter = group_filter or GroupFilter()
         self._fleet_settings = fleet_settings
         self._sync_settings = sync_settings
         self.notes: list[str] = []
@@ -228,23 +245,50 @@ class Job:
 
     def rollout(self, step: int) -> Rollout:
         """The step's prompts through the rollout function (the trainer offloaded meanwhile
-        with --offload-train); a planned fault fires a quarter of the way in."""
-        settings, fleet = self.settings, self.fleet
+        with --offload-train); a planned fault fires a quarter of the way in. With a
+        dynamic-sampling filter, rounds of prompts until a batch of kept groups."""
+        settings = self.settings
         t0 = time.time()
-        prompts = self.inputs.source.next_batch(settings.rollout.batch_size)
-        total = len(prompts) * settings.rollout.n_samples_per_prompt
+        batch, n = settings.rollout.batch_size, settings.rollout.n_samples_per_prompt
+        total = batch * n
         hook = self.crash.rollout_hook(step, total) if self.crash is not None else None
         offloaded = self.trainer.offload() if settings.trainer.offload_train else {}
         if self.chaos is not None:
             hook = self.chaos.rollout_hook(step, total) or hook
-        samples = self.plugins.rollout(
-            settings.plugin_args, step, prompts, router_url=fleet.router_url(),
-            sampling_params=self.sampling_params(step * total),
-            n=settings.rollout.n_samples_per_prompt, tokenizer=self.inputs.tokenizer,
-            on_sample=hook, api_key=fleet.settings.router.api_key, generate=fleet.generate)
+        metrics: dict[str, Any] = {}
+        if not self.group_filter.enabled:
+            prompts = self.inputs.source.next_batch(batch)
+            samples = self.generate(step, step * total, prompts, hook)
+        else:
+            rounds = 0
+
+            def generate_and_score(drawn: list[PromptItem]) -> list[list[Sample]]:
+                nonlocal rounds
+                out = self.generate(step, step * total + rounds * len(drawn) * n, drawn, hook)
+                rounds += 1
+                self.plugins.rewards(settings.plugin_args, out)
+                return [out[i * n:(i + 1) * n] for i in range(len(drawn))]
+
+            collected = collect_groups(
+                self.inputs.source.next_batch, generate_and_score, self.group_filter,
+                settings.plugin_args, batch_size=batch,
+                over_sampling_batch_size=settings.dynamic_sampling.over_sampling_batch_size)
+            prompts, samples = kept_batch(collected.groups)
+            metrics.update(collected.metrics())
         if settings.trainer.offload_train:
             self.trainer.onload()
-        return Rollout(prompts, samples, time.time() - t0, offloaded)
+        return Rollout(prompts, samples, time.time() - t0, offloaded, metrics)
+
+    def generate(self, step: int, first_sample: int, prompts: list[PromptItem],
+                 hook) -> list[Sample]:
+        """n samples of each prompt through the rollout function (default: the fleet's
+        routers), grouped by prompt; `first_sample`: the run-wide index of the first."""
+        settings, fleet = self.settings, self.fleet
+        return self.plugins.rollout(
+            settings.plugin_args, step, prompts, router_url=fleet.router_url(),
+            sampling_params=self.sampling_params(first_sample),
+            n=settings.rollout.n_samples_per_prompt, tokenizer=self.inputs.tokenizer,
+            on_sample=hook, api_key=fleet.settings.router.api_key, generate=fleet.generate)
 
     def sampling_params(self, first_sample: int) -> dict[str, Any]:
         """The rollout's sampling parameters; under deterministic inference (sglang's
@@ -266,10 +310,21 @@ class Job:
         return Rollout(prompts, fill_from_prompts(samples, prompts, self.inputs.tokenizer),
                        waited_s)
 
+    def keep_group(self, group) -> bool:
+        """The fully-async producer's verdict on a finished group: scored, then the
+        dynamic-sampling filter (runs in the producer's thread)."""
+        samples = fill_from_prompts(group.samples, [group.prompt] * len(group.samples),
+                                    self.inputs.tokenizer, index_of=lambda s: 0)
+        self.plugins.rewards(self.settings.plugin_args, samples)
+        return self.group_filter.keep(self.settings.plugin_args, samples).keep
+
     def score(self, samples: list[Sample]) -> Scores:
-        """Rewards from the reward function, shaped by the reference's KL where asked, and
-        the group advantages."""
-        rewards = self.plugins.rewards(self.settings.plugin_args, samples)
+        """Rewards from the reward function (kept where dynamic sampling already scored the
+        samples), shaped by the reference's KL where asked, and the group advantages."""
+        if self.group_filter.enabled and all(s.reward is not None for s in samples):
+            rewards = [float(s.reward) for s in samples]
+        else:
+            rewards = self.plugins.rewards(self.settings.plugin_args, samples)
         ref_logprobs, kl_metrics = reference_kl(self.settings.kl, self.fleet, samples, rewards)
         advantages = group_advantages(rewards, self.settings.rollout.n_samples_per_prompt)
         return Scores(rewards, advantages, ref_logprobs, kl_metrics)
@@ -295,6 +350,10 @@ class Job:
             contextlib.nullcontext()
         masks = train_masks(samples,
                             self.settings.asynchrony.mask_offpolicy_in_partial_rollout)
+        off_policy = self.settings.off_policy
+        if off_policy.enabled:  # --use-rollout-logprobs / --use-tis: the engines' logprobs
+            extra.update(rollout_logprobs=[s.output_logprobs for s in samples],
+                         off_policy=off_policy)
         with offload as released:
             metrics = self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
                                               temperature=self.settings.rollout.temperature,

@@ -88,9 +88,11 @@ def run_fully_async(job: Job) -> None:
         producer = RolloutProducer(
             generator, job.inputs.source.next_batch, n=n,
             sampling_params=job.sampling_params(job.start_step * batch * n),
-            batch_groups=batch, max_staleness=asynchrony.max_staleness, on_sample=hook)
+            batch_groups=batch, max_staleness=asynchrony.max_staleness, on_sample=hook,
+            keep_group=job.keep_group if job.group_filter.enabled else None,
+            draw_size=settings.dynamic_sampling.draw_size(batch))
         producer.start()
-        seen = {"aborted": 0, "partial": 0, "resubmitted": 0}
+        seen = {"aborted": 0, "partial": 0, "resubmitted": 0, "filtered": 0}
         try:
             for step in range(job.start_step, settings.num_steps):
                 if job.chaos is not None:
@@ -99,7 +101,8 @@ def run_fully_async(job: Job) -> None:
                 taken = producer.take(version)
                 rollout = job.as_rollout(taken.groups, taken.waited_s)
                 now = {"aborted": generator.aborted, "partial": generator.partial_resubmits,
-                       "resubmitted": generator.resubmitted}
+                       "resubmitted": generator.resubmitted,
+                       "filtered": producer.counts.filtered}
                 rollout.metrics.update({
                     "async_mode": "fully-async",
                     "trainer_wait_s": round(taken.waited_s, 4),
@@ -111,6 +114,7 @@ def run_fully_async(job: Job) -> None:
                     "partial_resubmits": now["partial"] - seen["partial"],
                     "requests_resubmitted": now["resubmitted"] - seen["resubmitted"],
                     "group_seqs": [g.seq for g in taken.groups],
+                    "samples_filtered": (now["filtered"] - seen["filtered"]) * n,
                 })
                 seen = now
 

@@ -220,12 +220,13 @@ def _check_samples(samples: Any, n_prompts: int, n: int, flag: str) -> list[Samp
     return ordered
 
 
-def fill_from_prompts(samples: list[Sample], prompts: list[PromptItem],
-                      tokenizer: Tokenizer) -> list[Sample]:
+def fill_from_prompts(samples: list[Sample], prompts: list[PromptItem], tokenizer: Tokenizer,
+                      index_of: Callable[[Sample], int] = lambda s: s.prompt_index
+                      ) -> list[Sample]:
     """Each sample's prompt text, label, metadata and decoded response (slime's fields the
-    reward function reads), from the prompt at its `prompt_index`."""
+    reward function reads), from the prompt at its `prompt_index` (or `index_of`)."""
     for s in samples:
-        p = prompts[s.prompt_index]
+        p = prompts[index_of(s)]
         s.prompt = s.prompt or p.text
         if s.label is None:
             s.label = p.label

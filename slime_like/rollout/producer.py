@@ -53,12 +53,14 @@ class ProducerCounts:
     admitted: int = 0
     taken: int = 0
     dropped_stale: int = 0
+    filtered: int = 0           # dropped by the dynamic-sampling filter
     left_over: int = 0          # in flight or buffered when the producer stopped
     failed: int = 0             # a request that kept failing (GenerationError)
 
     def balanced(self) -> bool:
         """Every admitted group ended exactly once."""
-        return self.admitted == self.taken + self.dropped_stale + self.left_over + self.failed
+        return self.admitted == (self.taken + self.dropped_stale + self.filtered
+                                 + self.left_over + self.failed)
 
 
 def admission_capacity(max_staleness: int, batch_groups: int, trained: int, accepted: int,
@@ -81,6 +83,9 @@ class Batch:
         return [s for g in self.groups for s in g.samples]
 
 
+MAX_FILTERED_IN_A_ROW = 100  # batches' worth of groups the filter may drop in a row
+
+
 class ProducerError(RuntimeError):
     """The producer stopped on an error (a request that kept failing)."""
 
@@ -95,7 +100,8 @@ class RolloutProducer:
 
     def __init__(self, generator: RouterGenerator, next_prompts: Callable[[int], list[PromptItem]],
                  *, n: int, sampling_params: dict[str, Any], batch_groups: int,
-                 max_staleness: int, on_sample: Callable[[int], None] | None = None):
+                 max_staleness: int, on_sample: Callable[[int], None] | None = None,
+                 keep_group: Callable[[Group], bool] | None = None, draw_size: int | None = None):
         self.generator = generator
         self.next_prompts = next_prompts
         self.n = n
@@ -104,6 +110,11 @@ class RolloutProducer:
         self.max_staleness = max_staleness
         self.counts = ProducerCounts()
         self._on_sample = on_sample
+        # The dynamic-sampling filter (scores the group first); a dropped group's place
+        # goes to a new one. Prompts are drawn `draw_size` at a time (over-sampling).
+        self._keep_group = keep_group
+        self._draw_size = draw_size or batch_groups
+        self._filtered_in_a_row = 0
         self._lock = threading.Condition()
         self._ready: list[Group] = []
         self._running = 0
@@ -235,7 +246,7 @@ class RolloutProducer:
     def _next_prompt(self) -> tuple[int, PromptItem]:
         if not self._prompts:
             # A batch's worth at a time: the same prompts in the same order as the sync job.
-            self._prompts = list(self.next_prompts(self.batch_groups))
+            self._prompts = list(self.next_prompts(self._draw_size))
         seq = self._seq
         self._seq += 1
         self.counts.admitted += 1
@@ -259,11 +270,34 @@ class RolloutProducer:
                 self._lock.notify_all()
             self._wake_loop()
             return
+        group = Group(seq, prompt, samples)
+        keep = True
+        if self._keep_group is not None:
+            try:
+                keep = await asyncio.to_thread(self._keep_group, group)
+            except Exception as e:  # noqa: BLE001 - a failing reward or filter plug-in
+                with self._lock:
+                    self._running -= 1
+                    self.counts.failed += 1
+                    self._error = e
+                    self._lock.notify_all()
+                return
         with self._lock:
             self._running -= 1
-            self._accepted += 1
-            self._ready.append(Group(seq, prompt, samples))
+            if keep:
+                self._accepted += 1
+                self._ready.append(group)
+                self._filtered_in_a_row = 0
+            else:
+                self.counts.filtered += 1
+                self._filtered_in_a_row += 1
+                if self._filtered_in_a_row > MAX_FILTERED_IN_A_ROW * self.batch_groups:
+                    self._error = ProducerError(
+                        f"the dynamic-sampling filter dropped {self._filtered_in_a_row} groups "
+                        "in a row")
             self._lock.notify_all()
+        if not keep:
+            self._wake_loop()
         if self._on_sample is not None:
             for _ in samples:
                 self._on_sample(1)

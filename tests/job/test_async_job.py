@@ -20,6 +20,7 @@ from tests.topologies.job_checks import check_run, metrics, run_job
 CONFIG = "configs/async_cpu.yaml"
 ENGINES = ["default/g0/e0", "default/g0/e1"]
 BATCH, N = 4, 4  # async_cpu.yaml's rollout_batch_size and n_samples_per_prompt
+FILTER = "slime_like.rollout.filters.check_reward_nonzero_std"
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +59,11 @@ def test_fully_async_updates_weights_while_requests_run(tmp_path, shared_ray, mo
     flags = {"retract": ["--pause-generation-mode", "retract"],
              "in_place": ["--pause-generation-mode", "in_place",
                           "--sglang-disable-radix-cache"],
+             # with the off-policy correction and a dynamic-sampling filter as well
              "abort_partial": ["--pause-generation-mode", "abort", "--partial-rollout",
-                               "--mask-offpolicy-in-partial-rollout"]}[mode]
+                               "--mask-offpolicy-in-partial-rollout",
+                               "--use-rollout-logprobs", "--use-tis",
+                               "--dynamic-sampling-filter-path", FILTER]}[mode]
     steps = 5
     run_job(tmp_path, CONFIG, "--num-rollout", str(steps), "--max-weight-staleness", "1",
             *flags)
@@ -77,12 +81,20 @@ def test_fully_async_updates_weights_while_requests_run(tmp_path, shared_ray, mo
         assert sum(m["requests_aborted"] for m in ms) > 0
         assert sum(m["samples_partial"] for m in ms) > 0
         assert sum(m["partial_resubmits"] for m in ms) > 0
+        # the loss weighed the tokens by the engines' logprobs; samples a version behind
+        # are off-policy, so the trainer's logprobs differ from the engines' there
+        assert all(0 < m["tis_mean"] <= 2.0 and m["ratio_mean"] > 0 for m in ms)
+        assert max(m["train_rollout_logprob_abs_diff"] for m in ms) > 0
 
 
 def test_one_step_overlaps_rollout_with_training(tmp_path, shared_ray):
     steps = 4
-    run_job(tmp_path, CONFIG, "--async-mode", "one-step", "--num-rollout", str(steps))
+    run_job(tmp_path, CONFIG, "--async-mode", "one-step", "--num-rollout", str(steps),
+            "--dynamic-sampling-filter-path", FILTER, "--over-sampling-batch-size", "6")
     ms = check_async_run(tmp_path, steps, bound=1)
+    # dynamic sampling drew 6 prompts a round and kept 4 groups whose rewards differ
+    assert all(m["dynamic_sampling_prompts_drawn"] >= 6 for m in ms)
+    assert all(m["dynamic_sampling_kept"] >= BATCH for m in ms)
     # from the second step on every sample is exactly one version behind the trained one,
     # and generation is drained before each update: no sample spans versions
     assert [sorted(m["staleness"]) for m in ms[1:]] == [["1"]] * (steps - 1)
