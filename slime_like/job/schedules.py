@@ -57,24 +57,32 @@ def run_one_step(job: Job) -> None:
             pending = nxt
 
 
-class _StepHook:
-    """The producer's per-sample callback, forwarded to the current step's chaos hook."""
+class _StepHooks:
+    """The producer's per-sample callback, forwarded to each step's chaos hook.
 
-    def __init__(self):
-        self.hook = None
-        self.count = 0
+    A step's hook counts the samples finished since it was armed: while the producer is a
+    full staleness window ahead no sample finishes during a step, so a hook stays armed
+    into the next steps until it has seen a batch's worth of samples.
+    """
+
+    def __init__(self, batch_samples: int):
+        self.batch_samples = batch_samples
+        self.armed: list[list] = []   # [hook, samples seen]
         self.lock = threading.Lock()
 
     def arm(self, hook) -> None:
-        with self.lock:
-            self.hook, self.count = hook, 0
+        if hook is not None:
+            with self.lock:
+                self.armed.append([hook, 0])
 
     def __call__(self, _: int) -> None:
         with self.lock:
-            self.count += 1
-            hook, count = self.hook, self.count
-        if hook is not None:
-            hook(count)
+            for entry in self.armed:
+                entry[1] += 1
+            due = [(hook, seen) for hook, seen in self.armed]
+            self.armed = [e for e in self.armed if e[1] < self.batch_samples]
+        for hook, seen in due:
+            hook(seen)
 
 
 def run_fully_async(job: Job) -> None:
@@ -82,7 +90,7 @@ def run_fully_async(job: Job) -> None:
     settings, fleet = job.settings, job.fleet
     asynchrony, rollout_settings = settings.asynchrony, settings.rollout
     n, batch = rollout_settings.n_samples_per_prompt, rollout_settings.batch_size
-    hook = _StepHook()
+    hook = _StepHooks(batch * n)
     with fleet.generator(keep_mixed_versions=True,
                          partial_rollout=asynchrony.partial_rollout) as generator:
         producer = RolloutProducer(

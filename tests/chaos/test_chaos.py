@@ -2,7 +2,8 @@
 
 Short form (CI): four engines, sixteen steps, seven faults — SIGKILL during a rollout and at
 the pause, transfer, end and continue steps of a weight sync, a SIGSTOPped engine, a
-SIGKILLed router. The long form (`-m slow`) repeats it over several seeds.
+SIGKILLed router. The fully-async form fires the same faults while weights are updated
+with requests in flight. The long forms (`-m slow`) repeat them over several seeds.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ def fresh_ray():
         ray.shutdown()
 
 
-def run_chaos(run_dir, seed: int, steps: int = 16) -> dict:
+def run_chaos(run_dir, seed: int, steps: int = 16, *flags: str) -> dict:
     args = parse_args(["--config", "configs/chaos.yaml", "--output-dir", str(run_dir),
-                       "--chaos-seed", str(seed), "--num-rollout", str(steps)])
+                       "--chaos-seed", str(seed), "--num-rollout", str(steps), *flags])
     assert train(args) == 0  # every step completed (a violation raises)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     chaos = json.loads((run_dir / "chaos.json").read_text())
@@ -76,3 +77,32 @@ def test_chaos_short_form(tmp_path, fresh_ray):
 def test_chaos_long_form(tmp_path, fresh_ray, seed):
     out = run_chaos(tmp_path, seed=seed, steps=24)
     check(tmp_path, out, 24)
+
+
+FULLY_ASYNC = ("--fully-async", "--pause-generation-mode", "abort", "--partial-rollout")
+
+
+def check_fully_async(run_dir, out: dict, steps: int) -> None:
+    """Kills during in-flight updates lose and double nothing: every group admitted was
+    trained on, dropped as stale or left over at the end, exactly once."""
+    check(run_dir, out, steps)
+    summary = json.loads((run_dir / "async.json").read_text())
+    groups = summary["groups"]
+    assert summary["balanced"] and groups["failed"] == 0, groups
+    seqs = [seq for m in out["metrics"] for seq in m["group_seqs"]]
+    assert len(seqs) == len(set(seqs)) == groups["taken"] == steps * 4, seqs
+    # updates landed while requests ran, and aborted samples were continued from their tokens
+    assert sum(m["groups_in_flight_at_sync"] > 0 for m in out["metrics"]) >= 2
+    assert sum(m["samples_partial"] for m in out["metrics"]) > 0
+
+
+def test_chaos_fully_async_short_form(tmp_path, fresh_ray):
+    out = run_chaos(tmp_path, 7, 10, *FULLY_ASYNC)
+    check_fully_async(tmp_path, out, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(10))
+def test_chaos_fully_async_long_form(tmp_path, fresh_ray, seed):
+    out = run_chaos(tmp_path, seed, 24, *FULLY_ASYNC)
+    check_fully_async(tmp_path, out, 24)
