@@ -9,6 +9,9 @@
     weights.push(model)                       # engines serve version 1, verified
     samples = fleet.generate(prompt_ids, n=4, sampling_params={"temperature": 1.0})
     fleet.subscribe(lambda event: print(event.subject, event.kind, event.details))
+    with fleet.stream(prompts, n=4, sampling_params=..., batch_size=8) as stream:
+        batch = stream.next_batch()           # generation never waits for your loop
+        weights.push(model)                   # updated while requests run
     fleet.shutdown()
 
 `fleet.router_url()` is the router to send your own `/generate` traffic to; the job
@@ -27,10 +30,13 @@ from slime_like.errors import FleetError
 from slime_like.fleet.events import EngineState, EventSink, FleetEvent, Happening, RouterState
 from slime_like.fleet.fleet import Fleet, Update
 from slime_like.fleet.push import FleetWeights
+from slime_like.fleet.stream import RolloutStream
 from slime_like.protocol.weight_version import WeightVersion
+from slime_like.rollout.producer import Batch, ProducerCounts
 
-__all__ = ["EngineState", "Fleet", "FleetError", "FleetEvent", "FleetWeights", "Happening",
-           "RouterState", "Update", "WeightVersion", "launch_fleet"]
+__all__ = ["Batch", "EngineState", "Fleet", "FleetError", "FleetEvent", "FleetWeights",
+           "Happening", "ProducerCounts", "RolloutStream", "RouterState", "Update",
+           "WeightVersion", "launch_fleet"]
 
 
 def launch_fleet(sglang_config: str | Path | None = None, *, model_path: str | Path,

@@ -3,6 +3,7 @@ generates through the router, pushes weights after each step and watches lifecyc
 
     python examples/own_trainer/train_loop.py            # reference engines on CPU
     python examples/own_trainer/train_loop.py --engine sglang --model-path /models/Qwen3-4B
+    python examples/own_trainer/train_loop.py --fully-async   # generation never waits
 
 Nothing here is slime_like's trainer: the "training" is a plain torch loop over the model
 the engines serve, standing in for Megatron, FSDP or a torchrl loss module.
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-path", default=None, help="HF checkpoint (default: a tiny model)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None, help="logs folder (default: a temp dir)")
+    p.add_argument("--fully-async", action="store_true",
+                   help="pull batches from fleet.stream() while pushes update the engines "
+                        "with requests in flight (retract)")
     a = p.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="own-trainer-"))
     model_path = a.model_path or str(make_tiny_model(out / "model", seed=0))
@@ -45,9 +49,12 @@ def main(argv: list[str] | None = None) -> dict:
                          on_event=lambda ev: events.append((ev.subject, ev.kind.value)))
     try:
         model = load_pretrained(model_path, dtype=torch.float32)
-        weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20)
+        weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20,
+                               pause_mode="retract")
         weights.push(model)  # version 1: the engines are routed only now, verified
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        if a.fully_async:
+            return {**fully_async(fleet, weights, model, opt, a.steps), "events": events}
         served = []
         for step in range(a.steps):
             samples = fleet.generate([[1, 72, 105], [1, 83, 97]], n=2,
@@ -68,6 +75,32 @@ def main(argv: list[str] | None = None) -> dict:
                 "states": fleet.states()}
     finally:
         fleet.shutdown()
+
+
+def fully_async(fleet, weights: FleetWeights, model, opt, steps: int) -> dict:
+    """The same loop on the streaming side: batches pulled while generation goes on, each
+    push an in-flight update; samples are at most one version behind."""
+    prompts = ([1, 72 + i % 20, 105] for i in range(10_000))
+    stale, mixed = [], 0
+    with fleet.stream(prompts, n=2, batch_size=2, max_staleness=1,
+                      sampling_params={"temperature": 1.0, "max_new_tokens": 24}) as stream:
+        for step in range(steps):
+            batch = stream.next_batch()
+            stale.append(batch.staleness)
+            mixed += sum(len(s.versions()) > 1 for s in batch.samples)
+            ids = torch.tensor([batch.samples[0].prompt_ids + batch.samples[0].output_ids])
+            loss = model(ids).float().logsumexp(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            report = weights.push(model)  # requests keep running through it
+            print(f"step {step}: staleness {batch.staleness}, pushed version "
+                  f"{report['weight_version']}, {stream.generator.aborted} aborted")
+        counts = stream.close()
+    weights.close()
+    return {"staleness": stale, "mixed_samples": mixed, "counts": vars(counts),
+            "balanced": counts.balanced(), "version": int(fleet.version),
+            "states": fleet.states()}
 
 
 if __name__ == "__main__":

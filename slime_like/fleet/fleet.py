@@ -48,6 +48,7 @@ from slime_like.fleet.lifecycle import SYNCABLE, ManagedEngine, records_from_pla
 from slime_like.fleet.offload import Offload
 from slime_like.fleet.recovery import Recovery
 from slime_like.fleet.routers import Routers
+from slime_like.fleet.stream import RolloutStream
 from slime_like.protocol.weight_version import WeightVersion, parse_weight_version
 from slime_like.rollout.generate import RouterGenerator, Sample
 from slime_like.rollout.scoring import token_logprobs
@@ -407,6 +408,16 @@ class Fleet:
         finally:
             with self.lock:
                 self._generators.discard(gen)
+
+    def stream(self, prompts: Any, *, n: int, sampling_params: dict, batch_size: int,
+               max_staleness: int = 1, partial_rollout: bool = False,
+               model: str | None = None) -> RolloutStream:
+        """Generation that never waits for the caller: batches of groups pulled with
+        `next_batch()` while weight pushes update the engines in flight
+        (`fleet/stream.py`)."""
+        return RolloutStream(self, prompts, n=n, sampling_params=sampling_params,
+                             batch_size=batch_size, max_staleness=max_staleness,
+                             partial_rollout=partial_rollout, model=model)
 
     def token_logprobs(self, pairs: Sequence[tuple[list[int], list[int]]],
                        model: str) -> list[list[float]]:

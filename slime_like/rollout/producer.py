@@ -123,6 +123,7 @@ class RolloutProducer:
         self._seq = 0
         self._prompts: list[PromptItem] = []
         self._stopping = False
+        self._exhausted = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -162,6 +163,9 @@ class RolloutProducer:
                     del self._ready[:self.batch_groups]
                     self.counts.taken += len(groups)
                     break
+                if self._exhausted and self._running == 0:
+                    raise ProducerError(f"the prompts ran out: {len(self._ready)} groups "
+                                        f"ready, fewer than a batch of {self.batch_groups}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ProducerError(f"no batch of {self.batch_groups} groups within "
@@ -226,8 +230,9 @@ class RolloutProducer:
                     with self._lock:
                         if self._stopping:
                             break
-                        room = admission_capacity(self.max_staleness, self.batch_groups,
-                                                  self._trained, self._accepted, self._running)
+                        room = 0 if self._exhausted else admission_capacity(
+                            self.max_staleness, self.batch_groups, self._trained,
+                            self._accepted, self._running)
                         self._running += max(0, room)
                     for _ in range(max(0, room)):
                         task = asyncio.ensure_future(self._group(session, limit))
@@ -243,10 +248,13 @@ class RolloutProducer:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _next_prompt(self) -> tuple[int, PromptItem]:
+    def _next_prompt(self) -> tuple[int, PromptItem] | None:
         if not self._prompts:
             # A batch's worth at a time: the same prompts in the same order as the sync job.
             self._prompts = list(self.next_prompts(self._draw_size))
+            if not self._prompts:
+                self._exhausted = True
+                return None
         seq = self._seq
         self._seq += 1
         self.counts.admitted += 1
@@ -254,7 +262,12 @@ class RolloutProducer:
 
     async def _group(self, session, limit: asyncio.Semaphore) -> None:
         with self._lock:
-            seq, prompt = self._next_prompt()
+            drawn = self._next_prompt()
+            if drawn is None:  # the prompts ran out
+                self._running -= 1
+                self._lock.notify_all()
+                return
+            seq, prompt = drawn
         calls = [self.generator.sample(session, limit, seq, prompt.input_ids,
                                        sample_params(self.sampling_params, seq * self.n + j))
                  for j in range(self.n)]

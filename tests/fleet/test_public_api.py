@@ -18,12 +18,16 @@ def fresh_ray():
         ray.shutdown()
 
 
-def test_own_trainer_example_pushes_weights_and_serves_only_the_pushed_version(tmp_path,
-                                                                              fresh_ray):
+def _example():
     spec = importlib.util.spec_from_file_location("train_loop", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    out = example.main(["--steps", "2", "--out", str(tmp_path)])
+    return example
+
+
+def test_own_trainer_example_pushes_weights_and_serves_only_the_pushed_version(tmp_path,
+                                                                              fresh_ray):
+    out = _example().main(["--steps", "2", "--out", str(tmp_path)])
     # push 1 before the loop, one push per step: each step's samples came from exactly the
     # version pushed before it
     assert out["served"] == [["1"], ["2"]]
@@ -35,3 +39,14 @@ def test_own_trainer_example_pushes_weights_and_serves_only_the_pushed_version(t
         # routed only through a verified update; stopped at the end
         assert states[:4] == ["LAUNCHING", "LOADED", "UPDATING", "REGISTERED"], states
         assert states[-1] == "STOPPED"
+
+
+def test_own_trainer_streams_batches_while_pushes_update_in_flight(tmp_path, fresh_ray):
+    out = _example().main(["--steps", "4", "--out", str(tmp_path), "--fully-async"])
+    # every batch within the bound, one push per step after the first
+    assert out["version"] == 5
+    assert all(max(ages) <= 1 for ages in out["staleness"]), out["staleness"]
+    assert any(1 in ages for ages in out["staleness"]), "the stream never ran ahead"
+    counts = out["counts"]
+    assert out["balanced"] and counts["taken"] == 4 * 2 and counts["failed"] == 0, counts
+    assert set(out["states"].values()) == {"REGISTERED"}
