@@ -119,6 +119,13 @@ class _Track:
         self.state = None
         self.last_seen = max(self.last_seen, at)
 
+    def forget_before(self, before: float, batch: int = 1024) -> None:
+        """Drop closed intervals that ended before `before` (they stay in the file); in
+        batches, so a long run's memory stays bounded without copying the list each poll."""
+        n = bisect.bisect_right(self._ends, before)
+        if n >= batch:
+            del self.closed[:n], self._ends[:n]
+
     def intervals(self, since: float, until: float) -> list[Interval]:
         """Intervals overlapping [since, until]; the open one reaches its last observation."""
         first = bisect.bisect_right(self._ends, since)
@@ -146,19 +153,21 @@ class EngineUtilization:
     `engines` is called each poll (e.g. `lambda: fleet.handles()`), so engines may come and
     go; one that leaves the set has its interval closed. An engine whose `/v1/loads` fails
     `down_after` polls in a row is `down` from its first failed poll (one slow answer on a
-    loaded machine is not a death). Nothing here raises into the job.
+    loaded machine is not a death). Intervals older than `keep_s` leave memory (the file
+    keeps them). Nothing here raises into the job.
     """
 
     def __init__(self, engines: Callable[[], Iterable[EngineHandle]], *,
                  interval_s: float = 0.05, timeout_s: float | None = None, down_after: int = 3,
                  log: UtilizationLog | None = None, clock: Callable[[], float] = time.time,
-                 max_workers: int = 8):
+                 max_workers: int = 8, keep_s: float = 3600.0):
         if interval_s <= 0:
             raise ValueError(f"EngineUtilization: interval_s must be > 0, got {interval_s}")
         self._engines = engines
         self.interval_s = interval_s
         self.timeout_s = timeout_s if timeout_s is not None else max(0.02, 0.8 * interval_s)
         self.down_after = max(1, down_after)
+        self.keep_s = keep_s
         self._log = log
         self._clock = clock
         self._tracks: dict[str, _Track] = {}
@@ -205,6 +214,7 @@ class EngineUtilization:
                 if engine not in handles and track.state is not None:
                     track.close(at)
                     self._failing.pop(engine, None)
+                track.forget_before(at - self.keep_s)
             self.polls += 1
 
     def _run(self) -> None:

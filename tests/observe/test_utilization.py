@@ -15,6 +15,7 @@ from slime_like.observe.utilization import (
     BUSY,
     DOWN,
     IDLE,
+    PAUSED,
     EngineUtilization,
     RunUtilization,
     TrainerUtilization,
@@ -59,6 +60,14 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
         quiet_until = time.time()
         assert util.state_of("e0") == IDLE
         assert util.idle_ratio(begun, quiet_until) == 1.0
+
+        # Paused for a sync: not busy, and counted as idle time.
+        watched[0].pause_generation("retract", timeout=10)
+        try:
+            _wait_for("e0 paused", lambda: util.state_of("e0") == PAUSED)
+        finally:
+            watched[0].continue_generation(timeout=10)
+        _wait_for("e0 idle after continue", lambda: util.state_of("e0") == IDLE)
 
         # One long generation: the engine is busy while it runs, idle again after.
         out: dict = {}
