@@ -179,3 +179,29 @@ def test_run_utilization_writes_syncs_and_trainer_phases_for_the_report(tmp_path
     ratios = run_idle_ratios(rows)
     assert ratios["engine_idle_ratio"] == 0.25
     assert ratios["trainer_idle_ratio"] == pytest.approx(0.8)  # 2 s busy of 10.0..20.0
+
+
+def test_observers_start_the_sampler_and_close_stops_it_before_the_report(tmp_path):
+    from slime_like.config.parse import parse_args
+    from slime_like.config.slices import observe_settings
+    from slime_like.observe import RunObservers
+
+    args = parse_args(["--config", "configs/quickstart.yaml", "--num-rollout", "1",
+                       "--output-dir", str(tmp_path)])
+    obs = RunObservers.start(observe_settings(args), tmp_path)
+    unreachable = EngineHandle("http://127.0.0.1:9", engine_id="e0")
+    util = obs.start_utilization(lambda: [unreachable], interval_s=0.02)
+    assert obs.start_utilization(lambda: []) is util  # one sampler per run
+    begun = time.time()
+    with util.trainer.busy("train"):
+        _wait_for("e0 down", lambda: util.engines.state_of("e0") == DOWN)
+    util.record_sync(time.time(), time.time() + 0.01, version=1)
+    obs.log_step(0, {"reward_mean": 0.5, "async_mode": "one-step",
+                     **util.step_metrics(begun), "staleness": {0: 3, 1: 1}})
+    text = obs.close("async run").read_text()
+    assert not util.engines._thread.is_alive()
+    assert "- schedule: one-step" in text and "(utilization.png)" in text
+    # e0 never answered: no engine time was observed, so there is no engine ratio.
+    assert "idle over the run: engines n/a" in text
+    rows = read_utilization(tmp_path / "utilization.jsonl")
+    assert [r["state"] for r in rows["engine"]] == [DOWN] and len(rows["sync"]) == 1
