@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only named in hints: `slime-like report` needs no engine client
     from slime_like.engine.handle import EngineHandle
+
+    # What the engine set callable returns: handles (named by engine_id) or {name: handle}.
+    EngineSet = Iterable[EngineHandle] | Mapping[str, EngineHandle]
 
 logger = logging.getLogger(__name__)
 
@@ -151,14 +154,14 @@ class EngineUtilization:
     """Samples every engine's load on a thread; busy/idle/paused/down intervals per engine.
 
     `engines` is called each poll (e.g. `lambda: fleet.handles()`), so engines may come and
-    go; one that leaves the set has its interval closed. An engine whose `/v1/loads` fails
+    go; it returns handles (rows named by `engine_id`) or a {name: handle} mapping. One that leaves the set has its interval closed. An engine whose `/v1/loads` fails
     `down_after` polls in a row is `down` from its first failed poll (one slow answer on a
     loaded machine is not a death). Intervals older than `keep_s` leave memory (the file
     keeps them). Nothing here raises into the job.
     """
 
-    def __init__(self, engines: Callable[[], Iterable[EngineHandle]], *,
-                 interval_s: float = 0.05, timeout_s: float | None = None, down_after: int = 3,
+    def __init__(self, engines: Callable[[], EngineSet], *, interval_s: float = 0.05,
+                 timeout_s: float | None = None, down_after: int = 3,
                  log: UtilizationLog | None = None, clock: Callable[[], float] = time.time,
                  max_workers: int = 8, keep_s: float = 3600.0):
         if interval_s <= 0:
@@ -192,7 +195,9 @@ class EngineUtilization:
     def poll_once(self) -> None:
         """One poll of every engine (the thread calls it every `interval_s`)."""
         try:
-            handles = {str(h.engine_id): h for h in self._engines()}
+            found = self._engines()
+            handles = ({str(k): h for k, h in found.items()} if isinstance(found, Mapping)
+                       else {str(h.engine_id): h for h in found})
         except Exception as e:  # noqa: BLE001 - the engine set is the fleet's; try again later
             logger.debug("engine set unavailable: %s", e)
             return
@@ -329,7 +334,7 @@ class RunUtilization:
     `trainer.busy(...)`, calls `record_sync` after each sync and `step_metrics` per step.
     """
 
-    def __init__(self, engines: Callable[[], Iterable[EngineHandle]], run_dir: Path,
+    def __init__(self, engines: Callable[[], EngineSet], run_dir: Path,
                  origin: float, *, interval_s: float = 0.05, timeout_s: float | None = None,
                  clock: Callable[[], float] = time.time):
         self.log = UtilizationLog(Path(run_dir) / UTILIZATION_FILE, origin)

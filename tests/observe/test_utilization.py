@@ -124,9 +124,9 @@ def test_a_failing_engine_set_or_stopped_engine_never_raises_into_the_job():
     assert not util._thread.is_alive() and util.intervals() == []
 
     # Nothing listens there: after `down_after` failed polls it is down, from the first.
-    port_free = EngineHandle("http://127.0.0.1:9", engine_id="nowhere")
+    port_free = EngineHandle("http://127.0.0.1:9")  # named by the mapping below
     clock = iter(float(t) for t in range(100))
-    util = EngineUtilization(lambda: [port_free], interval_s=0.01, timeout_s=0.2,
+    util = EngineUtilization(lambda: {"nowhere": port_free}, interval_s=0.01, timeout_s=0.2,
                              down_after=3, clock=lambda: next(clock))
     for _ in range(2):
         util.poll_once()
