@@ -95,20 +95,20 @@ def _time_weighted(steps: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def is_async_run(steps: list[dict]) -> bool:
-    """Whether any step carries the asynchronous schedules' metrics."""
-    return any(r.get("async_mode") not in (None, "sync") or STALENESS in r
-               or any(k in r for k in COUNTS) for r in steps)
+def has_async_metrics(steps: list[dict]) -> bool:
+    """Whether any step carries these metrics (a `sync` run of the same job may too, so
+    the two compare)."""
+    return any(k in r for r in steps for k in ASYNC_KEYS)
 
 
 def summary_lines(steps: list[dict], run_ratios: Mapping[str, float | None] | None = None
                   ) -> list[str]:
-    """The report's bullets for an asynchronous run ([] for a sync run without its keys).
+    """The report's bullets for a run with these metrics ([] for one without them).
 
     `run_ratios` are the idle ratios over the whole run from utilization.jsonl; without
     them each is the per-step ratios weighted by step time.
     """
-    if not is_async_run(steps):
+    if not has_async_metrics(steps) and not any(v is not None for v in (run_ratios or {}).values()):
         return []
     modes = sorted({str(r["async_mode"]) for r in steps if r.get("async_mode")})
     lines = [f"- schedule: {', '.join(modes) or 'not recorded'}"]

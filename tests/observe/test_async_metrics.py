@@ -142,3 +142,17 @@ def test_tensorboard_gets_the_staleness_histogram_and_its_scalars(tmp_path):
     assert [e.value for e in acc.Scalars("staleness_max")] == [2.0, 2.0]
     (first, _) = acc.Histograms("staleness")
     assert first.histogram_value.num == 4 and first.histogram_value.max == 2.0
+
+
+def test_a_sync_schedule_with_the_sampler_on_shows_its_idle_ratios_for_comparison(tmp_path):
+    report = RunReport(tmp_path, started=ORIGIN)
+    log = UtilizationLog(tmp_path / "utilization.jsonl", origin=ORIGIN)
+    log.write("engine", ORIGIN, ORIGIN + 1.0, subject="e0", state=BUSY)
+    log.write("engine", ORIGIN + 1.0, ORIGIN + 4.0, subject="e0", state=IDLE)
+    log.write("trainer", ORIGIN + 1.0, ORIGIN + 4.0, subject="trainer", state="train")
+    report.log_step(0, {"reward_mean": 0.5, "async_mode": "sync", "samples_per_s": 2.0,
+                        "engine_idle_ratio": 0.75, "trainer_idle_ratio": 0.25}, time_s=4.0)
+    text = report.render().read_text()
+    assert "- schedule: sync" in text
+    assert "- idle over the run: engines 75.0% (no request running), trainer 25.0%" in text
+    assert "staleness" not in text and "samples partial" not in text
