@@ -356,12 +356,16 @@ class RunUtilization:
         self.syncs.append((start, end, str(version)))
         self.log.write("sync", start, end, version=str(version))
 
-    def step_metrics(self, since: float, until: float | None = None) -> dict[str, float]:
-        """`engine_idle_ratio` and `trainer_idle_ratio` over [since, until] (until: now);
-        a ratio with nothing observed is left out."""
+    def step_metrics(self, since: float, until: float | None = None,
+                     samples: int | None = None) -> dict[str, float]:
+        """`engine_idle_ratio` and `trainer_idle_ratio` over [since, until] (until: now), and
+        `samples_per_s` when the step's trained `samples` are given; a ratio with nothing
+        observed is left out."""
         until = self._clock() if until is None else until
         out = {"engine_idle_ratio": self.engines.idle_ratio(since, until),
                "trainer_idle_ratio": self.trainer.idle_ratio(since, until)}
+        if samples is not None and until > since:
+            out["samples_per_s"] = round(samples / (until - since), 4)
         return {k: v for k, v in out.items() if v is not None}
 
 

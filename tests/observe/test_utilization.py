@@ -170,6 +170,8 @@ def test_run_utilization_writes_syncs_and_trainer_phases_for_the_report(tmp_path
     util.record_sync(102.0, 102.5, version=3)
     clock.now = 110.0
     assert util.step_metrics(100.0) == {"trainer_idle_ratio": 0.8}  # no engine observed
+    assert util.step_metrics(100.0, 105.0, samples=20) == {"trainer_idle_ratio": 0.6,
+                                                            "samples_per_s": 4.0}
     rows = read_utilization(tmp_path / "utilization.jsonl")
     assert rows["sync"] == [{"kind": "sync", "version": "3", "start_s": 12.0, "end_s": 12.5}]
     assert rows["trainer"][0]["state"] == "train"
