@@ -9,6 +9,7 @@ so the job only says: the fleet did something (`on_event`, a `FleetEvent`), a st
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from slime_like.observe.progress import RunProgress
 from slime_like.observe.report import RunReport
 from slime_like.observe.run_info import json_safe
 from slime_like.observe.tracking import Tracker, build_tracker
+from slime_like.observe.utilization import RunUtilization
 
 # Events whose `url` is where an engine serves (and its /metrics).
 _SERVING_AT = (EngineState.LOADED, EngineState.STALE)
@@ -31,6 +33,7 @@ class RunObservers:
         self.report = report
         self.tracker = tracker
         self.progress = progress
+        self.utilization: RunUtilization | None = None
         self._engine_urls: dict[str, str] = {}
         self._router_urls: dict[str, str] = {}
         # Events come from recovery threads while the loop logs steps.
@@ -87,8 +90,20 @@ class RunObservers:
             self.tracker.log_step(step, metrics)
             self.progress.step(step, metrics.get("reward_mean"))
 
+    def start_utilization(self, engines: Callable[[], Iterable[Any]],
+                          interval_s: float = 0.05) -> RunUtilization:
+        """Start sampling engine load (`engines()` read each poll: the `EngineHandle`s to
+        watch); the trainer's phases and the syncs are marked on what it returns. Written
+        to utilization.jsonl, drawn as utilization.png; stopped by `close`."""
+        if self.utilization is None:
+            self.utilization = RunUtilization(engines, self.report.out_dir, self.report.started,
+                                              interval_s=interval_s).start()
+        return self.utilization
+
     def close(self, title: str, notes: list[str] | None = None) -> Path:
         """Stop progress and tracking, render report.md; returns its path."""
+        if self.utilization is not None:
+            self.utilization.stop()
         self.progress.close()
         self.tracker.close()
         return self.report.render(title=title, notes=notes)

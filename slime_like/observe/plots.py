@@ -37,7 +37,8 @@ def _mark_incidents(ax, steps: list[dict], incidents: list[Incident]) -> None:
 
 
 def plot_run(out_dir: Path, steps: list[dict], events: list[dict],
-             incidents: list[Incident]) -> list[tuple[str, str]]:
+             incidents: list[Incident], utilization: dict[str, list[dict]] | None = None
+             ) -> list[tuple[str, str]]:
     """Write the plots into `out_dir`; (label, file name) of each written."""
     import matplotlib
 
@@ -61,6 +62,11 @@ def plot_run(out_dir: Path, steps: list[dict], events: list[dict],
         figures.append((label, name))
     if events:
         figures.append(("engine timeline", _plot_timeline(out_dir, events, plt)))
+    if utilization and (utilization.get("engine") or utilization.get("trainer")):
+        from slime_like.observe.utilization_plot import plot_utilization
+
+        figures.append(("engine and trainer busy/idle, syncs marked",
+                        plot_utilization(out_dir, utilization, plt)))
     return figures
 
 

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from slime_like.fleet.events import FleetEvent, is_routine, kind_of, previous_of
+from slime_like.observe import async_metrics
 from slime_like.observe.endpoints import MetricsEndpoint
 from slime_like.observe.incidents import Incident, IncidentLog
 from slime_like.observe.run_info import write_run_info
+from slime_like.observe.utilization import UTILIZATION_FILE, read_utilization, run_idle_ratios
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,8 @@ MAX_EVENT_ROWS = 30  # report.md stays short; engine_timeline.jsonl has every ev
 EARLIER_RUNS = "earlier-runs"  # where a new run moves an earlier run's files
 # One run's own files (the logs, the model and checkpoints stay where they are).
 RUN_FILES = ("metrics.jsonl", "engine_timeline.jsonl", "report.md", "endpoints.json",
-             "chaos.json", "reward.png", "weight_sync.png", "engine_timeline.png")
+             "chaos.json", "reward.png", "weight_sync.png", "engine_timeline.png",
+             "utilization.jsonl", "utilization.png")
 
 
 def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -193,10 +196,12 @@ class RunReport:
         log = IncidentLog()
         for e in events:
             log.feed(e)
-        figures = plot_run(self.out_dir, steps, events, log.incidents)
+        utilization = read_utilization(self.out_dir / UTILIZATION_FILE)
+        figures = plot_run(self.out_dir, steps, events, log.incidents, utilization)
 
         lines = [f"# {title}", "", "## Summary", ""]
         lines += summary_lines(steps, log.incidents)
+        lines += async_metrics.summary_lines(steps, run_idle_ratios(utilization))
         lines += [f"- {note}" for note in notes or []]
         files = [n for n in ("config.json", "versions.json") if (self.out_dir / n).is_file()]
         if files:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from slime_like.config.slices import TrackingSettings
 from slime_like.errors import ConfigError
 from slime_like.fleet.events import FleetEvent, kind_of
+from slime_like.observe.async_metrics import COUNTS, STALENESS, as_histogram, for_scalar_backends
 from slime_like.observe.incidents import IncidentLog
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class Backend(Protocol):
     def close(self) -> None:
         """Flush and release what the backend holds (files, a server, a run)."""
 
+    # Optional: `log_async(step, metrics)` gets the step's raw metrics (the staleness
+    # histogram as a dict, the mode as a string) where a backend can show more than scalars.
+
 
 class TensorBoardBackend:
     """Scalars per step and non-routine engine events as text, via torch's SummaryWriter."""
@@ -78,6 +82,16 @@ class TensorBoardBackend:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+
+    def log_async(self, step: int, metrics: dict[str, Any]) -> None:
+        """The staleness histogram as a TensorBoard histogram of span ages."""
+        hist = as_histogram(metrics.get(STALENESS))
+        if hist:
+            import numpy as np
+
+            ages = np.repeat(np.array(list(hist), dtype=np.float64), list(hist.values()))
+            self.writer.add_histogram(STALENESS, ages, step)
+            self.writer.flush()
 
     def log_event(self, event: dict[str, Any]) -> None:
         details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("engine", "state"))
@@ -140,16 +154,32 @@ def advertised_host() -> str:
 def _metric_name(key: str) -> str:
     """Prometheus spelling of a step metric: `sync_s` -> `slime_like_sync_seconds`."""
     name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    if name.endswith("_per_s"):
+        return "slime_like_" + name[:-2] + "_second"
     return "slime_like_" + (name[:-2] + "_seconds" if name.endswith("_s") else name)
 
 
+# Bucket bounds (versions behind) of the staleness histogram; ages above go to +Inf.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+
+
 class PrometheusBackend:
-    """The job's `/metrics`: step, every numeric step metric, engine states and recoveries."""
+    """The job's `/metrics`: step, every numeric step metric, engine states and recoveries.
+
+    The asynchronous schedules' sample counts are counters (`..._total`, summed over the
+    steps), the staleness a histogram of span ages, the schedule a 0/1 gauge per mode.
+    """
 
     name = "prometheus"
 
     def __init__(self, port: int = 0, host: str = "0.0.0.0"):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            Histogram,
+            start_http_server,
+        )
 
         self._gauge_cls = Gauge
         self.registry = CollectorRegistry()
@@ -164,6 +194,13 @@ class PrometheusBackend:
         self.recovery_s = Gauge("slime_like_engine_recovery_seconds",
                                 "Seconds from the last death to serving again", ["engine"],
                                 registry=self.registry)
+        self.sample_counts = {key: Counter(_metric_name(key), f"step metric {key}, summed",
+                                           registry=self.registry) for key in COUNTS}
+        self.staleness = Histogram("slime_like_staleness", "Versions between the trained "
+                                   "version and each sample's oldest span", registry=self.registry,
+                                   buckets=STALENESS_BUCKETS)
+        self.async_mode = Gauge("slime_like_async_mode", "1 for the schedule the job runs",
+                                ["mode"], registry=self.registry)
         self._states: dict[str, str] = {}
         self._incidents = IncidentLog()
         try:
@@ -183,7 +220,20 @@ class PrometheusBackend:
     def log_step(self, step: int, values: dict[str, float]) -> None:
         self._gauge("step").set(step)
         for key, value in values.items():
-            self._gauge(key).set(value)
+            if key in self.sample_counts:
+                if value > 0:
+                    self.sample_counts[key].inc(value)
+            else:
+                self._gauge(key).set(value)
+
+    def log_async(self, step: int, metrics: dict[str, Any]) -> None:
+        for age, count in as_histogram(metrics.get(STALENESS)).items():
+            for _ in range(count):
+                self.staleness.observe(age)
+        mode = metrics.get("async_mode")
+        if isinstance(mode, str) and mode:
+            for known in ("sync", "one-step", "fully-async", mode):
+                self.async_mode.labels(mode=known).set(1 if known == mode else 0)
 
     def log_event(self, event: dict[str, Any]) -> None:
         engine, state = event["engine"], kind_of(event["state"], event["engine"]).value
@@ -229,6 +279,8 @@ class Tracker:
 
     def _each(self, what: str, *call_args: Any) -> None:
         for b in list(self.backends):
+            if not hasattr(b, what):  # an optional method this backend does not have
+                continue
             try:
                 getattr(b, what)(*call_args)
             except Exception as e:  # noqa: BLE001 - a tracking outage must not end the run
@@ -239,7 +291,8 @@ class Tracker:
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         """The step's numeric metrics to every backend."""
         if self.backends:
-            self._each("log_step", step, scalars(metrics))
+            self._each("log_step", step, scalars(for_scalar_backends(metrics)))
+            self._each("log_async", step, metrics)
 
     def log_event(self, event: FleetEvent) -> None:
         """A fleet event to every backend, as a timeline row (its `state` the enum member)."""
