@@ -33,6 +33,7 @@ from slime_like.job.checks import LogprobCheck, check_logprobs, weight_versions
 from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
 from slime_like.job.schedules import run_schedule
+from slime_like.observe.async_metrics import staleness_histogram
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
 from slime_like.protocol.weight_version import WeightVersion
@@ -71,6 +72,13 @@ class Scores:
     advantages: list[float]
     ref_logprobs: list[list[float]] | None
     kl_metrics: dict[str, Any]
+
+
+def staleness_of(samples: list[Sample], trained_version: int) -> dict[str, int]:
+    """{age: samples}: how many versions each sample's oldest token is behind the trained
+    version (the sync schedule's are all 0)."""
+    return {str(age): count for age, count in staleness_histogram(
+        trained_version, (min(int(v) for v in s.versions()) for s in samples)).items()}
 
 
 def kept_batch(groups: list[list[Sample]]) -> tuple[list[PromptItem], list[Sample]]:
@@ -127,6 +135,8 @@ class Job:
         self.chaos: ChaosMonkey | None = None
         self.sampler: InvariantSampler | None = None
         self.crash: ChaosMonkey | None = None
+        self.utilization = None
+        self._step_started = 0.0
 
     # ---- the whole job -----------------------------------------------------------------------
 
@@ -140,6 +150,7 @@ class Job:
             self.launch()
             self.first_sync()
             self.start_chaos()
+            self.start_utilization()
             run_schedule(self)
             self.finish()
             return 0
@@ -203,6 +214,15 @@ class Job:
             first = self.push_weights(version)
         logger.info("first sync: version %s in %.3fs", first["weight_version"], first["total_s"])
 
+    def start_utilization(self) -> None:
+        """Engine busy/idle sampled from the engines' loads, trainer phases marked by
+        `learn`: the idle ratios and the utilization picture of the report."""
+        fleet = self.fleet
+        self.utilization = self.obs.start_utilization(
+            lambda: {e.engine_id: e.handle for e in fleet.engines
+                     if e.handle is not None and e.update_weights})
+        self._step_started = time.time()
+
     def start_chaos(self) -> None:
         """`--chaos-seed`: faults planned over the run, and the outside sampler started;
         `--simulate-engine-crash-at`: a plan of one fault."""
@@ -228,18 +248,34 @@ class Job:
     def learn(self, step: int, rollout: Rollout,
               before_sync: Callable[[], None] | None = None) -> None:
         """What the trainer does with one step's samples: score -> check -> train ->
-        (`before_sync`, e.g. drain the next rollout) -> sync, then log and save."""
+        (`before_sync`, e.g. drain the next rollout) -> sync, then log and save. Each phase
+        is marked busy for the trainer's idle ratio; the sync's span goes on the
+        utilization picture."""
+        busy = self.utilization.trainer.busy
+        rollout.metrics.setdefault("staleness", staleness_of(rollout.samples,
+                                                             int(self.fleet.version)))
         t0 = time.time()
-        scores = self.score(rollout.samples)
-        checked = self.check(rollout.samples, step)
-        train_metrics, released = self.train(rollout.samples, scores)
-        busy = time.time() - t0
+        with busy("score"):
+            scores = self.score(rollout.samples)
+        t1 = time.time()
+        with busy("check"):
+            checked = self.check(rollout.samples, step)
+        t2 = time.time()
+        with busy("train"):
+            train_metrics, released = self.train(rollout.samples, scores)
+        rollout.metrics.update(score_s=round(t1 - t0, 4), check_s=round(t2 - t1, 4),
+                               train_s=round(time.time() - t2, 4))
         if before_sync is not None:
             before_sync()
-        t1 = time.time()
-        sync = self.sync(step)
-        busy += time.time() - t1
-        rollout.metrics["trainer_busy_s"] = round(busy, 4)
+        started = time.time()
+        with busy("sync"):
+            sync = self.sync(step)
+        if sync:
+            self.utilization.record_sync(started, time.time(), int(self.fleet.version))
+        rollout.metrics.update(self.utilization.step_metrics(self._step_started,
+                                                             samples=len(rollout.samples)))
+        rollout.metrics.setdefault("async_mode", self.settings.asynchrony.mode)
+        self._step_started = time.time()
         self.log(step, rollout, scores, checked, train_metrics, released, sync)
         self.save(step, sync)
 

@@ -51,8 +51,7 @@ def run_one_step(job: Job) -> None:
             rollout = pending.result()
             waited = time.time() - t0
             nxt = pool.submit(job.rollout, step + 1) if step + 1 < steps.stop else None
-            rollout.metrics.update({"async_mode": "one-step", "trainer_wait_s": round(waited, 4),
-                                    "staleness": _ages(rollout.samples, int(job.fleet.version))})
+            rollout.metrics.update({"async_mode": "one-step", "trainer_wait_s": round(waited, 4)})
             job.learn(step, rollout, before_sync=(lambda f=nxt: f.exception()) if nxt else None)
             pending = nxt
 
@@ -121,6 +120,8 @@ def run_fully_async(job: Job) -> None:
                     "requests_aborted": now["aborted"] - seen["aborted"],
                     "partial_resubmits": now["partial"] - seen["partial"],
                     "requests_resubmitted": now["resubmitted"] - seen["resubmitted"],
+                    "samples_resubmitted": (now["resubmitted"] - seen["resubmitted"]
+                                            + now["partial"] - seen["partial"]),
                     "group_seqs": [g.seq for g in taken.groups],
                     "samples_filtered": (now["filtered"] - seen["filtered"]) * n,
                 })
@@ -141,12 +142,3 @@ def run_fully_async(job: Job) -> None:
                 f"fully-async: {counts.admitted} groups admitted, {counts.taken} trained, "
                 f"{counts.dropped_stale} dropped as stale, {counts.left_over} left over at "
                 f"the end" + ("" if counts.balanced() else " (UNBALANCED)"))
-
-
-def _ages(samples, version: int) -> dict[str, int]:
-    """Samples by how many versions their oldest token is behind `version`."""
-    ages: dict[str, int] = {}
-    for s in samples:
-        age = str(version - min(int(v) for v in s.versions()))
-        ages[age] = ages.get(age, 0) + 1
-    return ages
