@@ -1,0 +1,157 @@
+"""Asynchronous RL side by side: one config, run as sync, one-step and fully-async (each
+pause mode), in one process, on one local Ray cluster.
+
+    python benchmarks/async_rl.py                      # configs/async_cpu.yaml, 12 steps
+    python benchmarks/async_rl.py --steps 20 --modes sync,fully-async:retract
+
+Each run is the real job (reference engines behind sglang-router, the trainer over gloo).
+Figures are taken over the steady part of each run (from the end of its first step to the
+end of its last), so engine start-up and the first sync do not count:
+
+- samples/s: trained samples / that window, and its ratio to the sync run's;
+- step time, and for the sync run max(rollout, train + sync), the bound an overlapped
+  schedule can reach (the fully-async target is <= 1.15x of it);
+- engine idle: share of engine time with no request running (sampled from /v1/loads every
+  50 ms), trainer idle: share of the window outside score/check/train/sync;
+- staleness: versions between a sample's oldest token and the trained version;
+- reward first -> last, and the largest per-token |engine - trainer| log-probability
+  difference, each token checked at its own span's version;
+- CPU busy: the machine's CPU time used over the window (psutil): on a 2-core box the
+  trainer and the engines share the cores, which bounds what overlap can win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from slime_like.config.parse import parse_args  # noqa: E402
+from slime_like.observe.utilization import read_utilization  # noqa: E402
+from slime_like.train import train  # noqa: E402
+
+MODES = {
+    "sync": ["--async-mode", "sync"],
+    "one-step": ["--async-mode", "one-step"],
+    "fully-async:retract": ["--async-mode", "fully-async", "--pause-generation-mode", "retract"],
+    "fully-async:in_place": ["--async-mode", "fully-async", "--pause-generation-mode",
+                             "in_place", "--sglang-disable-radix-cache"],
+    "fully-async:abort": ["--async-mode", "fully-async", "--pause-generation-mode", "abort",
+                          "--partial-rollout"],
+}
+
+
+def engine_idle(run_dir: Path, start: float, end: float) -> float | None:
+    """Share of engine time in [start, end] with no request running (down time left out)."""
+    rows = read_utilization(run_dir / "utilization.jsonl")["engine"]
+    seen = idle = 0.0
+    for r in rows:
+        a, b = max(start, r["start_s"]), min(end, r["end_s"])
+        if b <= a or r.get("state") == "down":
+            continue
+        seen += b - a
+        if r.get("state") != "busy":
+            idle += b - a
+    return idle / seen if seen else None
+
+
+def trainer_idle(run_dir: Path, start: float, end: float) -> float | None:
+    rows = read_utilization(run_dir / "utilization.jsonl")["trainer"]
+    spans = sorted((max(start, r["start_s"]), min(end, r["end_s"])) for r in rows)
+    busy, cursor = 0.0, start
+    for a, b in spans:
+        a = max(a, cursor)
+        if b > a:
+            busy += b - a
+            cursor = b
+    return 1 - busy / (end - start) if end > start else None
+
+
+def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> dict:
+    run_dir = out / name.replace(":", "-")
+    args = parse_args(["--config", config, "--output-dir", str(run_dir), "--num-rollout",
+                       str(steps), "--rollout-health-check-interval", "30", *flags])
+    assert train(args) == 0, name
+    ms = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start, end = ms[0]["time_s"], ms[-1]["time_s"]
+    samples = sum(m["samples_returned"] for m in ms[1:])
+    ages = [int(age) for m in ms for age, count in m["staleness"].items() for _ in range(count)]
+    return {
+        "mode": name, "steps": steps,
+        "samples_per_s": samples / (end - start),
+        "step_s": (end - start) / (len(ms) - 1),
+        "rollout_s": statistics.median(m["rollout_s"] for m in ms[1:]),
+        "train_sync_s": statistics.median(m["score_s"] + m["check_s"] + m["train_s"]
+                                          + m["sync_s"] for m in ms[1:]),
+        "engine_idle": engine_idle(run_dir, start, end),
+        "trainer_idle": trainer_idle(run_dir, start, end),
+        "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages),
+        "reward_first": ms[0]["reward_mean"], "reward_last": ms[-1]["reward_mean"],
+        "logprob_diff_max": max(m["logprob_max_abs_diff"] for m in ms),
+        "mixed_samples": sum(m.get("logprob_checked_mixed_samples", 0) for m in ms),
+    }
+
+
+def cpu_busy_during(fn):
+    """Run fn(); the machine's CPU busy share over it."""
+    t0, c0 = time.time(), psutil.cpu_times()
+    result = fn()
+    t1, c1 = time.time(), psutil.cpu_times()
+    idle = (c1.idle - c0.idle) + (getattr(c1, "iowait", 0) - getattr(c0, "iowait", 0))
+    return result, 1 - idle / ((t1 - t0) * psutil.cpu_count())
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "async_cpu.yaml"))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args(argv)
+    out = Path(a.out or tempfile.mkdtemp(prefix="async-rl-"))
+    rows = []
+    for name in a.modes.split(","):
+        row, busy = cpu_busy_during(lambda n=name: run_one(n, MODES[n], a.config, a.steps, out))
+        row["cpu_busy"] = busy
+        rows.append(row)
+        print(f"[async_rl] {name}: {row['samples_per_s']:.1f} samples/s", flush=True)
+    base = next((r for r in rows if r["mode"] == "sync"), rows[0])
+    bound = max(base["rollout_s"], base["train_sync_s"])
+    print(f"\nconfig {a.config}, {a.steps} steps each; sync run: rollout {base['rollout_s']:.3f}"
+          f" s, train + sync {base['train_sync_s']:.3f} s -> overlap bound {bound:.3f} s/step\n")
+    head = ("| mode | samples/s | vs sync | step s | vs bound | engine idle | trainer idle | "
+            "staleness mean/max | reward first -> last | max logprob diff | mixed samples | "
+            "CPU busy |")
+    print(head)
+    print("|" + "---|" * 12)
+    for r in rows:
+        r["vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
+        r["vs_bound"] = r["step_s"] / bound
+        print(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['vs_sync']:.2f}x | "
+              f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {_pct(r['engine_idle'])} | "
+              f"{_pct(r['trainer_idle'])} | {r['staleness_mean']:.2f}/{r['staleness_max']} | "
+              f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
+              f"{r['logprob_diff_max']:.1e} | {r['mixed_samples']} | {_pct(r['cpu_busy'])} |")
+    if a.json_out:
+        with open(a.json_out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+if __name__ == "__main__":
+    main()
