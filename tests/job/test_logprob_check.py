@@ -35,3 +35,28 @@ def test_tolerance_decides_what_fails():
 def test_a_sample_from_another_version_is_a_stale_serve():
     with pytest.raises(LogprobMismatch, match="stale serve"):
         check_logprobs([_sample([-1.0, -2.0], version="2")], _Trainer([[-1.0, -2.0]]), 3, 1e-4)
+
+
+def _spanned(lps, spans, version="3"):
+    return Sample(0, [1, 2], [3, 4, 5], lps, version, "length",
+                  weight_spans=[(v, a, b) for v, a, b in spans])
+
+
+def test_a_mixed_sample_is_asked_span_by_span_and_checked_token_by_token():
+    sample = _spanned([-1.0, -2.0, -3.0], [("2", 0, 1), ("3", 1, 3)])
+    trainer = _Trainer([[-1.0, -2.0, -3.5]])
+    with pytest.raises(LogprobMismatch, match=r"differ by 0.5 .*\['2', '3'\]"):
+        check_logprobs([sample], trainer, 3, 1e-4, staleness=1)
+    assert trainer.calls[-1] == ([[(2, 0, 1), (3, 1, 3)]], 1.0)
+    # two versions back is outside a staleness bound of 1: a stale serve
+    with pytest.raises(LogprobMismatch, match="stale serve.*'1'.*accepted: 2..3"):
+        check_logprobs([_spanned([-1.0] * 3, [("1", 0, 1), ("3", 1, 3)])], trainer, 3, 1e-4,
+                       staleness=1)
+
+
+def test_check_fraction_draws_that_share_of_the_samples_by_seed():
+    samples = [_sample([-1.0, -2.0]) for _ in range(10)]
+    trainer = _Trainer([[-1.0, -2.0]] * 3)
+    result = check_logprobs(samples, trainer, 3, 1e-4, fraction=0.3, seed=5)
+    assert result.samples == 3 and result.tokens == 6
+    assert len(trainer.calls[-1][0]) == 3

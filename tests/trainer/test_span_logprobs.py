@@ -97,3 +97,18 @@ def test_every_token_matches_the_engine_at_its_own_version(engine, models, pause
     # the recomputation for the other pause mode disagrees after the update: the check
     # tells which KV the engine used
     assert _worst(engine_lps[spans[1][1]:], wrong[spans[1][1]:]) > 1e-3
+
+
+def test_the_trainer_keeps_frozen_copies_of_the_last_versions():
+    from slime_like.trainer.versions import VersionedWeights
+
+    model = torch.nn.Linear(2, 2)
+    kept = VersionedWeights(keep=2)
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(version)
+        kept.put(version, model)
+    assert kept.versions() == [2, 3] and kept.get(1) is None
+    with torch.no_grad():
+        model.weight.fill_(9)  # the trainer moves on; the copies do not
+    assert float(kept.get(2).weight[0, 0]) == 2 and not kept.get(3).weight.requires_grad
