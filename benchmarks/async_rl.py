@@ -115,13 +115,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--config", default=str(ROOT / "configs" / "async_cpu.yaml"))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-weight-staleness", type=int, default=None,
+                   help="the fully-async runs' bound (default: the config's, else 1)")
     p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="async-rl-"))
     rows = []
     for name in a.modes.split(","):
-        row, busy = cpu_busy_during(lambda n=name: run_one(n, MODES[n], a.config, a.steps, out))
+        flags = list(MODES[name])
+        if name.startswith("fully-async") and a.max_weight_staleness is not None:
+            flags += ["--max-weight-staleness", str(a.max_weight_staleness)]
+        row, busy = cpu_busy_during(lambda n=name, f=flags: run_one(n, f, a.config, a.steps,
+                                                                     out))
         row["cpu_busy"] = busy
         rows.append(row)
         print(f"[async_rl] {name}: {row['samples_per_s']:.1f} samples/s", flush=True)

@@ -19,7 +19,9 @@ from tests.topologies.job_checks import check_run, metrics, run_job
 
 CONFIG = "configs/async_cpu.yaml"
 ENGINES = ["default/g0/e0", "default/g0/e1"]
-BATCH, N = 4, 4  # async_cpu.yaml's rollout_batch_size and n_samples_per_prompt
+BATCH, N = 4, 4  # smaller batches than async_cpu.yaml's (the benchmark's), for CI's time
+SMALL = ("--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N),
+         "--rollout-max-response-len", "24")
 FILTER = "slime_like.rollout.filters.check_reward_nonzero_std"
 
 
@@ -65,7 +67,7 @@ def test_fully_async_updates_weights_while_requests_run(tmp_path, shared_ray, mo
                                "--use-rollout-logprobs", "--use-tis",
                                "--dynamic-sampling-filter-path", FILTER]}[mode]
     steps = 5
-    run_job(tmp_path, CONFIG, "--num-rollout", str(steps), "--max-weight-staleness", "1",
+    run_job(tmp_path, CONFIG, *SMALL, "--num-rollout", str(steps), "--max-weight-staleness", "1",
             *flags)
     ms = check_async_run(tmp_path, steps, bound=1)
     check_exactly_once(tmp_path, ms, steps)
@@ -89,7 +91,7 @@ def test_fully_async_updates_weights_while_requests_run(tmp_path, shared_ray, mo
 
 def test_one_step_overlaps_rollout_with_training(tmp_path, shared_ray):
     steps = 4
-    run_job(tmp_path, CONFIG, "--async-mode", "one-step", "--num-rollout", str(steps),
+    run_job(tmp_path, CONFIG, *SMALL, "--async-mode", "one-step", "--num-rollout", str(steps),
             "--dynamic-sampling-filter-path", FILTER, "--over-sampling-batch-size", "6")
     ms = check_async_run(tmp_path, steps, bound=1)
     # dynamic sampling drew 6 prompts a round and kept 4 groups whose rewards differ
@@ -114,5 +116,5 @@ def test_staleness_zero_reproduces_the_sync_schedule(tmp_path, shared_ray):
 
 
 def metrics_of(run_dir: Path, steps: int, *flags: str) -> list[dict]:
-    run_job(run_dir, CONFIG, "--num-rollout", str(steps), *flags)
+    run_job(run_dir, CONFIG, *SMALL, "--num-rollout", str(steps), *flags)
     return metrics(run_dir)
