@@ -34,7 +34,7 @@ import aiohttp
 
 from slime_like.errors import ConfigError, PluginError
 from slime_like.models.hf_tokenizer import Tokenizer
-from slime_like.rollout.generate import RouterGenerator, Sample
+from slime_like.rollout.generate import RouterGenerator, Sample, sample_params
 from slime_like.rollout.prompts import PromptItem
 from slime_like.rollout.task import letter_credit
 
@@ -145,18 +145,19 @@ async def _custom_generate_all(args, prompts, n, sampling_params, router_url, ge
     limit = asyncio.Semaphore(_concurrency(args))
     done = 0
 
-    async def one(i: int, prompt: PromptItem) -> Sample:
+    async def one(i: int, j: int, prompt: PromptItem) -> Sample:
         nonlocal done
         async with limit:
-            out = await call_plugin(generate_fn, args, _blank(i, prompt), dict(sampling_params),
+            out = await call_plugin(generate_fn, args, _blank(i, prompt),
+                                    sample_params(sampling_params, i * n + j),
                                     router_url=router_url, api_key=api_key)
         done += 1
         if on_sample is not None:
             on_sample(done)
         return out
 
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)
-                                       for _ in range(n))))
+    return list(await asyncio.gather(*(one(i, j, p) for i, p in enumerate(prompts)
+                                       for j in range(n))))
 
 
 def generate_rollout(args: argparse.Namespace, rollout_id: int, prompts: list[PromptItem], *,

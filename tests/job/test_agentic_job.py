@@ -56,7 +56,8 @@ def test_agentic_job_masks_tool_tokens_checks_every_model_turn_and_learns_the_to
     rl_plugins.AGENTIC.clear()
     args = parse_args(["--config", "examples/agentic/config.yaml", "--output-dir", str(tmp_path),
                        "--num-rollout", str(STEPS), "--custom-generate-function-path",
-                       "tests.job.rl_plugins.recorded_calculator"])
+                       "tests.job.rl_plugins.recorded_calculator",
+                       "--sglang-enable-deterministic-inference"])
     assert train(args) == 0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     samples = rl_plugins.AGENTIC
