@@ -133,6 +133,13 @@ def _resolve_transport(args: argparse.Namespace) -> None:
                           "trainer and every engine can read)")
 
 
+def _check_train_backend(args: argparse.Namespace) -> None:
+    if args.train_backend == "fsdp" and args.update_weights_interval > 1:
+        raise ConfigError("--update-weights-interval", "> 1 with --train-backend fsdp: a "
+                                                       "sharded trainer keeps no copy of the "
+                                                       "served weights between syncs")
+
+
 def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and not args.save:
         raise ConfigError("--save-interval", "needs --save (the directory to save into)")
@@ -154,6 +161,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _check_addresses(args)
     _resolve_transport(args)
     _check_checkpointing(args)
+    _check_train_backend(args)
     _resolve_rollout_gpus(args)
     if args.engine == "sglang" and args.hf_checkpoint is None and \
             not args.rollout_external_engine_addrs and args.sglang_config is None:

@@ -138,7 +138,8 @@ class Job:
             sync=replace(self._sync_settings, model_dir=model_path),
             use_transformers=bool(self.settings.model.hf_checkpoint),
             engine_dtype=self.settings.model.engine_dtype,
-            keep_served=self.settings.update_weights_interval > 1)
+            keep_served=self.settings.update_weights_interval > 1,
+            backend=trainer.train_backend)
         self.fleet.set_weight_source(self.trainer.push_weights)
 
     def first_sync(self) -> None:

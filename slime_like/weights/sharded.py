@@ -99,7 +99,8 @@ class ShardedWeights:
     def __init__(self, weights: nn.Module | Mapping[str, torch.Tensor] | Iterable, *,
                  bucket_bytes: int, dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None, copies: bool = False):
-        self.entries = [self._entry(n, t) for n, t in _named(weights)]
+        self._module = weights if isinstance(weights, nn.Module) else None
+        self.entries = self._read(weights)
         if not self.entries:
             raise WeightMetadataError("nothing to sync: the sharded weights have no tensors")
         self.group = group if group is not None else _group_of(weights)
@@ -115,6 +116,24 @@ class ShardedWeights:
         self._buffers: list[torch.Tensor] = []
         self._thread: threading.Thread | None = None
         self._session = False
+
+    def _read(self, weights: Any) -> list[_Entry]:
+        if isinstance(weights, nn.Module):
+            reshard(weights)
+        return [self._entry(n, t) for n, t in _named(weights)]
+
+    def _refresh(self) -> None:
+        """A module's parameters as they are now: FSDP swaps a unit's registered parameters
+        while it is unsharded (e.g. the root after a forward without backward)."""
+        if self._module is None:
+            return
+        entries = self._read(self._module)
+        if [(e.name, e.shape, e.sharded) for e in entries] != \
+                [(e.name, e.shape, e.sharded) for e in self.entries]:
+            raise WeightMetadataError("the sharded model's parameters changed since the "
+                                      "source was made (names, shapes or placements)")
+        self.entries = entries
+        self._by_name = {e.name: e for e in entries}
 
     def _entry(self, name: str, tensor: torch.Tensor) -> _Entry:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -145,6 +164,7 @@ class ShardedWeights:
             raise WeightSyncError("transfer", f"rank {self.rank} of the trainer's group does "
                                   "not send; it takes part through serve()")
         self._stop_helper()
+        self._refresh()
         buckets = plan_buckets(self._metas, self.bucket_bytes)
         self._reserve(buckets)
         self.stats = GatherStats(buffer_bytes=sum(b.numel() for b in self._buffers))
@@ -197,6 +217,7 @@ class ShardedWeights:
         if self.rank == 0:
             raise WeightSyncError("transfer", "rank 0 syncs (WeightSync.update); serve() is "
                                   "for the other ranks")
+        self._refresh()
         buckets: list[Bucket] = []
         served = 0
         while True:
@@ -291,6 +312,15 @@ class ShardedWeights:
         msg = torch.zeros(2, dtype=torch.int64, device=self.device)
         dist.broadcast(msg, group=self.group, group_src=0)
         return int(msg[0]), int(msg[1])
+
+
+def reshard(module: nn.Module) -> None:
+    """Every FSDP2 unit of `module` back to its sharded parameters (local, no collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _typed(buf: torch.Tensor, start: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
