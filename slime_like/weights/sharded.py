@@ -11,8 +11,10 @@ while bucket k is broadcast; a buffer is gathered into again only after the tran
 reported its broadcast done (`bucket_sent`). Every other rank runs `serve()`: it follows
 rank 0's commands (start, gather bucket k, end) on the shards' group and sends its rows.
 
-Memory: a rank holds its shard, and rank 0 two bucket buffers (plus, per tensor, the rows
-that pad the last shard). With `copies=True` (the `tensor` and `disk` transports, which
+Memory: a rank holds its shard (and, casting, one bucket's rows in the engines' dtype
+while they are sent); rank 0 holds two bucket buffers besides. Rows go point to point into
+their place in the buffer, so nothing is staged or padded on the way. With `copies=True`
+(the `tensor` and `disk` transports, which
 keep tensors past the next pull) rank 0 yields copies of each gathered tensor instead.
 
 Failure: a rank that dies mid-gather makes rank 0's gather fail; the transport's next pull
@@ -28,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,17 +75,24 @@ class GatherStats:
     wait_s: float = 0.0     # time the transport waited for a bucket's gather
     buckets: int = 0
     buffer_bytes: int = 0   # the two bucket buffers together
+    gathers: list[tuple[float, float]] = field(default_factory=list)  # (start, end) per bucket
+    sends: list[tuple[float, float]] = field(default_factory=list)    # broadcast in flight
 
     @property
-    def overlap(self) -> float:
-        """The share of the gather time hidden behind the transport's own work."""
-        if self.gather_s <= 0:
-            return 1.0
-        return max(0.0, 1.0 - self.wait_s / self.gather_s)
+    def overlap(self) -> float | None:
+        """The share of the gather time during which a broadcast was in flight (the gather
+        hidden behind it); None when the transport did not report its sends."""
+        total = sum(end - start for start, end in self.gathers)
+        if not self.sends or total <= 0:
+            return None
+        hidden = sum(max(0.0, min(ge, se) - max(gs, ss))
+                     for gs, ge in self.gathers for ss, se in self.sends)
+        return min(1.0, hidden / total)
 
     def as_dict(self) -> dict:
         return {"gather_s": round(self.gather_s, 6), "gather_wait_s": round(self.wait_s, 6),
-                "overlap": round(self.overlap, 4), "buckets": self.buckets,
+                "overlap": None if self.overlap is None else round(self.overlap, 4),
+                "buckets": self.buckets,
                 "buffer_bytes": self.buffer_bytes}
 
 
@@ -109,6 +118,8 @@ class ShardedWeights:
         self.dtype = dtype
         self.bucket_bytes = int(bucket_bytes)
         self.copies = copies
+        # Rank 0's buffers are the wire's buckets: the transport reserves no pack buffers.
+        self.buckets_in_wire_layout = not copies
         self.device = self.entries[0].local.device
         self._metas = [TensorMeta(e.name, self._cast(e.local.dtype), e.shape) for e in self.entries]
         self._by_name = {e.name: e for e in self.entries}
@@ -172,6 +183,9 @@ class ShardedWeights:
         self._released = [threading.Event() for _ in buckets]
         self._works: list[Sequence[Any]] = [() for _ in buckets]
         self._abort = threading.Event()
+        self._sent: queue.Queue = queue.Queue()
+        threading.Thread(target=self._time_sends, args=(self._sent, self.stats, len(buckets)),
+                         name="shard-send-clock", daemon=True).start()
         self._thread = threading.Thread(target=self._gather_all, args=(buckets, ready),
                                         name="shard-gather", daemon=True)
         self._session = True
@@ -197,12 +211,29 @@ class ShardedWeights:
         if self._session and index < len(self._released):
             self._works[index] = tuple(works)
             self._released[index].set()
+            self._sent.put((time.perf_counter(), tuple(works)))
+
+    @staticmethod
+    def _time_sends(sent: queue.Queue, stats: GatherStats, count: int) -> None:
+        """When each bucket's broadcast ended (for the overlap figure only)."""
+        for _ in range(count):
+            got = sent.get()
+            if got is None:  # the sync ended
+                return
+            start, works = got
+            deadline = start + 600.0
+            while not all(w.is_completed() for w in works) and time.perf_counter() < deadline:
+                time.sleep(0.0005)  # polled: on GPU wait() would only order streams
+            stats.sends.append((start, time.perf_counter()))
 
     def finish(self) -> None:
         """Rank 0, after every sync (done or failed): stop gathering, release the others."""
         if self.rank != 0:
             return
         self._stop_helper()
+        sent = getattr(self, "_sent", None)
+        if sent is not None:
+            sent.put(None)
         if self._session or self._thread is None:
             with contextlib.suppress(Exception):  # a dead peer: the group is gone anyway
                 self._command(_END)
@@ -241,22 +272,12 @@ class ShardedWeights:
             thread.join()
 
     def _reserve(self, buckets: list[Bucket]) -> None:
-        need = max(self._span(b) for b in buckets)
+        need = max(b.nbytes for b in buckets)
         slots = min(2, len(buckets))
         if len(self._buffers) != slots or self._buffers[0].numel() < need:
             self._buffers = []  # the old ones go first
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.device)
                              for _ in range(slots)]
-
-    def _span(self, bucket: Bucket) -> int:
-        """Bytes a bucket's gather writes: its layout, plus the padded rows of its tensors."""
-        end = 0
-        for entry in bucket.entries:
-            e = self._by_name[entry.name]
-            rows = e.chunk_rows(self.world) * (self.world if e.sharded else 1)
-            row_bytes = entry.numel // e.shape[0] if e.shape and e.shape[0] else 0
-            end = max(end, entry.start_idx + max(entry.numel, rows * row_bytes))
-        return end
 
     def _gather_all(self, buckets: list[Bucket], ready: queue.Queue) -> None:
         try:
@@ -272,7 +293,9 @@ class ShardedWeights:
                 t0 = time.perf_counter()
                 self._command(_GATHER, k)
                 self._gather_bucket(bucket, self._buffers[k % 2])
-                self.stats.gather_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.stats.gather_s += t1 - t0
+                self.stats.gathers.append((t0, t1))
                 self.stats.buckets += 1
                 ready.put(k)
         except BaseException as e:  # noqa: BLE001 - handed to the pulling thread
@@ -280,25 +303,33 @@ class ShardedWeights:
             ready.put(e)
 
     def _gather_bucket(self, bucket: Bucket, out: torch.Tensor | None) -> None:
-        """Every rank: each tensor's rows into rank 0's buffer, at the bucket's layout offset."""
-        for entry in bucket.entries:
+        """Every rank: each tensor's rows straight into rank 0's buffer at the bucket's layout
+        offset (point to point: no padding, no staging copy), one bucket's ops in flight."""
+        ops, keep = [], []
+        for tag, entry in enumerate(bucket.entries):
             e = self._by_name[entry.name]
             dtype = self._cast(e.local.dtype)
+            if out is None:
+                if e.sharded and e.local.shape[0]:
+                    rows = e.local.to(dtype).contiguous()
+                    keep.append(rows)
+                    ops.append(dist.isend(rows, group=self.group, group_dst=0, tag=tag))
+                continue
+            full = _typed(out, entry.start_idx, dtype, e.shape)
             if not e.sharded:
-                if out is not None:
-                    _typed(out, entry.start_idx, dtype, e.shape).copy_(e.local)
+                full.copy_(e.local)
                 continue
             chunk = e.chunk_rows(self.world)
-            rows = e.local.to(dtype)
-            if rows.shape[0] != chunk or not rows.is_contiguous():
-                padded = torch.zeros((chunk, *e.shape[1:]), dtype=dtype, device=self.device)
-                padded[:rows.shape[0]].copy_(rows)
-                rows = padded
-            parts = None
-            if out is not None:
-                full = _typed(out, entry.start_idx, dtype, (chunk * self.world, *e.shape[1:]))
-                parts = list(full.split(chunk))
-            dist.gather(rows, parts, group=self.group, group_dst=0)
+            for r in range(self.world):
+                lo, hi = r * chunk, min(e.shape[0], (r + 1) * chunk)
+                if hi <= lo:
+                    continue
+                if r == 0:
+                    full[lo:hi].copy_(e.local)
+                else:
+                    ops.append(dist.irecv(full[lo:hi], group=self.group, group_src=r, tag=tag))
+        for op in ops:
+            op.wait()
 
     def _views(self, buf: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         return [(entry.name, _typed(buf, entry.start_idx, entry.dtype, entry.shape))
