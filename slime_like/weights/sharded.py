@@ -40,7 +40,7 @@ from torch import nn
 from slime_like.errors import WeightMetadataError, WeightSyncError
 from slime_like.protocol.buckets import Bucket, TensorMeta, plan_buckets
 
-_END, _START, _GATHER = 0, 1, 2
+_END, _START, _GATHER, _DONE = 0, 1, 2, 3
 
 
 def is_sharded(weights: Any) -> bool:
@@ -184,7 +184,8 @@ class ShardedWeights:
         self._works: list[Sequence[Any]] = [() for _ in buckets]
         self._abort = threading.Event()
         self._sent: queue.Queue = queue.Queue()
-        threading.Thread(target=self._time_sends, args=(self._sent, self.stats, len(buckets)),
+        threading.Thread(target=self._time_sends, args=(self._sent, self.stats, len(buckets),
+                                                          self.device.type == "cuda"),
                          name="shard-send-clock", daemon=True).start()
         self._thread = threading.Thread(target=self._gather_all, args=(buckets, ready),
                                         name="shard-gather", daemon=True)
@@ -214,16 +215,20 @@ class ShardedWeights:
             self._sent.put((time.perf_counter(), tuple(works)))
 
     @staticmethod
-    def _time_sends(sent: queue.Queue, stats: GatherStats, count: int) -> None:
+    def _time_sends(sent: queue.Queue, stats: GatherStats, count: int, cuda: bool) -> None:
         """When each bucket's broadcast ended (for the overlap figure only)."""
         for _ in range(count):
             got = sent.get()
             if got is None:  # the sync ended
                 return
             start, works = got
-            deadline = start + 600.0
-            while not all(w.is_completed() for w in works) and time.perf_counter() < deadline:
-                time.sleep(0.0005)  # polled: on GPU wait() would only order streams
+            for work in works:
+                with contextlib.suppress(Exception):  # the transport reports failures
+                    if cuda:  # wait() would only order streams: poll the GPU's progress
+                        while not work.is_completed():
+                            time.sleep(0.0005)
+                    else:
+                        work.wait()  # gloo: blocks without the GIL
             stats.sends.append((start, time.perf_counter()))
 
     def finish(self) -> None:
@@ -242,9 +247,17 @@ class ShardedWeights:
 
     # ---- the other ranks -------------------------------------------------------------------
 
-    def serve(self) -> int:
+    def done(self) -> None:
+        """Rank 0, after the last sync of a push with retries: the others' `serve(
+        until_done=True)` returns."""
+        if self.rank == 0:
+            with contextlib.suppress(Exception):  # a dead peer: the group is gone anyway
+                self._command(_DONE)
+
+    def serve(self, until_done: bool = False) -> int:
         """Ranks other than 0: send this rank's rows for each bucket rank 0 asks, until it
-        ends the sync. Returns the number of buckets served."""
+        ends the sync (with `until_done`: every sync until rank 0's `done()`, one per
+        attempt of a push with retries). Returns the number of buckets served."""
         if self.rank == 0:
             raise WeightSyncError("transfer", "rank 0 syncs (WeightSync.update); serve() is "
                                   "for the other ranks")
@@ -253,7 +266,7 @@ class ShardedWeights:
         served = 0
         while True:
             cmd, arg = self._receive_command()
-            if cmd == _END:
+            if cmd == _DONE or (cmd == _END and not until_done):
                 return served
             if cmd == _START:
                 buckets = plan_buckets(self._metas, arg)
