@@ -123,6 +123,8 @@ class TrainerRank:
         with self._weights_lock:
             if version is None or not self._dirty:
                 return self.policy.completion_logprobs(samples, temperature=temperature)
+            if self.backend == "fsdp":  # the forward is collective: every rank runs it
+                self.policy.completion_logprobs(samples, temperature=temperature)
             if self._served is not None and self._served_version == version:
                 return self.policy.completion_logprobs(samples, self._served, temperature)
             raise RuntimeError(f"the trainer's weights moved past version {version} and no "
@@ -174,32 +176,41 @@ class TrainerRank:
         weight group. A resync gives replacement engines the version the others serve,
         over a group of their own; it waits while a train step has made the weights newer
         than that version (the full sync right after the step takes the engine along).
+        With fsdp every rank is called: rank 0 syncs from the shards, the others serve its
+        gathers; rank 0 ends each sync with a word to them (`finish`), done or failed.
         """
         assert self.policy is not None
-        if self.backend == "fsdp":
-            return self._push_sharded(targets, version, full)
+        sharded = self.backend == "fsdp"
         if self.rank != 0:
-            return {}
-        return self._push(self.policy.sync_source(), targets, version, full)
+            return self._serve_gathers(version, full) if sharded else {}
+        source = self._sharded_source() if sharded else self.policy.sync_source()
+        try:
+            with self._weights_lock:
+                if full:
+                    report = self._weight_sync().update(source, str(version), engines=targets)
+                    self.version = version
+                    self._dirty = False
+                    if self.keep_served:
+                        self._served, self._served_version = self.policy.snapshot(), version
+                    self._weights_lock.notify_all()
+                    return self._report(report, source)
+                if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
+                    raise TimeoutError("weights stayed ahead of the served version for 600s")
+                one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
+                try:
+                    return self._report(one.update(source, str(self.version)), source)
+                finally:
+                    one.close()
+        finally:
+            if sharded:
+                source.finish()
 
-    def _push(self, source: Any, targets: list[EngineHandle], version: int, full: bool) -> dict:
-        """Rank 0: the transaction (a full update, or a resync of replacement engines)."""
-        with self._weights_lock:
-            if full:
-                report = self._weight_sync().update(source, str(version), engines=targets)
-                self.version = version
-                self._dirty = False
-                if self.keep_served:
-                    self._served, self._served_version = self.policy.snapshot(), version
-                self._weights_lock.notify_all()
-                return report.as_dict()
-            if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
-                raise TimeoutError("weights stayed ahead of the served version for 600s")
-            one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
-            try:
-                return one.update(source, str(self.version)).as_dict()
-            finally:
-                one.close()
+    @staticmethod
+    def _report(report: Any, source: Any) -> dict:
+        out = report.as_dict()
+        if isinstance(source, ShardedWeights):
+            out["gather"] = source.stats.as_dict()
+        return out
 
     def _sharded_source(self) -> ShardedWeights:
         if self._sharded is None:
@@ -211,27 +222,16 @@ class TrainerRank:
                 copies=cfg.transport != "distributed")
         return self._sharded
 
-    def _push_sharded(self, targets: list[EngineHandle], version: int, full: bool) -> dict:
-        """fsdp: rank 0 syncs from the shards; every other rank serves its gathers.
-
-        Rank 0 ends each sync with a word to the others (`finish`), done or failed, so no
-        rank is left waiting. Sessions are interchangeable (the same shards, the same
-        plan): a rank's calls serve rank 0's syncs one at a time, in rank 0's order.
-        """
-        source = self._sharded_source()
-        if self.rank != 0:
-            with self._serve_lock:
-                buckets = source.serve()
-            if full:
-                with self._weights_lock:
-                    self.version, self._dirty = version, False
-            return {"served_buckets": buckets}
-        try:
-            report = self._push(source, targets, version, full)
-        finally:
-            source.finish()
-        report["gather"] = source.stats.as_dict()
-        return report
+    def _serve_gathers(self, version: int, full: bool) -> dict:
+        """fsdp, ranks 1..N-1: send this rank's rows for one of rank 0's syncs. Sessions
+        are interchangeable (the same shards, the same plan): a rank's calls serve rank 0's
+        syncs one at a time, in rank 0's order."""
+        with self._serve_lock:
+            buckets = self._sharded_source().serve()
+        if full:
+            with self._weights_lock:
+                self.version, self._dirty = version, False
+        return {"served_buckets": buckets}
 
     # ---- checkpoints -------------------------------------------------------------------------
 
