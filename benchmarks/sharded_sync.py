@@ -1,7 +1,8 @@
 """Sharded weight sync: FSDP2 trainer ranks against full replicas, side by side in one run.
 
-For each world size (default 1, 2, 4) the same model is loaded on every trainer rank and
-synced into one reference engine over the `distributed` transport, twice over:
+For each world size (default 1, 2, 4) the same weights are loaded on every trainer rank in
+both forms and synced into one reference engine over the `distributed` transport, the two
+alternating in every round (the order flipping), so both see the same machine load:
   ddp   every rank holds the whole model; rank 0 syncs it (the full-replica reference)
   fsdp  FSDP2 `fully_shard` per decoder layer; every rank takes part, rank 0 gathers the
         shards bucket by bucket into two buffers while the previous bucket is broadcast
@@ -9,7 +10,8 @@ synced into one reference engine over the `distributed` transport, twice over:
 
 Printed per (world size, backend): sync seconds (median of --repeats after a warm-up), the
 ratio to the ddp sync at that world size, peak extra memory per rank during the first sync
-(measured: the process's peak RSS reset before the sync, minus its RSS before it) against
+(measured: the process's peak RSS reset before the sync, minus its RSS before it; large
+allocations are mapped and unmapped one by one, MALLOC_MMAP_THRESHOLD_) against
 the bound of two buckets, and the overlap fraction (the share of rank 0's gather time the
 broadcast hid: 1 - time the transport waited for a gathered bucket / time spent gathering).
 Every sync is checked: the engine's checksum must equal the full model's.
@@ -102,8 +104,11 @@ class PeakMemory:
 
 # ---- one trainer rank ------------------------------------------------------------------------
 
-def rank_main(rank: int, world: int, port: int, backend: str, engine_url: str, model_dir: str,
-              opts: dict, out) -> None:
+def rank_main(rank: int, world: int, port: int, engine_url: str, model_dir: str, opts: dict,
+              out) -> None:
+    """One rank holding both forms of the same weights: a full replica (ddp) and FSDP2
+    shards. Rank 0 syncs them alternately into the same engine over the same weight group
+    (the order flips every round), so both see the same machine load."""
     from slime_like.models.loading import init_dummy_weights, load_pretrained
     from slime_like.models.transformer import hf_named_parameters
     from slime_like.trainer.sharding import shard_model
@@ -118,73 +123,78 @@ def rank_main(rank: int, world: int, port: int, backend: str, engine_url: str, m
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
-    model = load_pretrained(model_dir, device=device, dtype=torch.float32)
-    init_dummy_weights(model, seed=opts["seed"])  # new weights: a sync that sends none fails
-    expected = checksum(hf_named_parameters(model)) if rank == 0 else ""
+    models = {}
+    for backend in ("ddp", "fsdp"):
+        model = load_pretrained(model_dir, device=device, dtype=torch.float32)
+        init_dummy_weights(model, seed=opts["seed"])  # new weights: a sync sending none fails
+        models[backend] = model
+    expected = checksum(hf_named_parameters(models["ddp"])) if rank == 0 else ""
     bucket = opts["bucket_bytes"]
-    model_bytes = sum(p.numel() * p.element_size() for _, p in hf_named_parameters(model))
-    if backend == "fsdp":
-        shard_model(model, dist.group.WORLD)
-        group = dist.new_group(backend="nccl" if cuda else "gloo")
-        source = ShardedWeights(model, bucket_bytes=bucket, group=group)
-    else:
-        source = model
-    held = sum(getattr(p, "_local_tensor", p).numel() * p.element_size()
-               for _, p in hf_named_parameters(model))
-    result = {"rank": rank, "held_bytes": held, "model_bytes": model_bytes}
+    model_bytes = sum(p.numel() * p.element_size() for _, p in hf_named_parameters(models["ddp"]))
+    shard_model(models["fsdp"], dist.group.WORLD)
+    group = dist.new_group(backend="nccl" if cuda else "gloo")
+    sources = {"ddp": models["ddp"],
+               "fsdp": ShardedWeights(models["fsdp"], bucket_bytes=bucket, group=group)}
+    held = {b: sum(getattr(p, "_local_tensor", p).numel() * p.element_size()
+                   for _, p in hf_named_parameters(m)) for b, m in models.items()}
+    result = {"rank": rank, "model_bytes": model_bytes, "held_bytes": held,
+              "peak_extra_bytes": {"ddp": 0}}  # a replica that does not sync holds no more
     rounds = 1 + opts["repeats"]
     if rank == 0:
         sync = WeightSync([engine_url], transport="distributed", update_weight_buffer_size=bucket,
                           http_timeout_s=600, group_timeout_s=600, check_engine_metadata=False)
-        seconds, overlaps, waits, gathers = [], [], [], []
+        seconds: dict[str, list[float]] = {"ddp": [], "fsdp": []}
+        overlaps, waits, gathers = [], [], []
+        checks = []
         try:
             for i in range(rounds):
-                with PeakMemory(cuda) as mem:
-                    t0 = time.perf_counter()
-                    try:
-                        sync.update(source, f"{backend}-{world}-{opts['seed']}-{i}")
-                    finally:
-                        if backend == "fsdp":
-                            source.finish()
-                    seconds.append(time.perf_counter() - t0)
-                if i == 0:
-                    result["peak_extra_bytes"] = mem.extra
-                    continue
-                if backend == "fsdp":
-                    overlaps.append(source.stats.overlap)
-                    waits.append(source.stats.wait_s)
-                    gathers.append(source.stats.gather_s)
-            import requests
-
-            body = requests.post(engine_url + "/weights_checker", json={"action": "checksum"},
-                                 timeout=120).json()
-            result["checksum_ok"] = [r["per_gpu_checksum"] for r in body["ranks"]] == [expected]
+                for backend in (("ddp", "fsdp") if i % 2 == 0 else ("fsdp", "ddp")):
+                    source = sources[backend]
+                    with PeakMemory(cuda) as mem:
+                        t0 = time.perf_counter()
+                        try:
+                            sync.update(source, f"{backend}-{world}-{i}")
+                        finally:
+                            if backend == "fsdp":
+                                source.finish()
+                        seconds[backend].append(time.perf_counter() - t0)
+                    if i == 0:
+                        result["peak_extra_bytes"][backend] = mem.extra
+                    elif backend == "fsdp":
+                        overlaps.append(source.stats.overlap)
+                        waits.append(source.stats.wait_s)
+                        gathers.append(source.stats.gather_s)
+                    checks.append(engine_checksum(engine_url) == expected)
         finally:
             sync.close()
-        result.update(seconds=statistics.median(seconds[1:]), first_s=seconds[0])
-        if backend == "fsdp":
-            result.update(overlap=statistics.median(overlaps),
-                          gather_s=statistics.median(gathers), wait_s=statistics.median(waits),
-                          buckets=source.stats.buckets)
-    elif backend == "fsdp":
+        result.update(checksum_ok=all(checks),
+                      seconds={b: statistics.median(v[1:]) for b, v in seconds.items()},
+                      overlap=statistics.median(overlaps), gather_s=statistics.median(gathers),
+                      wait_s=statistics.median(waits), buckets=sources["fsdp"].stats.buckets)
+    else:
         for i in range(rounds):
             with PeakMemory(cuda) as mem:
-                source.serve()
+                sources["fsdp"].serve()
             if i == 0:
-                result["peak_extra_bytes"] = mem.extra
-    else:
-        result["peak_extra_bytes"] = 0  # a full replica that does not sync holds nothing more
+                result["peak_extra_bytes"]["fsdp"] = mem.extra
     dist.barrier()
     out.put(json.dumps(result))
     dist.destroy_process_group()
 
 
-def run(world: int, backend: str, engine_url: str, model_dir: Path, opts: dict) -> list[dict]:
+def engine_checksum(url: str) -> str:
+    import requests
+
+    body = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=120).json()
+    return body["ranks"][0]["per_gpu_checksum"]
+
+
+def run(world: int, engine_url: str, model_dir: Path, opts: dict) -> list[dict]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, backend, engine_url,
-                                                 str(model_dir), opts, out))
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, engine_url, str(model_dir),
+                                                 opts, out))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -234,12 +244,15 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--bucket-mb", type=float, default=8.0)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", default=None, help="also write the JSON lines here")
     a = ap.parse_args()
     from slime_like.models.tiny import make_tiny_model
 
+    # Ranks map every large allocation and unmap it when freed (glibc), so their peak RSS
+    # counts exactly the buffers a sync allocates, not heap reused from earlier frees.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     worlds = [int(w) for w in a.world_sizes.split(",")]
     opts = {"device": a.device, "repeats": a.repeats, "bucket_bytes": int(a.bucket_mb * 2**20)}
     rows = []
@@ -250,21 +263,23 @@ def main() -> int:
         proc, url = start_engine(model_dir, Path(tmp), gpu)
         try:
             for world in worlds:
-                per = {}
-                for seed, backend in enumerate(("ddp", "fsdp")):
-                    opts["seed"] = world * 10 + seed
-                    per[backend] = run(world, backend, url, model_dir, opts)
-                for backend, ranks in per.items():
-                    r0 = ranks[0]
-                    bound = 2 * opts["bucket_bytes"]
-                    extra = max(r["peak_extra_bytes"] for r in ranks)
-                    row = {"world": world, "backend": backend, "seconds": round(r0["seconds"], 4),
-                           "first_s": round(r0["first_s"], 4),
-                           "ratio_to_full_replica": round(r0["seconds"] / per["ddp"][0]["seconds"], 3),
+                opts["seed"] = world
+                ranks = run(world, url, model_dir, opts)
+                r0 = ranks[0]
+                bound = 2 * opts["bucket_bytes"]
+                for backend in ("ddp", "fsdp"):
+                    extra = max(r["peak_extra_bytes"][backend] for r in ranks)
+                    row = {"world": world, "backend": backend,
+                           "seconds": round(r0["seconds"][backend], 4),
+                           "ratio_to_full_replica": round(r0["seconds"][backend]
+                                                          / r0["seconds"]["ddp"], 3),
                            "model_mb": round(r0["model_bytes"] / 2**20, 1),
-                           "held_mb_per_rank": [round(r["held_bytes"] / 2**20, 1) for r in ranks],
-                           "shard_plus_2_buckets_mb": round((r0["model_bytes"] / world + bound) / 2**20, 1),
-                           "peak_extra_mb_per_rank": [round(r["peak_extra_bytes"] / 2**20, 1) for r in ranks],
+                           "held_mb_per_rank": [round(r["held_bytes"][backend] / 2**20, 1)
+                                                for r in ranks],
+                           "shard_plus_2_buckets_mb": round((r0["model_bytes"] / world + bound)
+                                                            / 2**20, 1),
+                           "peak_extra_mb_per_rank": [round(r["peak_extra_bytes"][backend] / 2**20, 1)
+                                                      for r in ranks],
                            "extra_vs_2_buckets": round(extra / bound, 3),
                            "checksum_ok": r0["checksum_ok"]}
                     if backend == "fsdp":
