@@ -306,6 +306,8 @@ class ShardedWeights:
                 t0 = time.perf_counter()
                 self._command(_GATHER, k)
                 self._gather_bucket(bucket, self._buffers[k % 2])
+                if self.device.type == "cuda":  # the transport reads it on its own stream
+                    torch.cuda.current_stream(self.device).synchronize()
                 t1 = time.perf_counter()
                 self.stats.gather_s += t1 - t0
                 self.stats.gathers.append((t0, t1))
