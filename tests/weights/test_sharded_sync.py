@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
+import torch
 import torch.multiprocessing as mp
-from sharded_helpers import sharded_sync_rank
+from sharded_helpers import SCALE, sharded_sync_rank
 from weight_sync_helpers import greedy_continuation, model_checksum, trainer_model
 
 from slime_like.reference_engine.tp import free_port
@@ -21,19 +21,25 @@ BUCKET = 16 << 10
 _seeds = itertools.count(500)
 
 
-def _run(world: int, engines, model_dir, seed: int, settings: dict, die_after: int = 0):
+def _run(world: int, engines, model_dir, seed: int, settings: dict, die_after: int = 0,
+         until: int | None = None, check=None):
+    """Spawn the ranks; `check(engines, k)` runs when rank 0 reports its sync k, before it
+    changes its weights for the next one."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out, ack = ctx.Queue(), ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=sharded_sync_rank, args=(
         r, world, port, [(e.url, e.tp_size) for e in engines], str(model_dir), seed,
-        settings, die_after, out)) for r in range(world)]
+        settings, die_after, out, ack)) for r in range(world)]
     for p in procs:
         p.start()
     results = []
     try:
-        while len(results) < world - (1 if die_after else 0):
+        while len(results) < (until or world - (1 if die_after else 0)):
             results.append(out.get(timeout=240))
+            if check is not None and results[-1][0] == "ok":
+                check(engines, sum(r[0] == "ok" for r in results) - 1)
+                ack.put(True)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -42,37 +48,49 @@ def _run(world: int, engines, model_dir, seed: int, settings: dict, die_after: i
     return results, [p.exitcode for p in procs]
 
 
-@pytest.mark.parametrize("world, transport", [(3, "distributed"), (2, "disk")])
-def test_engines_match_the_full_replica_after_a_sharded_sync(engines, tiny_model_dir, tmp_path,
-                                                             world, transport):
-    seed = next(_seeds)
-    settings = {"transport": transport, "update_weight_buffer_size": BUCKET,
-                "disk_dir": str(tmp_path / "ckpt"), "http_timeout_s": 60,
-                "group_timeout_s": 60}
-    results, codes = _run(world, engines, tiny_model_dir, seed, settings)
+def test_engines_match_the_full_replica_after_sharded_syncs_over_every_transport(
+        engines, tiny_model_dir, tmp_path):
+    seed, world = next(_seeds), 3  # three ranks: the last shard of odd rows is short
+    transports = ["distributed", "tensor", "disk"]
+    settings = {"transports": transports, "sync": {
+        "update_weight_buffer_size": BUCKET, "disk_dir": str(tmp_path / "ckpt"),
+        "http_timeout_s": 60, "group_timeout_s": 60}}
+    results, codes = _run(world, engines, tiny_model_dir, seed, settings, until=world
+                          * len(transports), check=lambda e, k: _check_engines(
+                              e, tiny_model_dir, seed, k))
     assert codes == [0] * world, results
-    ok = [r for r in results if r[0] == "ok"]
-    assert ok, results
-    report, stats = ok[0][1], ok[0][2]
-    served = sorted(r[1:] for r in results if r[0] == "served")
-    assert [n for _, n in served] == [stats["buckets"]] * (world - 1)
-    reference = trainer_model(tiny_model_dir, seed)  # the full replica the shards came from
+    synced = [r for r in results if r[0] == "ok"]
+    assert len(synced) == len(transports)
+    for k, (_, report, stats) in enumerate(synced):
+        assert stats["buckets"] > 2
+        if transports[k] == "distributed":
+            assert report["transfer"]["buckets"] == stats["buckets"]
+            assert stats["overlap"] is not None
+        # Two bucket buffers (a bucket may exceed BUCKET by one tensor, as the plan allows).
+        largest = max(p.numel() * 4 for p in trainer_model(tiny_model_dir, seed).parameters())
+        assert stats["buffer_bytes"] <= 2 * max(BUCKET, largest)
+    served = sorted(r[2] for r in results if r[0] == "served")
+    assert served == sorted([s["buckets"] for _, _, s in synced] * (world - 1))
+
+
+def _check_engines(engines, model_dir, seed: int, k: int) -> None:
+    """After sync k: every engine rank holds the full replica scaled k times."""
+    reference = trainer_model(model_dir, seed)
+    with torch.no_grad():
+        for p in reference.parameters():
+            for _ in range(k):
+                p.mul_(SCALE)
     for e in engines:
-        assert e.rank_checksums() == [model_checksum(reference)] * e.tp_size, e.url
-        assert e.weight_version() == report["weight_version"]
-        assert e.greedy(PROMPT, 6) == greedy_continuation(reference, PROMPT, 6)
-    bucket_count = report["transfer"]["buckets"] if transport != "disk" else stats["buckets"]
-    assert stats["buckets"] == bucket_count and bucket_count > 2
-    # Two bucket buffers (a bucket may exceed BUCKET by one tensor, as the plan allows).
-    largest = max(p.numel() * 4 for p in reference.parameters())
-    assert stats["buffer_bytes"] <= 2 * max(BUCKET, largest) * 1.1
+        assert e.rank_checksums() == [model_checksum(reference)] * e.tp_size, (e.url, k)
+        assert e.weight_version() == f"sharded-{seed}-{k}"
+        assert e.greedy(PROMPT, 4) == greedy_continuation(reference, PROMPT, 4)
 
 
 def test_a_rank_dying_mid_gather_fails_the_sync_cleanly(engines, tiny_model_dir):
     before = [e.weight_version() for e in engines]
     sums = [e.rank_checksums() for e in engines]
-    settings = {"transport": "distributed", "update_weight_buffer_size": BUCKET,
-                "http_timeout_s": 60, "group_timeout_s": 60}
+    settings = {"sync": {"transport": "distributed", "update_weight_buffer_size": BUCKET,
+                         "http_timeout_s": 60, "group_timeout_s": 60}}
     results, codes = _run(2, engines, tiny_model_dir, next(_seeds), settings, die_after=2)
     assert codes[1] == 3
     failed = [r for r in results if r[0] == "failed"]
