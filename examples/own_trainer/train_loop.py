@@ -4,25 +4,79 @@ generates through the router, pushes weights after each step and watches lifecyc
     python examples/own_trainer/train_loop.py            # reference engines on CPU
     python examples/own_trainer/train_loop.py --engine sglang --model-path /models/Qwen3-4B
     python examples/own_trainer/train_loop.py --fully-async   # generation never waits
+    python examples/own_trainer/train_loop.py --fsdp 2     # the model sharded over 2 ranks
 
 Nothing here is slime_like's trainer: the "training" is a plain torch loop over the model
-the engines serve, standing in for Megatron, FSDP or a torchrl loss module.
+the engines serve, standing in for Megatron, FSDP or a torchrl loss module. With `--fsdp N`
+the model is FSDP2-sharded (`fully_shard`) over N processes: this driver is rank 0 and
+N-1 spawned processes are the others; every rank calls `weights.push(model)` (collective),
+and rank 0 gathers the shards bucket by bucket into the engines.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from slime_like.api import FleetWeights, launch_fleet
 from slime_like.models import load_pretrained
 from slime_like.models.tiny import make_tiny_model
 
 HERE = Path(__file__).resolve().parent
+BUCKET_BYTES = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+
+
+def _sharded_model(model_path: str) -> torch.nn.Module:
+    """The model, FSDP2-sharded over the process group: one unit per decoder layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = load_pretrained(model_path, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """Stand-in for your loss: push the logits of the sampled tokens down a little."""
+    loss = model(ids).float().logsumexp(-1).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def fsdp_peer(rank: int, world: int, port: int, model_path: str, steps: int) -> None:
+    """Ranks 1..N-1 with --fsdp N: train on the batch rank 0 shares, take part in pushes."""
+    _join(rank, world, port)
+    model = _sharded_model(model_path)
+    weights = FleetWeights(None, update_weight_buffer_size=BUCKET_BYTES)  # no fleet here
+    weights.push(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ids = [None]
+        dist.broadcast_object_list(ids, src=0)
+        _step(model, opt, torch.tensor(ids[0]))
+        weights.push(model)
+    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,7 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fully-async", action="store_true",
                    help="pull batches from fleet.stream() while pushes update the engines "
                         "with requests in flight (retract)")
+    p.add_argument("--fsdp", type=int, default=1, metavar="N",
+                   help="shard the model with FSDP2 over N processes (gloo on CPU)")
     a = p.parse_args(argv)
+    if a.fully_async and a.fsdp > 1:
+        p.error("--fully-async runs one trainer process here; drop --fsdp")
     out = Path(a.out or tempfile.mkdtemp(prefix="own-trainer-"))
     model_path = a.model_path or str(make_tiny_model(out / "model", seed=0))
 
@@ -47,10 +105,21 @@ def main(argv: list[str] | None = None) -> dict:
     fleet = launch_fleet(HERE / "fleet.yaml", model_path=model_path, engine=a.engine,
                          log_dir=out / "logs",
                          on_event=lambda ev: events.append((ev.subject, ev.kind.value)))
+    peers = []
     try:
-        model = load_pretrained(model_path, dtype=torch.float32)
-        weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20,
-                               pause_mode="retract")
+        if a.fsdp > 1:
+            port = _free_port()
+            ctx = mp.get_context("spawn")
+            peers = [ctx.Process(target=fsdp_peer, args=(r, a.fsdp, port, model_path, a.steps))
+                     for r in range(1, a.fsdp)]
+            for peer in peers:
+                peer.start()
+            _join(0, a.fsdp, port)
+            model = _sharded_model(model_path)
+        else:
+            model = load_pretrained(model_path, dtype=torch.float32)
+        weights = FleetWeights(fleet, transport="distributed",
+                               update_weight_buffer_size=BUCKET_BYTES, pause_mode="retract")
         weights.push(model)  # version 1: the engines are routed only now, verified
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         if a.fully_async:
@@ -60,20 +129,25 @@ def main(argv: list[str] | None = None) -> dict:
             samples = fleet.generate([[1, 72, 105], [1, 83, 97]], n=2,
                                      sampling_params={"temperature": 1.0, "max_new_tokens": 8})
             served.append(sorted({s.weight_version for s in samples}))
-            # Stand-in for your loss: push the logits of the sampled tokens down a little.
-            ids = torch.tensor([s.prompt_ids + s.output_ids for s in samples[:1]])
-            loss = model(ids).float().logsumexp(-1).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            report = weights.push(model)
+            ids = [[s.prompt_ids + s.output_ids for s in samples[:1]]]
+            if a.fsdp > 1:
+                dist.broadcast_object_list(ids, src=0)  # every rank trains on the same batch
+            _step(model, opt, torch.tensor(ids[0]))
+            report = weights.push(model)  # with --fsdp: every rank pushes (collective)
             print(f"step {step}: served versions {served[-1]}, pushed version "
                   f"{report['weight_version']} in {report['total_s']:.3f}s, router "
                   f"{fleet.router_url()}, engines {fleet.states()}")
         weights.close()
+        for peer in peers:
+            peer.join(timeout=120)
         return {"served": served, "version": int(fleet.version), "events": events,
-                "states": fleet.states()}
+                "states": fleet.states(), "peer_exit_codes": [p.exitcode for p in peers]}
     finally:
+        for peer in peers:
+            if peer.is_alive():
+                peer.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         fleet.shutdown()
 
 

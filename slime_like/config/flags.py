@@ -96,6 +96,12 @@ def _rollout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-temperature", type=t.positive_float, default=1.0,
                    help="Sampling temperature of rollouts (> 0: greedy is not a policy).")
     g.add_argument("--lr", type=t.positive_float, default=1e-6, help="Trainer learning rate.")
+    g.add_argument("--train-backend", choices=("ddp", "fsdp"), default="ddp",
+                   help="ddp: every trainer rank holds the whole model and optimizer; fsdp: "
+                        "FSDP2 (fully_shard per decoder layer) shards them over the trainer "
+                        "ranks, every rank takes part in each weight sync, checkpoints are "
+                        "sharded (torch.distributed.checkpoint) and resume at another world "
+                        "size.")
 
 
 def _kl(p: argparse.ArgumentParser) -> None:

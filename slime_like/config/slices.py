@@ -350,6 +350,7 @@ class TrainerSettings:
     lr: float = 1e-6
     seed: int = 1234
     offload_train: bool = False
+    train_backend: str = "ddp"
 
 
 @dataclass(frozen=True)
@@ -421,7 +422,8 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
                             tiny_hidden=args.tiny_model_hidden, seed=args.seed,
                             engine_dtype=args.sglang_flags.get("dtype")),
         trainer=TrainerSettings(lr=args.lr, seed=args.seed,
-                                offload_train=bool(args.offload_train)),
+                                offload_train=bool(args.offload_train),
+                                train_backend=args.train_backend),
         placement=placement_settings(args), observe=observe_settings(args),
         prompts=prompt_settings(args), chaos=chaos_settings(args),
         off_policy=off_policy_settings(args),

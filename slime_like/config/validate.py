@@ -136,6 +136,17 @@ def _resolve_transport(args: argparse.Namespace) -> None:
                           "trainer and every engine can read)")
 
 
+def _check_train_backend(args: argparse.Namespace) -> None:
+    if args.train_backend == "fsdp" and args.update_weights_interval > 1:
+        raise ConfigError("--update-weights-interval", "> 1 with --train-backend fsdp: a "
+                                                       "sharded trainer keeps no copy of the "
+                                                       "served weights between syncs")
+    if args.train_backend == "fsdp" and args.async_mode != "sync":
+        raise ConfigError("--train-backend", f"fsdp with --async-mode {args.async_mode}: a "
+                                             "sharded trainer keeps no copy of earlier "
+                                             "versions to check stale samples against")
+
+
 def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and not args.save:
         raise ConfigError("--save-interval", "needs --save (the directory to save into)")
@@ -160,6 +171,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _check_checkpointing(args)
     resolve_off_policy(args)
     check_dynamic_sampling(args, args.rollout_batch_size or RolloutSettings.batch_size)
+    _check_train_backend(args)
     _resolve_rollout_gpus(args)
     if args.engine == "sglang" and args.hf_checkpoint is None and \
             not args.rollout_external_engine_addrs and args.sglang_config is None:

@@ -6,6 +6,12 @@ fleet's routing invariant and failure handling apply unchanged. It is also the f
 weight source for replacement engines: a replacement gets the weights of the last push,
 but only while they are still unchanged since (no optimizer step touched them); otherwise
 it waits for the next push, which takes it along.
+
+An FSDP2 (`fully_shard`) module, or a state dict of DTensors, is pushed collectively: every
+rank of the shards' process group calls `push` (rank 0 with the fleet, the others with
+`FleetWeights(None)`); rank 0 gathers the shards bucket by bucket while it broadcasts
+(`weights/sharded.py`). A replacement engine then waits for the next push (the other ranks
+are not there to gather for it).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 
 from slime_like.errors import WeightSyncError
 from slime_like.fleet.fleet import Fleet, Update
+from slime_like.weights.sharded import ShardedWeights, is_sharded
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
 
 
@@ -35,7 +42,10 @@ def _stamp(weights: Any) -> tuple:
 class FleetWeights:
     """Weight pushes from this process into the fleet's updatable engines (any transport)."""
 
-    def __init__(self, fleet: Fleet, config: WeightSyncConfig | None = None, **settings: Any):
+    def __init__(self, fleet: Fleet | None, config: WeightSyncConfig | None = None,
+                 **settings: Any):
+        """`fleet=None`: a rank other than 0 of a sharded (FSDP2) trainer; its `push` only
+        serves rank 0's gathers. `config` must then match rank 0's bucket size."""
         settings.setdefault("resume_on_failure", False)  # the fleet unroutes, then resumes
         self.fleet = fleet
         self.config = config or WeightSyncConfig(**settings)
@@ -45,10 +55,20 @@ class FleetWeights:
         self.sync = WeightSync([], self.config)
         self._pushed: Any = None
         self._stamp: tuple | None = None
-        fleet.set_weight_source(self._resync)
+        self._sharded: tuple[int, ShardedWeights] | None = None
+        if fleet is not None:
+            fleet.set_weight_source(self._resync)
 
     def push(self, weights: Any) -> SyncReport | dict:
-        """One full update of `weights` (nn.Module, state dict or named tensors)."""
+        """One full update of `weights` (nn.Module, state dict or named tensors).
+
+        Sharded weights (an FSDP2 module, DTensors): call it on every rank of their group.
+        """
+        if is_sharded(weights):
+            return self._push_sharded(weights)
+        if self.fleet is None:
+            raise WeightSyncError("attach", "FleetWeights(None) only takes part in pushes of "
+                                  "sharded weights (FSDP2 / DTensor); these are not sharded")
         for attempt in self.fleet.sync_attempts():
             with attempt as update:
                 update.report = self.sync.update(weights, update.version.wire,
@@ -57,9 +77,38 @@ class FleetWeights:
         self._pushed, self._stamp = weights, _stamp(weights)
         return report
 
+    def _push_sharded(self, weights: Any) -> dict:
+        """Rank 0 runs the fleet's attempts, one gather session each; the others serve them."""
+        if self._sharded is None or self._sharded[0] != id(weights):
+            self._sharded = (id(weights), ShardedWeights(
+                weights, bucket_bytes=int(self.config.update_weight_buffer_size),
+                copies=self.config.transport != "distributed"))
+        source = self._sharded[1]
+        if source.rank != 0:
+            return {"served_buckets": source.serve(until_done=True)}
+        if self.fleet is None:
+            raise WeightSyncError("attach", "rank 0 of the sharded weights' group pushes: "
+                                  "give it FleetWeights(fleet)")
+        try:
+            for attempt in self.fleet.sync_attempts():
+                with attempt as update:
+                    try:
+                        update.report = self.sync.update(source, update.version.wire,
+                                                         engines=update.targets).as_dict()
+                    finally:
+                        source.finish()
+                    update.report["gather"] = source.stats.as_dict()
+        finally:
+            source.done()
+        self._pushed, self._stamp = None, None  # replacements wait for the next push
+        return update.report
+
     def _resync(self, update: Update) -> dict:
         if update.full:
             raise WeightSyncError("attach", "full updates go through FleetWeights.push")
+        if self._sharded is not None and self._pushed is None:
+            raise WeightSyncError("attach", "the last push was sharded (every rank gathers); "
+                                  "the replacement is synced by the next push")
         if self._pushed is None or _stamp(self._pushed) != self._stamp:
             raise WeightSyncError("attach", "the weights changed since the last push; the "
                                   "replacement is synced by the next push")

@@ -187,7 +187,7 @@ class Job:
             sync=replace(self._sync_settings, model_dir=model_path),
             use_transformers=bool(self.settings.model.hf_checkpoint),
             engine_dtype=self.settings.model.engine_dtype,
-            keep_versions=self.kept_versions())
+            keep_versions=self.kept_versions(), backend=trainer.train_backend)
         self.fleet.set_weight_source(self.trainer.push_weights)
 
     def kept_versions(self) -> int:

@@ -1,6 +1,8 @@
 """TrainerRank (plain) and TrainerActor (Ray): one data-parallel rank of the policy trainer.
 
-Rank 0 also owns the weight sync into the engines. Its methods run on a threaded actor, so
+Rank 0 also owns the weight sync into the engines; with --train-backend fsdp every rank takes
+part in it (rank 0's sync gathers the shards bucket by bucket over a group of their own while
+the others serve those gathers: weights/sharded.py). Its methods run on a threaded actor, so
 a recovering engine can be synced while the driver waits on rollouts; `_weights_lock`
 keeps a sync from reading weights that a train step is changing, and `_dirty` keeps a
 recovering engine from getting weights that are newer than the version the others serve.
@@ -21,9 +23,15 @@ import torch
 import torch.distributed as dist
 
 from slime_like.engine.handle import EngineHandle
-from slime_like.trainer.checkpoint import load_rank_state, save_rank_state
+from slime_like.trainer.checkpoint import (
+    load_rank_state,
+    load_sharded_rank_state,
+    save_rank_state,
+    save_sharded_rank_state,
+)
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.trainer.versions import Span, VersionedWeights, span_logprobs
+from slime_like.weights.sharded import ShardedWeights
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -40,8 +48,13 @@ class TrainerRank:
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
                  sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
-                 engine_dtype: str | None = None, keep_versions: int = 0):
+                 engine_dtype: str | None = None, keep_versions: int = 0,
+                 backend: str = "ddp"):
         self.rank = rank
+        self.backend = backend
+        self.gather_group: dist.ProcessGroup | None = None  # fsdp: the syncs' gathers
+        self._sharded: ShardedWeights | None = None
+        self._serve_lock = threading.Lock()
         # The weights of the last `keep_versions` versions pushed, kept after each full sync
         # (--update-weights-interval > 1, the asynchronous schedules), so samples are checked
         # at the versions they were made at after the trainer moved on.
@@ -72,16 +85,20 @@ class TrainerRank:
 
     def init(self, master_addr: str, master_port: int) -> None:
         """Join the trainer's own process group (DP all-reduce) and load the policy."""
-        if self.world_size > 1:
-            dist.init_process_group("nccl" if self.device == "cuda" else "gloo",
-                                    init_method=f"tcp://{master_addr}:{master_port}",
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.world_size > 1 or self.backend == "fsdp":  # FSDP needs a group, even of one
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=timedelta(minutes=10))
             self.group = dist.group.WORLD
+        if self.backend == "fsdp":
+            # The syncs' gathers run on their own group: a resync may gather while another
+            # thread of this actor runs FSDP's collectives on the main one.
+            self.gather_group = dist.new_group(backend=backend, timeout=timedelta(minutes=10))
         self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
                                     seed=self.seed, group=self.group,
                                     use_transformers=self.use_transformers,
-                                    engine_dtype=self.engine_dtype)
+                                    engine_dtype=self.engine_dtype, backend=self.backend)
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -177,26 +194,61 @@ class TrainerRank:
         weight group. A resync gives replacement engines the version the others serve,
         over a group of their own; it waits while a train step has made the weights newer
         than that version (the full sync right after the step takes the engine along).
+        With fsdp every rank is called: rank 0 syncs from the shards, the others serve its
+        gathers; rank 0 ends each sync with a word to them (`finish`), done or failed.
         """
-        if self.rank != 0:
-            return {}
         assert self.policy is not None
-        with self._weights_lock:
-            if full:
-                report = self._weight_sync().update(self.policy.sync_source(), str(version),
-                                                    engines=targets)
-                self.version = version
-                self._dirty = False
-                self._versions.put(version, self.policy.model)
-                self._weights_lock.notify_all()
-                return report.as_dict()
-            if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
-                raise TimeoutError("weights stayed ahead of the served version for 600s")
-            one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
-            try:
-                return one.update(self.policy.sync_source(), str(self.version)).as_dict()
-            finally:
-                one.close()
+        sharded = self.backend == "fsdp"
+        if self.rank != 0:
+            return self._serve_gathers(version, full) if sharded else {}
+        source = self._sharded_source() if sharded else self.policy.sync_source()
+        try:
+            with self._weights_lock:
+                if full:
+                    report = self._weight_sync().update(source, str(version), engines=targets)
+                    self.version = version
+                    self._dirty = False
+                    self._versions.put(version, self.policy.model)
+                    self._weights_lock.notify_all()
+                    return self._report(report, source)
+                if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
+                    raise TimeoutError("weights stayed ahead of the served version for 600s")
+                one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
+                try:
+                    return self._report(one.update(source, str(self.version)), source)
+                finally:
+                    one.close()
+        finally:
+            if sharded:
+                source.finish()
+
+    @staticmethod
+    def _report(report: Any, source: Any) -> dict:
+        out = report.as_dict()
+        if isinstance(source, ShardedWeights):
+            out["gather"] = source.stats.as_dict()
+        return out
+
+    def _sharded_source(self) -> ShardedWeights:
+        if self._sharded is None:
+            assert self.policy is not None
+            cfg = WeightSyncConfig(**self.sync_config)
+            self._sharded = ShardedWeights(
+                self.policy.model, bucket_bytes=int(cfg.update_weight_buffer_size),
+                dtype=self.policy.serve_dtype, group=self.gather_group,
+                copies=cfg.transport != "distributed")
+        return self._sharded
+
+    def _serve_gathers(self, version: int, full: bool) -> dict:
+        """fsdp, ranks 1..N-1: send this rank's rows for one of rank 0's syncs. Sessions
+        are interchangeable (the same shards, the same plan): a rank's calls serve rank 0's
+        syncs one at a time, in rank 0's order."""
+        with self._serve_lock:
+            buckets = self._sharded_source().serve()
+        if full:
+            with self._weights_lock:
+                self.version, self._dirty = version, False
+        return {"served_buckets": buckets}
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -204,14 +256,22 @@ class TrainerRank:
         """Write this rank's part of a checkpoint (see trainer/checkpoint.py)."""
         assert self.policy is not None
         with self._weights_lock:
-            save_rank_state(self.policy.model, self.policy.optimizer, self.rank, out_dir)
+            if self.backend == "fsdp":
+                save_sharded_rank_state(self.policy.model, self.policy.optimizer, self.rank,
+                                        out_dir)
+            else:
+                save_rank_state(self.policy.model, self.policy.optimizer, self.rank, out_dir)
 
     def load_checkpoint(self, ckpt_dir: str, version: int) -> None:
         """Restore model, optimizer and RNG; the weights are `version` (not yet served)."""
         assert self.policy is not None
         with self._weights_lock:
-            load_rank_state(self.policy.model, self.policy.optimizer, self.rank, ckpt_dir,
-                            device=self.device)
+            if self.backend == "fsdp":
+                load_sharded_rank_state(self.policy.model, self.policy.optimizer, self.rank,
+                                        ckpt_dir)
+            else:
+                load_rank_state(self.policy.model, self.policy.optimizer, self.rank, ckpt_dir,
+                                device=self.device)
             self.version = version
             self._dirty = True  # engines serve other weights until the next full sync
 

@@ -8,11 +8,16 @@ Layout (Megatron's / slime's names)::
                     /rng_rank{R}.pt           every rank: torch / python RNG states
                     /job_state.json           step, weight version, data position
 
+                    /dcp/                     --train-backend fsdp instead of model.pt and
+                                              optimizer.pt: torch.distributed.checkpoint,
+                                              one file per rank (__R_0.distcp) + .metadata
+
 A checkpoint is written into a hidden temporary directory and renamed into place once
 complete, then the `latest` pointer is replaced atomically; a job killed while saving
 leaves the previous checkpoint as the latest. Every trainer rank writes into the same
-directory, so on several nodes DIR must be on shared storage. Ranks hold identical weights
-and optimizer states (data parallel), so rank 0 writes them once.
+directory, so on several nodes DIR must be on shared storage. With ddp, ranks hold
+identical weights and optimizer states, so rank 0 writes them once; with fsdp every rank
+writes its shards, and DCP reshards them on load, so a job resumes at another world size.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from slime_like.errors import ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
 JOB_STATE = "job_state.json"
+SHARDED_DIR = "dcp"
 
 
 def iter_dir_name(step: int) -> str:
@@ -79,10 +85,53 @@ def save_rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ra
     torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
 
 
+def save_sharded_rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            rank: int, out_dir: str | Path) -> None:
+    """--train-backend fsdp, every rank together: its shards through DCP, then its RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state},
+             checkpoint_id=str(Path(out_dir) / SHARDED_DIR))
+    torch.save(_rng_state(), Path(out_dir) / f"rng_rank{rank}.pt")
+
+
+def _check_kind(ckpt: Path, sharded: bool) -> None:
+    if sharded and not (ckpt / SHARDED_DIR).is_dir():
+        raise ConfigError("--load", f"{ckpt} was saved by a --train-backend ddp trainer "
+                                    f"(model.pt); it has no sharded {SHARDED_DIR}/ for fsdp")
+    if not sharded and not (ckpt / "model.pt").is_file() and (ckpt / SHARDED_DIR).is_dir():
+        raise ConfigError("--load", f"{ckpt} was saved by a --train-backend fsdp trainer "
+                                    f"({SHARDED_DIR}/); resume it with --train-backend fsdp")
+
+
+def load_sharded_rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            rank: int, ckpt_dir: str | Path) -> None:
+    """--train-backend fsdp, every rank together: this world size's shards, resharded by
+    DCP from whatever world size saved them, then the RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ckpt = Path(ckpt_dir)
+    _check_kind(ckpt, sharded=True)
+    model_state, optim_state = get_state_dict(model, optimizer)  # the optimizer's state made
+    state = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt / SHARDED_DIR))
+    except Exception as e:  # noqa: BLE001 - DCP's errors are long; name the checkpoint
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("--load", f"{ckpt} holds another model's weights: {first}") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    _load_rng(ckpt, rank)
+
+
 def load_rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
                     ckpt_dir: str | Path, device: str = "cpu") -> None:
     """Load model and optimizer (strict: a checkpoint of another model fails) and RNG."""
     ckpt = Path(ckpt_dir)
+    _check_kind(ckpt, sharded=False)
     try:
         model.load_state_dict(torch.load(ckpt / "model.pt", map_location=device,
                                          weights_only=True))
@@ -91,6 +140,10 @@ def load_rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ra
         raise ConfigError("--load", f"{ckpt} holds another model's weights: {first}") from e
     optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device,
                                          weights_only=True))
+    _load_rng(ckpt, rank)
+
+
+def _load_rng(ckpt: Path, rank: int) -> None:
     rng_path = ckpt / f"rng_rank{rank}.pt"
     if rng_path.is_file():  # a job resumed on more ranks than it saved keeps fresh RNGs there
         rng = torch.load(rng_path, weights_only=False)

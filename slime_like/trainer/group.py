@@ -10,18 +10,25 @@ from slime_like.trainer.actor import TrainerActor, trainer_env
 
 
 class TrainerGroup:
-    """N data-parallel trainer ranks; rank 0 drives weight syncs."""
+    """N data-parallel trainer ranks; rank 0 drives weight syncs.
+
+    With `backend="fsdp"` the ranks hold shards: forwards and weight syncs are collective,
+    so those calls go to every rank (rank 0 answers).
+    """
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
                  sync: SyncSettings, use_transformers: bool = False,
-                 engine_dtype: str | None = None, keep_versions: int = 0):
+                 engine_dtype: str | None = None, keep_versions: int = 0,
+                 backend: str = "ddp"):
         world = len(placement.plan.trainer)
+        self.sharded = backend == "fsdp"
         env = {"env_vars": trainer_env()}
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
                 rank, world, model_path, lr=lr, seed=seed,
                 sync_config=sync.weight_sync_kwargs(), use_transformers=use_transformers,
-                engine_dtype=engine_dtype, keep_versions=keep_versions if rank == 0 else 0)
+                engine_dtype=engine_dtype, keep_versions=keep_versions if rank == 0 else 0,
+                backend=backend)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -62,12 +69,19 @@ class TrainerGroup:
 
     def completion_logprobs(self, samples: list, version: int | None = None,
                             temperature: float = 1.0) -> list[list[float]]:
-        return ray.get(self.rank0.completion_logprobs.remote(samples, version, temperature))
+        if not self.sharded:
+            return ray.get(self.rank0.completion_logprobs.remote(samples, version, temperature))
+        return ray.get([a.completion_logprobs.remote(samples, version, temperature)
+                        for a in self.actors])[0]
 
     def span_logprobs(self, samples: list, temperature: float = 1.0,
                       kv_kept: bool = False) -> list[list[float]]:
-        """Each output token's log-probability at its span's version (rank 0)."""
-        return ray.get(self.rank0.span_logprobs.remote(samples, temperature, kv_kept))
+        """Each output token's log-probability at its span's version (rank 0; with fsdp
+        every rank, the forward being collective)."""
+        if not self.sharded:
+            return ray.get(self.rank0.span_logprobs.remote(samples, temperature, kv_kept))
+        return ray.get([a.span_logprobs.remote(samples, temperature, kv_kept)
+                        for a in self.actors])[0]
 
     def offload(self) -> dict:
         """--offload-train: every rank's model and optimizer state leave the GPU."""
@@ -82,14 +96,21 @@ class TrainerGroup:
         A failure comes back as the WeightSyncError rank 0 raised (not Ray's wrapper), so
         the fleet sees which step and engine failed.
         """
-        ref = self.rank0.push_weights.remote(update.targets, int(update.version), update.full)
+        args = (update.targets, int(update.version), update.full)
+        ref = self.rank0.push_weights.remote(*args)
+        # fsdp: every rank serves rank 0's gathers (rank 0 always ends each sync for them).
+        peers = [a.push_weights.remote(*args) for a in self.actors[1:]] if self.sharded else []
         try:
-            return ray.get(ref)
+            report = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, Exception):
                 raise cause from None
             raise
+        finally:
+            if peers:
+                ray.get(peers)  # a rank that died says so (RayActorError): the job stops
+        return report
 
     def on_sync_step(self, step: str, action) -> None:
         """Run `action` (picklable) in rank 0 when its next sync reaches `step`."""

@@ -1,8 +1,10 @@
 """PolicyTrainer: the model, optimiser and GRPO step of one trainer rank (no Ray here).
 
 Data parallel across trainer ranks: each rank computes gradients on its shard of the batch
-and the gradients are averaged with an all-reduce over the trainer's own process group
-(gloo on CPU, NCCL on GPU) before the optimiser step, so every rank holds the same weights.
+and the gradients are averaged over the trainer's own process group (gloo on CPU, NCCL on
+GPU) before the optimiser step. With the `ddp` backend every rank holds the whole model
+(an all-reduce of the gradients); with `fsdp` the model and optimizer state are sharded
+(FSDP2, `sharding.py`) and forwards are collective: every rank runs each one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from slime_like.trainer.grpo import (
     token_logprobs,
 )
 from slime_like.trainer.serve_dtype import serve_dtype
+from slime_like.trainer.sharding import BACKENDS, as_float, shard_model
 from slime_like.weights.packing import CastWeights
+from slime_like.weights.sharded import reshard
 
 
 class PolicyTrainer:
@@ -43,17 +47,26 @@ class PolicyTrainer:
 
     def __init__(self, model_path: str | Path, *, lr: float = 1e-3, device: str = "cpu",
                  seed: int = 0, group: dist.ProcessGroup | None = None,
-                 use_transformers: bool = False, engine_dtype: str | None = None):
+                 use_transformers: bool = False, engine_dtype: str | None = None,
+                 backend: str = "ddp"):
+        if backend not in BACKENDS:
+            raise ValueError(f"train backend must be one of {BACKENDS}, got {backend!r}")
         torch.manual_seed(seed)
         if use_transformers:
             self.model = load_transformers_model(model_path, device=device, dtype=torch.float32)
         else:
             self.model = load_pretrained(model_path, device=device, dtype=torch.float32)
+        self.sharded = backend == "fsdp"
+        if self.sharded:
+            if group is None:
+                raise ValueError("--train-backend fsdp needs the trainer's process group")
+            shard_model(self.model, group)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
         self.use_transformers = use_transformers
         dtype = serve_dtype(model_path, engine_dtype)
+        self.serve_dtype = dtype
         self._sync_source = self.model if dtype == torch.float32 else CastWeights(self.model,
                                                                                   dtype)
         self.group = group
@@ -110,7 +123,7 @@ class PolicyTrainer:
             loss = loss + kl_loss_coef * kl
             metrics["kl_loss"] = float(kl.detach())
         loss.backward()
-        if self._world() > 1:
+        if self._world() > 1 and not self.sharded:  # FSDP reduce-scatters by itself
             for p in self.model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.group)
@@ -118,7 +131,7 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
         self.optimizer.step()
         self.steps += 1
-        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), **metrics}
+        return {"loss": float(loss.detach()), "grad_norm": as_float(grad_norm), **metrics}
 
     @torch.no_grad()
     def completion_logprobs(self, samples: Sequence[tuple[list[int], list[int]]],
@@ -138,6 +151,8 @@ class PolicyTrainer:
             lp = token_logprobs(logits, batch.input_ids.to(self.device)).cpu()
         finally:
             model.train(was_training)
+            if self.sharded:
+                reshard(model)  # FSDP's root stays unsharded after a forward without backward
         out = []
         for i, (prompt, output) in enumerate(samples):
             out.append(lp[i, len(prompt): len(prompt) + len(output)].tolist())

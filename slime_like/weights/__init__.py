@@ -2,9 +2,10 @@
 
 from slime_like.engine.handle import EngineHandle
 from slime_like.weights.packing import CastWeights, ModelWeights, NamedTensors, get_model_metadata
+from slime_like.weights.sharded import ShardedWeights
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
 from slime_like.weights.torchrl import SGLangWeightSender, SGLangWeightSyncScheme
 
 __all__ = ["CastWeights", "EngineHandle", "ModelWeights", "NamedTensors", "SGLangWeightSender",
-           "SGLangWeightSyncScheme", "SyncReport", "WeightSync", "WeightSyncConfig",
+           "SGLangWeightSyncScheme", "ShardedWeights", "SyncReport", "WeightSync", "WeightSyncConfig",
            "get_model_metadata"]

@@ -335,6 +335,7 @@ class DistributedTransport(Transport):
         packer.begin()
         start_ev = _record(packer.stream) if cuda else None
         src = iter(ctx.source.tensors())
+        sent = getattr(ctx.source, "bucket_sent", None)  # a source reusing its buffers
         slot_work: list = [None] * packer.slots
         works, wire = [], _WireClock(self._timing_stream)
         for k, bucket in enumerate(ctx.buckets):
@@ -365,6 +366,8 @@ class DistributedTransport(Transport):
             if packed:
                 slot_work[slot] = work
             works.append((work, buf))  # a direct view keeps its tensor alive until sent
+            if sent is not None:
+                sent(k, (work,))
             stats.bytes += bucket.nbytes
             stats.buckets += 1
         self._finish(ctx, works)
@@ -377,6 +380,7 @@ class DistributedTransport(Transport):
     def _send_per_tensor(self, ctx: TransferContext) -> None:
         """sglang's per-tensor mode: one request per bucket, one broadcast per tensor."""
         src = iter(ctx.source.tensors())
+        sent = getattr(ctx.source, "bucket_sent", None)
         works = []
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for k, bucket in enumerate(ctx.buckets):
@@ -385,6 +389,8 @@ class DistributedTransport(Transport):
             for t in tensors:
                 t = t.detach().to(self.device).contiguous()
                 works.append((self._broadcast(t, stream), t))
+            if sent is not None:
+                sent(k, [w for w, _ in works[-len(tensors):]])
             ctx.stats.bytes += bucket.nbytes
             ctx.stats.buckets += 1
         self._finish(ctx, works)

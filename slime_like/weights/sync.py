@@ -172,8 +172,11 @@ class WeightSync:
                 raise WeightMetadataError("attach needs the model or its metadata")
             self._connect(self._registered)
 
-    def _connect(self, metas: list[TensorMeta]) -> None:
-        """Probe new engines, check metadata against their models, build the group."""
+    def _connect(self, metas: list[TensorMeta], source: Any = None) -> None:
+        """Probe new engines, check metadata against their models, build the group.
+
+        A source that lays its buckets out itself (`ShardedWeights`: gathered straight into
+        wire layout) gets no pack buffers reserved for it."""
         if not self.engines:
             raise WeightSyncError("attach", "no engines left to sync (all were dropped: "
                                   f"{[e.url for e in self.dropped]})")
@@ -188,7 +191,8 @@ class WeightSync:
             on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
         self._verified = (metas, urls)  # equal or checked: the next sync compares identities
         self._transport().attach(self.engines, self._engine_calls())
-        self._transport().prepare(self._buckets(metas))
+        if not getattr(source, "buckets_in_wire_layout", False):
+            self._transport().prepare(self._buckets(metas))
 
     def _check_engine(self, engine: EngineHandle, metas: list[TensorMeta]) -> None:
         path = str(engine.model_info().get("model_path") or "")
@@ -279,7 +283,7 @@ class WeightSync:
                 self._checked = metas
         with steps("attach"):
             try:
-                self._connect(metas)
+                self._connect(metas, source)
             except WeightMetadataError:
                 raise
             except Exception as e:  # e.g. an engine died between syncs: drop it, say so

@@ -57,3 +57,9 @@ def test_what_the_schedules_cannot_run_is_refused(flags, flag, why):
     with pytest.raises(ConfigError) as err:
         parse_args([*BASE, *flags])
     assert err.value.path == flag and why in str(err.value), str(err.value)
+
+
+def test_a_sharded_trainer_runs_the_sync_schedule_only():
+    with pytest.raises(ConfigError) as err:
+        parse_args([*BASE, "--fully-async", "--train-backend", "fsdp"])
+    assert err.value.path == "--train-backend" and "earlier versions" in str(err.value)

@@ -50,3 +50,11 @@ def test_own_trainer_streams_batches_while_pushes_update_in_flight(tmp_path, fre
     counts = out["counts"]
     assert out["balanced"] and counts["taken"] == 4 * 2 and counts["failed"] == 0, counts
     assert set(out["states"].values()) == {"REGISTERED"}
+def test_own_trainer_example_pushes_an_fsdp_model_from_every_rank(tmp_path, fresh_ray,
+                                                                  monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # its spawned ranks import it by name
+    example = importlib.import_module("train_loop")
+    out = example.main(["--steps", "1", "--fsdp", "2", "--out", str(tmp_path)])
+    # the sharded model's pushes verified like any: each step served the version before it
+    assert out["served"] == [["1"]] and out["version"] == 2
+    assert out["peer_exit_codes"] == [0]  # rank 1 trained and served both pushes' gathers
