@@ -91,7 +91,11 @@ class TrainerRank:
         assert self.policy is not None
         with self._weights_lock:
             self._dirty = True
-            return self.policy.train_step(samples, advantages, **kl)
+            metrics = self.policy.train_step(samples, advantages, **kl)
+            onload = self.policy.offloader.onload_stats()
+            if onload.bytes:  # --offload-train: the copy back that this step waited for
+                metrics.update(onload.as_dict("trainer_onload"))
+            return metrics
 
     def completion_logprobs(self, samples: list[tuple[list[int], list[int]]],
                             version: int | None = None,
@@ -112,7 +116,8 @@ class TrainerRank:
                                "copy of it was kept (keep_served)")
 
     def offload(self) -> dict[str, Any]:
-        """--offload-train: model and optimizer state leave the GPU while engines generate.
+        """--offload-train: model and optimizer state leave the GPU while engines generate
+        (pinned host buffers, reused every step; gradients freed), with what it moved.
 
         On a CPU trainer there is no device memory to give back; the call says so.
         """
@@ -121,15 +126,18 @@ class TrainerRank:
             return {"trainer_offloaded": False, "reason": "cpu trainer: nothing on a device"}
         with self._weights_lock:
             before = torch.cuda.memory_allocated()
-            self.policy.move_to("cpu")
+            stats = self.policy.move_to("cpu")
             return {"trainer_offloaded": True,
-                    "freed_bytes": int(before - torch.cuda.memory_allocated())}
+                    "freed_bytes": int(before - torch.cuda.memory_allocated()),
+                    **stats.as_dict("trainer_offload")}
 
     def onload(self) -> None:
+        """Start the copy back; the next use of the model waits for it (so the copy overlaps
+        what the driver does meanwhile: scoring, the rest of the rollout's bookkeeping)."""
         assert self.policy is not None
         if self.device == "cuda":
             with self._weights_lock:
-                self.policy.move_to(self.device)
+                self.policy.move_to(self.device, wait=False)
 
     # ---- weight sync (rank 0) ------------------------------------------------------------------
 
@@ -185,12 +193,14 @@ class TrainerRank:
         """Write this rank's part of a checkpoint (see trainer/checkpoint.py)."""
         assert self.policy is not None
         with self._weights_lock:
+            self.policy.offloader.ready()
             save_rank_state(self.policy.model, self.policy.optimizer, self.rank, out_dir)
 
     def load_checkpoint(self, ckpt_dir: str, version: int) -> None:
         """Restore model, optimizer and RNG; the weights are `version` (not yet served)."""
         assert self.policy is not None
         with self._weights_lock:
+            self.policy.move_to(self.device)  # the state a load replaces must be onloaded
             load_rank_state(self.policy.model, self.policy.optimizer, self.rank, ckpt_dir,
                             device=self.device)
             self.version = version

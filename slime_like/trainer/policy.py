@@ -25,6 +25,7 @@ from slime_like.trainer.grpo import (
     ref_logprob_rows,
     token_logprobs,
 )
+from slime_like.trainer.offload import MoveStats, TrainerOffload
 from slime_like.trainer.serve_dtype import serve_dtype
 from slime_like.weights.packing import CastWeights
 
@@ -50,6 +51,7 @@ class PolicyTrainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
+        self.offloader = TrainerOffload(self.model, self.optimizer)
         self.use_transformers = use_transformers
         dtype = serve_dtype(model_path, engine_dtype)
         self._sync_source = self.model if dtype == torch.float32 else CastWeights(self.model,
@@ -81,6 +83,7 @@ class PolicyTrainer:
         taken under the distribution the samples came from (slime does the same).
         `loss_masks` (multi-turn samples) leave environment tokens out of the loss and KL.
         """
+        self.offloader.ready()
         batch: PackedBatch = pack(samples, advantages, loss_masks=loss_masks).to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
@@ -113,6 +116,7 @@ class PolicyTrainer:
         """Per generated token, log p(token | prefix) under the current weights (fp32), or
         under `model` (e.g. a copy of the weights the engines serve). `temperature` scales
         the logits as the engines do for the logprobs they report (sglang's default)."""
+        self.offloader.ready()
         model = model or self.model
         was_training = model.training
         model.eval()
@@ -133,22 +137,22 @@ class PolicyTrainer:
         """A frozen copy of the current weights (what the engines serve after a sync)."""
         import copy
 
+        self.offloader.ready()
         frozen = copy.deepcopy(self.model)
         frozen.requires_grad_(False)
         return frozen
 
-    def move_to(self, device: str) -> None:
-        """Move the model and the optimizer state (offload to "cpu", or back)."""
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if torch.is_tensor(v):
-                    state[k] = v.to(device)
-        if device == "cpu" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def move_to(self, device: str, wait: bool = True) -> MoveStats:
+        """Offload the weights and the optimizer state to pinned host memory ("cpu"), or
+        bring them back (the trainer's device; with `wait=False` the copy overlaps the
+        caller's next work). Gradients are freed, not moved. See trainer/offload.py."""
+        if device == "cpu":
+            return self.offloader.offload()
+        return self.offloader.onload(wait=wait)
 
     def sync_source(self) -> Any:
         """What a weight sync sends: the model, or its weights cast to the engines' dtype."""
+        self.offloader.ready()
         return self._sync_source
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
