@@ -54,7 +54,7 @@ class Rollout:
 
     prompts: list[PromptItem]
     samples: list[Sample]
-    seconds: float
+    seconds: float  # generation only
     trainer_offloaded: dict = field(default_factory=dict)
 
 
@@ -88,6 +88,8 @@ class Job:
         self.chaos: ChaosMonkey | None = None
         self.sampler: InvariantSampler | None = None
         self.crash: ChaosMonkey | None = None
+        self.phases: dict[str, float] = {}  # this step's phase seconds (docs/COLOCATE.md)
+        self._weight_bytes = 0  # what one engine's weights take (from the last sync)
 
     # ---- the whole job -----------------------------------------------------------------------
 
@@ -177,11 +179,16 @@ class Job:
 
     def step(self, step: int) -> None:
         """rollout -> score -> check -> train -> sync, then log and save."""
+        self.phases = {}
+        t0 = time.perf_counter()
         rollout = self.rollout(step)
-        scores = self.score(rollout.samples)
-        worst = self.check(rollout.samples)
+        with self._phase("score"):
+            scores = self.score(rollout.samples)
+        with self._phase("check"):
+            worst = self.check(rollout.samples)
         train_metrics, released = self.train(rollout.samples, scores)
         sync = self.sync(step)
+        self.phases["step_s"] = round(time.perf_counter() - t0, 4)
         self.log(step, rollout, scores, worst, train_metrics, released, sync)
         self.save(step, sync)
 
@@ -189,21 +196,22 @@ class Job:
         """The step's prompts through the rollout function (the trainer offloaded meanwhile
         with --offload-train); a planned fault fires a quarter of the way in."""
         settings, fleet = self.settings, self.fleet
-        t0 = time.time()
         prompts = self.inputs.source.next_batch(settings.rollout.batch_size)
         total = len(prompts) * settings.rollout.n_samples_per_prompt
         hook = self.crash.rollout_hook(step, total) if self.crash is not None else None
         offloaded = self.trainer.offload() if settings.trainer.offload_train else {}
         if self.chaos is not None:
             hook = self.chaos.rollout_hook(step, total) or hook
+        t0 = time.perf_counter()
         samples = self.plugins.rollout(
             settings.plugin_args, step, prompts, router_url=fleet.router_url(),
             sampling_params=settings.rollout.sampling_params,
             n=settings.rollout.n_samples_per_prompt, tokenizer=self.inputs.tokenizer,
             on_sample=hook, api_key=fleet.settings.router.api_key, generate=fleet.generate)
+        generation_s = time.perf_counter() - t0
         if settings.trainer.offload_train:
-            self.trainer.onload()
-        return Rollout(prompts, samples, time.time() - t0, offloaded)
+            self.trainer.onload()  # enqueued: the copy overlaps scoring until the next use
+        return Rollout(prompts, samples, generation_s, offloaded)
 
     def score(self, samples: list[Sample]) -> Scores:
         """Rewards from the reward function, shaped by the reference's KL where asked, and
@@ -231,11 +239,36 @@ class Job:
         # A multi-turn sample's loss mask leaves the environment's tokens out of the loss.
         masks = ([s.loss_mask for s in samples]
                  if any(s.loss_mask is not None for s in samples) else None)
-        with offload as released:
+        with offload as released, self._phase("train"):
             metrics = self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
                                               temperature=self.settings.rollout.temperature,
                                               **extra)
+        if self.settings.offload_rollout:
+            self.phases.update(self._engine_phases())
         return metrics, released
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[f"{name}_s"] = round(time.perf_counter() - t0, 4)
+
+    def _engine_phases(self) -> dict[str, float]:
+        """The colocated engines' release and resume; GB/s where a weights backup moved
+        bytes (the engine's weights, as the last sync counted them)."""
+        last = self.fleet.offload.last
+        moved = self._weight_bytes if self._fleet_settings.engine.sglang_flags.get(
+            "enable_weights_cpu_backup") else 0
+        out: dict[str, float] = {}
+        for phase in ("engine_release", "engine_resume"):
+            seconds = last.get(f"{phase}_s")
+            if seconds is not None:
+                out[f"{phase}_s"] = round(seconds, 4)
+                if moved and seconds > 0:
+                    out[f"{phase}_gbps"] = round(moved / seconds / 1e9, 3)
+        return out
 
     def sync(self, step: int) -> dict:
         """Every --update-weights-interval steps: the new weights into every engine."""
@@ -252,6 +285,8 @@ class Job:
         for attempt in self.fleet.sync_attempts(version=version):
             with attempt as update:
                 update.report = self.trainer.push_weights(update) or {}
+        self._weight_bytes = (update.report.get("transfer") or {}).get("bytes") or \
+            self._weight_bytes
         return update.report
 
     def log(self, step: int, rollout: Rollout, scores: Scores, worst: float,
@@ -280,6 +315,9 @@ class Job:
             **scores.kl_metrics,
             **train_metrics,
             **sync_metrics(sync),
+            **{k: v for k, v in rollout.trainer_offloaded.items() if k.startswith("trainer_")
+               and k != "trainer_offloaded"},
+            **self.phases,
         })
         logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                     "engines %s", step, sum(rewards) / len(rewards), rollout.seconds,
