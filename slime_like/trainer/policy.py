@@ -42,20 +42,21 @@ class PolicyTrainer:
 
     def __init__(self, model_path: str | Path, *, lr: float = 1e-3, device: str = "cpu",
                  seed: int = 0, group: dist.ProcessGroup | None = None,
-                 use_transformers: bool = False, engine_dtype: str | None = None):
+                 use_transformers: bool = False, engine_dtype: str | None = None,
+                 load_format: str = "auto", dtype: torch.dtype = torch.float32):
         torch.manual_seed(seed)
         if use_transformers:
-            self.model = load_transformers_model(model_path, device=device, dtype=torch.float32)
-        else:
-            self.model = load_pretrained(model_path, device=device, dtype=torch.float32)
+            self.model = load_transformers_model(model_path, device=device, dtype=dtype)
+        else:  # load_format "dummy": random weights from config.json (benchmarks)
+            self.model = load_pretrained(model_path, device=device, dtype=dtype,
+                                         load_format=load_format, seed=seed)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
         self.offloader = TrainerOffload(self.model, self.optimizer)
         self.use_transformers = use_transformers
-        dtype = serve_dtype(model_path, engine_dtype)
-        self._sync_source = self.model if dtype == torch.float32 else CastWeights(self.model,
-                                                                                  dtype)
+        served = serve_dtype(model_path, engine_dtype)
+        self._sync_source = self.model if served == dtype else CastWeights(self.model, served)
         self.group = group
         self.device = device
         self.steps = 0

@@ -13,6 +13,7 @@ import torch
 from slime_like.models.tiny import make_tiny_model
 from slime_like.protocol.checksums import tensor_checksum
 from slime_like.trainer.policy import PolicyTrainer
+from slime_like.weights.packing import direct_view
 
 SAMPLES = [([1, 2, 3, 4], [5, 6, 7]), ([8, 9], [10, 11, 12, 13])]
 ADVANTAGES = [1.0, -1.0]
@@ -54,6 +55,8 @@ def test_offload_and_onload_keep_weights_and_adam_state_and_training_goes_on_as_
     # (reused) host buffer.
     bases = {p.untyped_storage().data_ptr() for p in params}
     assert len(bases) == 1
+    # ... back to back in the sync's order: a weight sync sends them without a pack copy.
+    assert direct_view([p.data for p in params], params[0].device) is not None
     host = moved.offloader.host_bytes()
     again = moved.move_to("cpu")
     assert again.copies == 1 and moved.offloader.host_bytes() == host
