@@ -5,11 +5,13 @@ The job's colocated step, with its real parts in plain processes (no Ray, no rou
 (`--load-format dummy --enable-weights-cpu-backup`), synced over the `tensor` transport
 (CUDA IPC). Per step, in the job's order:
 
-  trainer_offload  weights + AdamW moments to the pinned host buffers (grads freed)
+  trainer_offload  weights + AdamW moments to the pinned host buffers (grads freed);
+                   enqueued, so the copy overlaps the generation
   generation       16 samples x 12 new tokens from the engine over HTTP
-  trainer_onload   back to the GPU (enqueued; the logprob check waits for it)
-  check            the trainer's log-probabilities of the samples (the job's check)
+  trainer_onload   back to the GPU; enqueued, so it overlaps the engine's release (the
+                   other direction of the link); the check waits for it
   engine_release   /release_memory_occupation (weights backed up to pinned host, KV freed)
+  check            the trainer's log-probabilities of the samples (the job's check)
   train            one GRPO step
   engine_resume    /resume_memory_occupation (the backup copied back)
   sync             WeightSync into the engine (`tensor` transport)
@@ -179,34 +181,41 @@ def run_layout(args, name: str, work: Path) -> dict:
             f"d2d {rates['d2d'] / 1e9:.0f} GB/s (one buffer of {args.copy_mb} MiB)")
 
         def step(colocated: bool) -> dict[str, float]:
+            """One step in the job's order. Offload and onload are enqueued and overlap the
+            generation and the engine's release; their seconds are the copies' own (events).
+            Only local GPU work is timed with a device synchronize."""
             nonlocal version
             t: dict[str, float] = {}
+            _sync(cuda)
             t_step = time.perf_counter()
             if colocated:
-                s, out = timed(lambda: trainer.move_to("cpu"), cuda)
-                t["trainer_offload_s"], t["trainer_offload_bytes"] = s, out.bytes
-            t["generation_s"], samples = timed(lambda: engine.generate(rng), cuda)
+                trainer.move_to("cpu", wait=False)
+            t["generation_s"], samples = timed(lambda: engine.generate(rng), False)
             if colocated:
-                s, out = timed(lambda: trainer.offloader.onload(wait=False), False)
+                trainer.offloader.onload(wait=False)
+                t["engine_release_s"], _ = timed(
+                    lambda: engine.post("/release_memory_occupation", {}), False)
             t["check_s"], _ = timed(lambda: trainer.completion_logprobs(samples), cuda)
             if colocated:
-                stats = trainer.offloader.onload_stats()
-                t["trainer_onload_s"], t["trainer_onload_bytes"] = stats.seconds + s, stats.bytes
-                t["engine_release_s"], _ = timed(
-                    lambda: engine.post("/release_memory_occupation", {}), cuda)
+                off, on = trainer.offloader.last_offload, trainer.offloader.onload_stats()
+                t["trainer_offload_s"], t["trainer_offload_bytes"] = off.seconds, off.bytes
+                t["trainer_onload_s"], t["trainer_onload_bytes"] = on.seconds, on.bytes
             advantages = [rng.choice((-1.0, 1.0)) for _ in samples]
             t["train_s"], _ = timed(lambda: trainer.train_step(samples, advantages), cuda)
             if colocated:
                 t["engine_resume_s"], _ = timed(
-                    lambda: engine.post("/resume_memory_occupation", {}), cuda)
+                    lambda: engine.post("/resume_memory_occupation", {}), False)
                 t["engine_backup_bytes"] = weight_bytes
             version += 1
             t["sync_s"], report = timed(lambda: sync.update(trainer.sync_source(), str(version)),
                                         cuda)
             t["sync_bytes"] = (report.transfer or {}).get("bytes", weight_bytes)
             t["step_s"] = time.perf_counter() - t_step
+            last_report.clear()
+            last_report.update(report.as_dict())
             return t
 
+        last_report: dict = {}
         result: dict = {"layout": name, "params_b": round(sum(
             p.numel() for p in trainer.model.parameters()) / 1e9, 3),
             "trainer_dtype": str(trainer_dtype).removeprefix("torch."),
@@ -217,6 +226,9 @@ def run_layout(args, name: str, work: Path) -> dict:
             result[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             if cuda and colocated:
                 result["gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            result[f"{mode}_sync_seconds"] = {k: round(v, 4) for k, v in
+                                              (last_report.get("seconds") or {}).items()}
+            result[f"{mode}_sync_transfer"] = last_report.get("transfer")
         if cuda:
             result["pinned_host_gb"] = round(trainer.offloader.host_bytes() / 1e9, 2)
         return summarize(result, rates)
@@ -281,6 +293,8 @@ def print_table(r: dict) -> None:
             print(f"{k:<18}{r['no_offload'].get(k, 0.0):>14.4f}{r['colocated'][k]:>14.4f}")
     st = r["step_ratio"]
     print(f"colocated step / no-offload step = {st['ratio']} (target <= {st['target']})")
+    print(f"sync, where the time went (last colocated step): {r.get('colocated_sync_seconds')}; "
+          f"transfer {r.get('colocated_sync_transfer')}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,15 +178,18 @@ class Job:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self, step: int) -> None:
-        """rollout -> score -> check -> train -> sync, then log and save."""
+        """rollout -> score -> check -> train -> sync, then log and save. Colocated engines
+        give their memory back for the check and the train step."""
         self.phases = {}
         t0 = time.perf_counter()
         rollout = self.rollout(step)
         with self._phase("score"):
             scores = self.score(rollout.samples)
-        with self._phase("check"):
-            worst = self.check(rollout.samples)
-        train_metrics, released = self.train(rollout.samples, scores)
+        with self.engines_released() as released:
+            with self._phase("check"):
+                worst = self.check(rollout.samples)
+            with self._phase("train"):
+                train_metrics = self.train(rollout.samples, scores)
         sync = self.sync(step)
         self.phases["step_s"] = round(time.perf_counter() - t0, 4)
         self.log(step, rollout, scores, worst, train_metrics, released, sync)
@@ -227,25 +230,29 @@ class Job:
                               self.settings.logprob_check_tolerance,
                               self.settings.rollout.temperature)
 
-    def train(self, samples: list[Sample], scores: Scores) -> tuple[dict, list[str] | None]:
-        """One GRPO step (colocated engines release their memory meanwhile); its metrics and
-        the engines released for it."""
+    @contextlib.contextmanager
+    def engines_released(self):
+        """--offload-rollout: colocated engines release their memory for the body (the
+        engines released, or None). The release (device to host) overlaps the trainer's
+        onload (host to device): opposite directions of the host link."""
+        if not self.settings.offload_rollout:
+            yield None
+            return
+        with self.fleet.offloaded() as released:
+            yield released
+        self.phases.update(self._engine_phases())
+
+    def train(self, samples: list[Sample], scores: Scores) -> dict:
+        """One GRPO step; its metrics."""
         kl = self.settings.kl
         extra = {"ref_logprobs": scores.ref_logprobs, "kl_loss_coef": kl.kl_loss_coef,
                  "kl_loss_type": kl.kl_loss_type} if kl.use_kl_loss else {}
         pairs = [(s.prompt_ids, s.output_ids) for s in samples]
-        offload = self.fleet.offloaded() if self.settings.offload_rollout else \
-            contextlib.nullcontext()
         # A multi-turn sample's loss mask leaves the environment's tokens out of the loss.
         masks = ([s.loss_mask for s in samples]
                  if any(s.loss_mask is not None for s in samples) else None)
-        with offload as released, self._phase("train"):
-            metrics = self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
-                                              temperature=self.settings.rollout.temperature,
-                                              **extra)
-        if self.settings.offload_rollout:
-            self.phases.update(self._engine_phases())
-        return metrics, released
+        return self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
+                                       temperature=self.settings.rollout.temperature, **extra)
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -315,8 +322,6 @@ class Job:
             **scores.kl_metrics,
             **train_metrics,
             **sync_metrics(sync),
-            **{k: v for k, v in rollout.trainer_offloaded.items() if k.startswith("trainer_")
-               and k != "trainer_offloaded"},
             **self.phases,
         })
         logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "

@@ -92,8 +92,10 @@ class TrainerRank:
         with self._weights_lock:
             self._dirty = True
             metrics = self.policy.train_step(samples, advantages, **kl)
-            onload = self.policy.offloader.onload_stats()
-            if onload.bytes:  # --offload-train: the copy back that this step waited for
+            offloader = self.policy.offloader
+            onload = offloader.onload_stats()
+            if onload.bytes:  # --offload-train: this step's copies to the host and back
+                metrics.update(offloader.last_offload.as_dict("trainer_offload"))
                 metrics.update(onload.as_dict("trainer_onload"))
             return metrics
 
@@ -117,7 +119,8 @@ class TrainerRank:
 
     def offload(self) -> dict[str, Any]:
         """--offload-train: model and optimizer state leave the GPU while engines generate
-        (pinned host buffers, reused every step; gradients freed), with what it moved.
+        (pinned host buffers, reused every step; gradients freed). The copy is enqueued and
+        overlaps the generation; its time comes with the next train step's metrics.
 
         On a CPU trainer there is no device memory to give back; the call says so.
         """
@@ -125,11 +128,8 @@ class TrainerRank:
         if self.device != "cuda":
             return {"trainer_offloaded": False, "reason": "cpu trainer: nothing on a device"}
         with self._weights_lock:
-            before = torch.cuda.memory_allocated()
-            stats = self.policy.move_to("cpu")
-            return {"trainer_offloaded": True,
-                    "freed_bytes": int(before - torch.cuda.memory_allocated()),
-                    **stats.as_dict("trainer_offload")}
+            stats = self.policy.move_to("cpu", wait=False)
+            return {"trainer_offloaded": True, "trainer_offload_gb": round(stats.bytes / 1e9, 4)}
 
     def onload(self) -> None:
         """Start the copy back; the next use of the model waits for it (so the copy overlaps

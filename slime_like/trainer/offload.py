@@ -17,6 +17,7 @@ reach the link's limit (docs/COLOCATE.md has the figures).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -83,6 +84,7 @@ class TrainerOffload:
         self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.last_offload = MoveStats()
         self.last_onload = MoveStats()
+        self._drain: threading.Thread | None = None
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -143,8 +145,12 @@ class TrainerOffload:
     # ---- moves -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def offload(self) -> MoveStats:
-        """State to the pinned host buffers; the device memory is given back on return."""
+    def offload(self, wait: bool = True) -> MoveStats:
+        """State to the pinned host buffers, the device memory given back once copied.
+
+        With `wait=False` the call returns once the copies are enqueued and a thread gives
+        the memory back when they end (the engines generate meanwhile: their memory is
+        already theirs); `onload` waits for that first."""
         if self.offloaded:
             return MoveStats()
         self.ready()
@@ -157,8 +163,11 @@ class TrainerOffload:
         groups = self._group(slots)
         stream = self._side_stream()
         stats = MoveStats()
+        events = None
         if stream is not None:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream.wait_stream(torch.cuda.current_stream(self.device))
+            events[0].record(stream)
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             for g in groups:
                 host = self._host_buffer(g.dtype, g.numel)
@@ -171,22 +180,44 @@ class TrainerOffload:
                             s.tensor, non_blocking=True)
                         stats.copies += 1
                 stats.bytes += g.numel * host.element_size()
-        if stream is not None:
-            stream.synchronize()  # the bytes are on the host before the device copy goes
+        # The device tensors stay alive until the copy has read them; nothing else holds
+        # them once the slots point at the host.
+        draining = [s.tensor for g in groups for s in g.slots] + list(self._flat.values())
         for g in groups:
             host = self._host[g.dtype]
             for s, off in zip(g.slots, g.offsets, strict=True):
-                s.assign(host[off:off + s.tensor.numel()].view(s.tensor.shape))
+                s.tensor = host[off:off + s.tensor.numel()].view(s.tensor.shape)
+                s.assign(s.tensor)
         for p in self.model.parameters():
             p.grad = None  # freed: the next train step zeroes gradients before using them
         self._groups = groups
         self._flat = {}
         self.offloaded = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        stats.seconds = time.perf_counter() - t0
         self.last_offload = stats
+        if stream is None:
+            stats.seconds = time.perf_counter() - t0
+            return stats
+        events[1].record(stream)
+        self._drain = threading.Thread(target=self._give_back, args=(draining, events),
+                                       name="trainer-offload", daemon=True)
+        del draining
+        self._drain.start()
+        if wait:
+            self._wait_drained()
         return stats
+
+    def _give_back(self, draining: list[torch.Tensor], events) -> None:
+        """Once the copy to the host ended: free the device memory, record the copy's time."""
+        events[1].synchronize()
+        draining.clear()
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+        self.last_offload.seconds = events[0].elapsed_time(events[1]) / 1e3
+
+    def _wait_drained(self) -> None:
+        if self._drain is not None:
+            self._drain.join()
+            self._drain = None
 
     @torch.no_grad()
     def onload(self, wait: bool = True) -> MoveStats:
@@ -195,6 +226,7 @@ class TrainerOffload:
         makes the compute stream wait for them."""
         if not self.offloaded:
             return MoveStats()
+        self._wait_drained()  # the host has every byte, the device memory is back
         t0 = time.perf_counter()
         stream = self._side_stream()
         stats = MoveStats()

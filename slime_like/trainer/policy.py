@@ -145,10 +145,10 @@ class PolicyTrainer:
 
     def move_to(self, device: str, wait: bool = True) -> MoveStats:
         """Offload the weights and the optimizer state to pinned host memory ("cpu"), or
-        bring them back (the trainer's device; with `wait=False` the copy overlaps the
-        caller's next work). Gradients are freed, not moved. See trainer/offload.py."""
+        bring them back (the trainer's device). With `wait=False` the copy overlaps the
+        caller's next work. Gradients are freed, not moved. See trainer/offload.py."""
         if device == "cpu":
-            return self.offloader.offload()
+            return self.offloader.offload(wait=wait)
         return self.offloader.onload(wait=wait)
 
     def sync_source(self) -> Any:
