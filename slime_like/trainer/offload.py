@@ -273,6 +273,11 @@ class TrainerOffload:
             self.last_onload.seconds = start.elapsed_time(end) / 1e3
         return self.last_onload
 
+    @property
+    def used(self) -> bool:
+        """True once the state has been offloaded (the trainer shares its GPU)."""
+        return bool(self._host)
+
     def host_bytes(self) -> int:
         """Bytes of pinned host memory held for the offload."""
         return sum(b.numel() * b.element_size() for b in self._host.values())

@@ -108,6 +108,9 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
         self.optimizer.step()
         self.steps += 1
+        if self.offloader.used and str(self.device).startswith("cuda"):
+            # Colocated: the step's cached temporaries go back before the engines resume.
+            torch.cuda.empty_cache()
         return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), **metrics}
 
     @torch.no_grad()

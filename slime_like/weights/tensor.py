@@ -9,7 +9,8 @@ ones go as one request: no buffer bounds them, so splitting them would only add 
 
 Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
 it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
-The trainer's own storage goes in place only if the last sync sent from the same storage:
+After the first sync, the trainer's own storage goes in place only if the last sync sent
+from the same storage:
 an engine keeps the storages it mapped until the next sync ends, so a storage that is new
 every sync (a trainer that offloads between syncs frees and reallocates its flat buffers)
 would cost a fresh mapping each sync and stay held, a second copy of the trainer's state,
@@ -48,6 +49,7 @@ class TensorTransport(Transport):
         # The same requests come back every sync: their metadata is laid out and pickled once.
         self.payloads = FlattenedPayloads()
         self._in_place: set[tuple[int, int]] = set()  # storages the last sync could send as is
+        self._first = True  # the first sync sends any storage in place
 
     def transfer(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
@@ -63,7 +65,7 @@ class TensorTransport(Transport):
             storage = view.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             seen.add(key)
-            return key in self._in_place
+            return self._first or key in self._in_place
 
         groups = send_groups(iter(ctx.source.tensors()), ctx.buckets, self.device,
                              merge_direct=cuda, allow_direct=stable)
@@ -116,7 +118,7 @@ class TensorTransport(Transport):
         stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
-        self._in_place = seen
+        self._in_place, self._first = seen, False
 
     def _renew_buffers(self) -> None:
         """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.
