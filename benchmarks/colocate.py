@@ -202,6 +202,11 @@ def run_layout(args, name: str, work: Path) -> dict:
                 t["trainer_onload_s"], t["trainer_onload_bytes"] = on.seconds, on.bytes
             advantages = [rng.choice((-1.0, 1.0)) for _ in samples]
             t["train_s"], _ = timed(lambda: trainer.train_step(samples, advantages), cuda)
+            if cuda:  # what the trainer holds when the engine resumes
+                t["trainer_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+                t["trainer_reserved_gb"] = torch.cuda.memory_reserved() / 1e9
+                log(f"after train: trainer allocated {t['trainer_allocated_gb']:.1f} GB, "
+                    f"reserved {t['trainer_reserved_gb']:.1f} GB")
             if colocated:
                 t["engine_resume_s"], _ = timed(
                     lambda: engine.post("/resume_memory_occupation", {}), False)
