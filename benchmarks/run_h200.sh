@@ -3,7 +3,9 @@
 # Ray). dense7b/moe30b need 2 GPUs (trainer GPU 0, engine GPU 1); tensor and receiver run on
 # one. Each step has its own time limit so a slow one cannot eat the rest; JSON lines go to
 # $OUT (default ./bench-out).
-#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|gputests ...]
+# `colocate` runs the colocated step phase by phase on one GPU (docs/COLOCATE.md).
+# `colocatejob` runs the 0.75B colocated job itself (needs Ray and sglang-router installed).
+#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|colocate|colocatejob|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench-out}"
@@ -30,8 +32,24 @@ for step in ${steps[*]}; do
     receiver) timeout -k 10 "${RECEIVER_LIMIT:-200}" python3 benchmarks/receiver_load.py \
                 --layout dense7b,moe30b --bucket-mb 512,1024 \
                 --json-out "$out/receiver_load.jsonl" 2>&1 | tee "$out/receiver.log" ;;
+    colocate) timeout -k 10 "${COLOCATE_LIMIT:-330}" python3 benchmarks/colocate.py \
+                --layout "${COLOCATE_LAYOUTS:-tiny0.75b,dense7b}" --steps "${COLOCATE_STEPS:-5}" \
+                --json-out "$out/colocate.jsonl" 2>&1 | tee "$out/colocate.log" ;;
+    colocatejob)  # the job itself (Ray + router): colocated, then nothing moving
+              for variant in colocated no_offload; do
+                extra=(); [ "$variant" = no_offload ] && extra=(--no-offload-train --no-offload-rollout)
+                timeout -k 10 "${JOB_LIMIT:-240}" python3 -m slime_like.train \
+                  --config configs/colocate_cpu.yaml --num-rollout "${JOB_STEPS:-8}" \
+                  --tiny-model-layers 16 --tiny-model-hidden 2048 \
+                  --update-weight-buffer-size 1073741824 --output-dir "${JOB_DIR:-runs/colocate-job}/$variant" \
+                  "${extra[@]}" > "$out/job-$variant.log" 2>&1
+                echo "job $variant: exit $?"
+                python3 benchmarks/job_phases.py "${JOB_DIR:-runs/colocate-job}/$variant/metrics.jsonl" \
+                  --label "$variant" --json-out "$out/job_phases.jsonl"
+              done ;;
     gputests) timeout -k 10 "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -x -s \
-                tests/reference_engine/test_gpu.py 2>&1 | tee "$out/gputests.log" ;;
+                tests/reference_engine/test_gpu.py tests/trainer/test_offload_gpu.py 2>&1 \
+                | tee "$out/gputests.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -30,6 +30,9 @@ class Offload:
 
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
+        # The last release and resume: wall seconds over all engines (they run concurrently)
+        # and the engines that took part; the job's step metrics read it.
+        self.last: dict[str, float] = {}
 
     def applies_to(self, e: ManagedEngine) -> bool:
         return self.fleet.settings.engine.offload_rollout and e.colocated
@@ -52,12 +55,16 @@ class Offload:
             for e in chosen:
                 fleet.unroute(e)
                 fleet.move(e, S.OFFLOADED, tags=tag_list or "all")
+        t0 = time.perf_counter()
         released = _each(chosen, lambda e: self._release(e, tag_list))
+        self.last = {"engine_release_s": time.perf_counter() - t0}
         try:
             yield [e.engine_id for e in released]
         finally:
+            t0 = time.perf_counter()
             resumed = _each(released,
                             lambda e: e.handle.resume_memory_occupation(tag_list))
+            self.last["engine_resume_s"] = time.perf_counter() - t0
             failed = []
             with fleet.lock:
                 for e in chosen:

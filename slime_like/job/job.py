@@ -58,7 +58,7 @@ class Rollout:
 
     prompts: list[PromptItem]
     samples: list[Sample]
-    seconds: float
+    seconds: float  # generation only
     trainer_offloaded: dict = field(default_factory=dict)
     #: what an asynchronous schedule adds to the step's metrics (staleness, drops, waits)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -137,6 +137,8 @@ class Job:
         self.crash: ChaosMonkey | None = None
         self.utilization = None
         self._step_started = 0.0
+        self.phases: dict[str, float] = {}  # this step's phase seconds (docs/COLOCATE.md)
+        self._weight_bytes = 0  # what one engine's weights take (from the last sync)
 
     # ---- the whole job -----------------------------------------------------------------------
 
@@ -248,23 +250,21 @@ class Job:
     def learn(self, step: int, rollout: Rollout,
               before_sync: Callable[[], None] | None = None) -> None:
         """What the trainer does with one step's samples: score -> check -> train ->
-        (`before_sync`, e.g. drain the next rollout) -> sync, then log and save. Each phase
-        is marked busy for the trainer's idle ratio; the sync's span goes on the
-        utilization picture."""
+        (`before_sync`, e.g. drain the next rollout) -> sync, then log and save. Colocated
+        engines give their memory back for the check and the train step. Each phase is
+        timed (docs/COLOCATE.md) and marked busy for the trainer's idle ratio; the sync's
+        span goes on the utilization picture."""
+        self.phases = {}
         busy = self.utilization.trainer.busy
         rollout.metrics.setdefault("staleness", staleness_of(rollout.samples,
                                                              int(self.fleet.version)))
-        t0 = time.time()
-        with busy("score"):
+        with busy("score"), self._phase("score"):
             scores = self.score(rollout.samples)
-        t1 = time.time()
-        with busy("check"):
-            checked = self.check(rollout.samples, step)
-        t2 = time.time()
-        with busy("train"):
-            train_metrics, released = self.train(rollout.samples, scores)
-        rollout.metrics.update(score_s=round(t1 - t0, 4), check_s=round(t2 - t1, 4),
-                               train_s=round(time.time() - t2, 4))
+        with self.engines_released() as released:
+            with busy("check"), self._phase("check"):
+                checked = self.check(rollout.samples, step)
+            with busy("train"), self._phase("train"):
+                train_metrics = self.train(rollout.samples, scores)
         if before_sync is not None:
             before_sync()
         started = time.time()
@@ -275,6 +275,7 @@ class Job:
         rollout.metrics.update(self.utilization.step_metrics(self._step_started,
                                                              samples=len(rollout.samples)))
         rollout.metrics.setdefault("async_mode", self.settings.asynchrony.mode)
+        self.phases["step_s"] = round(time.time() - self._step_started, 4)
         self._step_started = time.time()
         self.log(step, rollout, scores, checked, train_metrics, released, sync)
         self.save(step, sync)
@@ -282,9 +283,9 @@ class Job:
     def rollout(self, step: int) -> Rollout:
         """The step's prompts through the rollout function (the trainer offloaded meanwhile
         with --offload-train); a planned fault fires a quarter of the way in. With a
-        dynamic-sampling filter, rounds of prompts until a batch of kept groups."""
+        dynamic-sampling filter, rounds of prompts until a batch of kept groups. Its
+        `seconds` are generation only."""
         settings = self.settings
-        t0 = time.time()
         batch, n = settings.rollout.batch_size, settings.rollout.n_samples_per_prompt
         total = batch * n
         hook = self.crash.rollout_hook(step, total) if self.crash is not None else None
@@ -292,6 +293,7 @@ class Job:
         if self.chaos is not None:
             hook = self.chaos.rollout_hook(step, total) or hook
         metrics: dict[str, Any] = {}
+        t0 = time.perf_counter()
         if not self.group_filter.enabled:
             prompts = self.inputs.source.next_batch(batch)
             samples = self.generate(step, step * total, prompts, hook)
@@ -311,9 +313,10 @@ class Job:
                 over_sampling_batch_size=settings.dynamic_sampling.over_sampling_batch_size)
             prompts, samples = kept_batch(collected.groups)
             metrics.update(collected.metrics())
+        generation_s = time.perf_counter() - t0
         if settings.trainer.offload_train:
-            self.trainer.onload()
-        return Rollout(prompts, samples, time.time() - t0, offloaded, metrics)
+            self.trainer.onload()  # enqueued: the copy overlaps scoring until the next use
+        return Rollout(prompts, samples, generation_s, offloaded, metrics)
 
     def generate(self, step: int, first_sample: int, prompts: list[PromptItem],
                  hook) -> list[Sample]:
@@ -375,26 +378,55 @@ class Job:
                               kv_kept=asynchrony.pause_mode == "in_place",
                               fraction=asynchrony.check_fraction, seed=step)
 
-    def train(self, samples: list[Sample], scores: Scores) -> tuple[dict, list[str] | None]:
-        """One GRPO step (colocated engines release their memory meanwhile); its metrics and
-        the engines released for it."""
+    @contextlib.contextmanager
+    def engines_released(self):
+        """--offload-rollout: colocated engines release their memory for the body (the
+        engines released, or None). The release (device to host) overlaps the trainer's
+        onload (host to device): opposite directions of the host link."""
+        if not self.settings.offload_rollout:
+            yield None
+            return
+        with self.fleet.offloaded() as released:
+            yield released
+        self.phases.update(self._engine_phases())
+
+    def train(self, samples: list[Sample], scores: Scores) -> dict:
+        """One GRPO step; its metrics."""
         kl = self.settings.kl
         extra = {"ref_logprobs": scores.ref_logprobs, "kl_loss_coef": kl.kl_loss_coef,
                  "kl_loss_type": kl.kl_loss_type} if kl.use_kl_loss else {}
         pairs = [(s.prompt_ids, s.output_ids) for s in samples]
-        offload = self.fleet.offloaded() if self.settings.offload_rollout else \
-            contextlib.nullcontext()
         masks = train_masks(samples,
                             self.settings.asynchrony.mask_offpolicy_in_partial_rollout)
         off_policy = self.settings.off_policy
         if off_policy.enabled:  # --use-rollout-logprobs / --use-tis: the engines' logprobs
             extra.update(rollout_logprobs=[s.output_logprobs for s in samples],
                          off_policy=off_policy)
-        with offload as released:
-            metrics = self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
-                                              temperature=self.settings.rollout.temperature,
-                                              **extra)
-        return metrics, released
+        return self.trainer.train_step(pairs, scores.advantages, loss_masks=masks,
+                                       temperature=self.settings.rollout.temperature, **extra)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[f"{name}_s"] = round(time.perf_counter() - t0, 4)
+
+    def _engine_phases(self) -> dict[str, float]:
+        """The colocated engines' release and resume; GB/s where a weights backup moved
+        bytes (the engine's weights, as the last sync counted them)."""
+        last = self.fleet.offload.last
+        moved = self._weight_bytes if self._fleet_settings.engine.sglang_flags.get(
+            "enable_weights_cpu_backup") else 0
+        out: dict[str, float] = {}
+        for phase in ("engine_release", "engine_resume"):
+            seconds = last.get(f"{phase}_s")
+            if seconds is not None:
+                out[f"{phase}_s"] = round(seconds, 4)
+                if moved and seconds > 0:
+                    out[f"{phase}_gbps"] = round(moved / seconds / 1e9, 3)
+        return out
 
     def sync(self, step: int) -> dict:
         """Every --update-weights-interval steps: the new weights into every engine."""
@@ -411,6 +443,8 @@ class Job:
         for attempt in self.fleet.sync_attempts(version=version):
             with attempt as update:
                 update.report = self.trainer.push_weights(update) or {}
+        self._weight_bytes = (update.report.get("transfer") or {}).get("bytes") or \
+            self._weight_bytes
         return update.report
 
     def log(self, step: int, rollout: Rollout, scores: Scores, checked: LogprobCheck,
@@ -442,6 +476,7 @@ class Job:
             **scores.kl_metrics,
             **train_metrics,
             **sync_metrics(sync),
+            **self.phases,
         })
         logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                     "engines %s", step, sum(rewards) / len(rewards), rollout.seconds,

@@ -49,6 +49,28 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+# Where a step's time goes, in step order (docs/COLOCATE.md): the keys of metrics.jsonl.
+PHASES = (("trainer_offload", "trainer offload"), ("rollout", "generation"),
+          ("trainer_onload", "trainer onload"), ("score", "scoring"), ("check", "logprob check"),
+          ("engine_release", "engine release"), ("train", "training"),
+          ("engine_resume", "engine resume"), ("sync", "sync"), ("step", "whole step"))
+
+
+def phase_line(steps: list[dict]) -> str | None:
+    """`- step phases (median): ...` with each phase's seconds and GB/s where bytes moved."""
+    parts = []
+    for key, label in PHASES:
+        seconds = [r[f"{key}_s"] for r in steps if isinstance(r.get(f"{key}_s"), int | float)]
+        if not seconds:
+            continue
+        part = f"{label} {_fmt(statistics.median(seconds))} s"
+        rates = [r[f"{key}_gbps"] for r in steps if r.get(f"{key}_gbps")]
+        if rates:
+            part += f" ({_fmt(statistics.median(rates))} GB/s)"
+        parts.append(part)
+    return "- step phases (median): " + ", ".join(parts) if len(parts) > 1 else None
+
+
 def step_at(t: float, steps: list[dict]) -> int | None:
     """The step running at time `t`: the first whose end (`time_s`) is not before `t`."""
     for row in steps:
@@ -80,6 +102,9 @@ def summary_lines(steps: list[dict], incidents: list[Incident]) -> list[str]:
             if rates:
                 line += f", median {_fmt(statistics.median(rates))} GB/s"
             lines.append(line)
+        phases = phase_line(steps)
+        if phases:
+            lines.append(phases)
         diffs = [r["logprob_max_abs_diff"] for r in steps
                  if isinstance(r.get("logprob_max_abs_diff"), int | float)
                  and r["logprob_max_abs_diff"] == r["logprob_max_abs_diff"]]

@@ -79,6 +79,26 @@ class ParamArena:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # hand the old parameters' blocks back before the next segment
 
+    def back_up(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy every segment to the host, one copy each, into `host` when its sizes match
+        (pinned buffers reused across releases), else into new pinned buffers."""
+        sizes = [seg.numel() for seg in self.segments]
+        cuda = any(seg.is_cuda for seg in self.segments)
+        if [b.numel() for b in host] != sizes:
+            host = [torch.empty(n, dtype=torch.uint8, pin_memory=cuda) for n in sizes]
+        for h, seg in zip(host, self.segments, strict=True):
+            h.copy_(seg, non_blocking=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return host
+
+    def restore(self, host: list[torch.Tensor]) -> None:
+        """Copy a backup (`back_up` of an arena of the same layout) into the segments."""
+        for seg, h in zip(self.segments, host, strict=True):
+            seg.copy_(h, non_blocking=True)
+        if any(seg.is_cuda for seg in self.segments):
+            torch.cuda.synchronize()
+
 
 @dataclass
 class LoadPlan:

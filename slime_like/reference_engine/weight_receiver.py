@@ -83,7 +83,7 @@ class _Released:
     """What release_memory_occupation took away, so resume can put storage back."""
 
     shapes: dict[str, torch.Size]
-    backup: dict[str, torch.Tensor] | None
+    backup: list[torch.Tensor] | None  # the arena's segments, byte for byte
 
 
 class WeightReceiver:
@@ -100,6 +100,7 @@ class WeightReceiver:
         self.cpu_backup = cpu_backup
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.released: _Released | None = None
+        self._backup: list[torch.Tensor] = []  # pinned host segments, reused every release
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Receive buffers whose copy may still run. Updates are answered before their copy
         # ends, so a fast sender could make the engine allocate one buffer per bucket; at
@@ -453,11 +454,14 @@ class WeightReceiver:
     # ---- memory ----------------------------------------------------------------------------
 
     def release_weights(self) -> None:
-        """Really drop the parameter storage (shape kept), optionally backing it up on CPU."""
+        """Really drop the parameter storage (shape kept), optionally backing it up on the
+        host: one copy per arena segment into pinned buffers allocated once and reused."""
         if self.released is not None:
             raise ValueError("weights are already released")
         shapes = {n: p.shape for n, p in self.params.items()}
-        backup = {n: p.detach().cpu().clone() for n, p in self.params.items()} if self.cpu_backup else None
+        backup = None
+        if self.cpu_backup:
+            backup = self._backup = self.arena.back_up(self._backup)
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.arena = None  # the arena segments hold the storage: drop them and their plans
@@ -467,21 +471,24 @@ class WeightReceiver:
             torch.cuda.empty_cache()
 
     def resume_weights(self) -> bool:
-        """Give parameters storage again; True when their contents came back from a backup."""
+        """Give parameters storage again; True when their contents came back from a backup.
+
+        The new arena has the released one's layout (same parameters, same order), so the
+        backup goes back one copy per segment."""
         if self.released is None:
             raise ValueError("weights were not released")
         for n, p in self.params.items():
             p.data = torch.empty(self.released.shapes[n], dtype=p.dtype, device=p.device)
         self._rehome(copy=False)
-        restored = self.released.backup is not None
-        if restored:
-            self._copy_in(list(self.released.backup.items()))
+        backup = self.released.backup
+        if backup is not None:
+            self.arena.restore(backup)
         else:
             # Until the trainer pushes weights the contents are meaningless; make that visible.
             for p in self.params.values():
                 p.data.fill_(float("nan")) if p.dtype.is_floating_point else p.data.zero_()
         self.released = None
-        return restored
+        return backup is not None
 
     def describe(self) -> dict:
         """Rank state for diagnostics."""

@@ -108,7 +108,13 @@ class TrainerRank:
         assert self.policy is not None
         with self._weights_lock:
             self._dirty = True
-            return self.policy.train_step(samples, advantages, **kl)
+            metrics = self.policy.train_step(samples, advantages, **kl)
+            offloader = self.policy.offloader
+            onload = offloader.onload_stats()
+            if onload.bytes:  # --offload-train: this step's copies to the host and back
+                metrics.update(offloader.last_offload.as_dict("trainer_offload"))
+                metrics.update(onload.as_dict("trainer_onload"))
+            return metrics
 
     def completion_logprobs(self, samples: list[tuple[list[int], list[int]]],
                             version: int | None = None,
@@ -149,7 +155,9 @@ class TrainerRank:
         return kept
 
     def offload(self) -> dict[str, Any]:
-        """--offload-train: model and optimizer state leave the GPU while engines generate.
+        """--offload-train: model and optimizer state leave the GPU while engines generate
+        (pinned host buffers, reused every step; gradients freed). The copy is enqueued and
+        overlaps the generation; its time comes with the next train step's metrics.
 
         On a CPU trainer there is no device memory to give back; the call says so.
         """
@@ -157,16 +165,16 @@ class TrainerRank:
         if self.device != "cuda":
             return {"trainer_offloaded": False, "reason": "cpu trainer: nothing on a device"}
         with self._weights_lock:
-            before = torch.cuda.memory_allocated()
-            self.policy.move_to("cpu")
-            return {"trainer_offloaded": True,
-                    "freed_bytes": int(before - torch.cuda.memory_allocated())}
+            stats = self.policy.move_to("cpu", wait=False)
+            return {"trainer_offloaded": True, "trainer_offload_gb": round(stats.bytes / 1e9, 4)}
 
     def onload(self) -> None:
+        """Start the copy back; the next use of the model waits for it (so the copy overlaps
+        what the driver does meanwhile: scoring, the rest of the rollout's bookkeeping)."""
         assert self.policy is not None
         if self.device == "cuda":
             with self._weights_lock:
-                self.policy.move_to(self.device)
+                self.policy.move_to(self.device, wait=False)
 
     # ---- weight sync (rank 0) ------------------------------------------------------------------
 
@@ -256,6 +264,7 @@ class TrainerRank:
         """Write this rank's part of a checkpoint (see trainer/checkpoint.py)."""
         assert self.policy is not None
         with self._weights_lock:
+            self.policy.offloader.ready()
             if self.backend == "fsdp":
                 save_sharded_rank_state(self.policy.model, self.policy.optimizer, self.rank,
                                         out_dir)
@@ -266,6 +275,7 @@ class TrainerRank:
         """Restore model, optimizer and RNG; the weights are `version` (not yet served)."""
         assert self.policy is not None
         with self._weights_lock:
+            self.policy.move_to(self.device)  # the state a load replaces must be onloaded
             if self.backend == "fsdp":
                 load_sharded_rank_state(self.policy.model, self.policy.optimizer, self.rank,
                                         ckpt_dir)

@@ -29,6 +29,7 @@ from slime_like.trainer.grpo import (
     ref_logprob_rows,
     token_logprobs,
 )
+from slime_like.trainer.offload import MoveStats, TrainerOffload
 from slime_like.trainer.serve_dtype import serve_dtype
 from slime_like.trainer.sharding import BACKENDS, as_float, shard_model
 from slime_like.weights.packing import CastWeights
@@ -48,14 +49,16 @@ class PolicyTrainer:
     def __init__(self, model_path: str | Path, *, lr: float = 1e-3, device: str = "cpu",
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  use_transformers: bool = False, engine_dtype: str | None = None,
-                 backend: str = "ddp"):
+                 backend: str = "ddp", load_format: str = "auto",
+                 dtype: torch.dtype = torch.float32):
         if backend not in BACKENDS:
             raise ValueError(f"train backend must be one of {BACKENDS}, got {backend!r}")
         torch.manual_seed(seed)
         if use_transformers:
-            self.model = load_transformers_model(model_path, device=device, dtype=torch.float32)
-        else:
-            self.model = load_pretrained(model_path, device=device, dtype=torch.float32)
+            self.model = load_transformers_model(model_path, device=device, dtype=dtype)
+        else:  # load_format "dummy": random weights from config.json (benchmarks)
+            self.model = load_pretrained(model_path, device=device, dtype=dtype,
+                                         load_format=load_format, seed=seed)
         self.sharded = backend == "fsdp"
         if self.sharded:
             if group is None:
@@ -64,11 +67,11 @@ class PolicyTrainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
+        self.offloader = TrainerOffload(self.model, self.optimizer)
         self.use_transformers = use_transformers
-        dtype = serve_dtype(model_path, engine_dtype)
-        self.serve_dtype = dtype
-        self._sync_source = self.model if dtype == torch.float32 else CastWeights(self.model,
-                                                                                  dtype)
+        served = serve_dtype(model_path, engine_dtype)
+        self.serve_dtype = served
+        self._sync_source = self.model if served == dtype else CastWeights(self.model, served)
         self.group = group
         self.device = device
         self.steps = 0
@@ -103,6 +106,7 @@ class PolicyTrainer:
         if off_policy is not None and off_policy.enabled and rollout_logprobs is None:
             raise ValueError("the off-policy correction (--use-rollout-logprobs / --use-tis) "
                              "needs rollout_logprobs: the engines' log-probabilities")
+        self.offloader.ready()
         batch: PackedBatch = pack(samples, advantages, loss_masks=loss_masks).to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
@@ -131,6 +135,9 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
         self.optimizer.step()
         self.steps += 1
+        if self.offloader.used and str(self.device).startswith("cuda"):
+            # Colocated: the step's cached temporaries go back before the engines resume.
+            torch.cuda.empty_cache()
         return {"loss": float(loss.detach()), "grad_norm": as_float(grad_norm), **metrics}
 
     @torch.no_grad()
@@ -140,6 +147,7 @@ class PolicyTrainer:
         """Per generated token, log p(token | prefix) under the current weights (fp32), or
         under `model` (e.g. a copy of the weights the engines serve). `temperature` scales
         the logits as the engines do for the logprobs they report (sglang's default)."""
+        self.offloader.ready()
         model = model or self.model
         was_training = model.training
         model.eval()
@@ -159,18 +167,17 @@ class PolicyTrainer:
         return out
 
 
-    def move_to(self, device: str) -> None:
-        """Move the model and the optimizer state (offload to "cpu", or back)."""
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if torch.is_tensor(v):
-                    state[k] = v.to(device)
-        if device == "cpu" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def move_to(self, device: str, wait: bool = True) -> MoveStats:
+        """Offload the weights and the optimizer state to pinned host memory ("cpu"), or
+        bring them back (the trainer's device). With `wait=False` the copy overlaps the
+        caller's next work. Gradients are freed, not moved. See trainer/offload.py."""
+        if device == "cpu":
+            return self.offloader.offload(wait=wait)
+        return self.offloader.onload(wait=wait)
 
     def sync_source(self) -> Any:
         """What a weight sync sends: the model, or its weights cast to the engines' dtype."""
+        self.offloader.ready()
         return self._sync_source
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ the trainer's storage go out without a pack (`direct_view`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -285,18 +285,23 @@ class SendGroup:
 
 
 def send_groups(stream: Iterator[tuple[str, torch.Tensor]], buckets: Sequence[Bucket],
-                device: torch.device, *, merge_direct: bool) -> Iterator[tuple[SendGroup, bool]]:
+                device: torch.device, *, merge_direct: bool,
+                allow_direct: Callable[[torch.Tensor], bool] | None = None,
+                ) -> Iterator[tuple[SendGroup, bool]]:
     """The buckets as update requests, each with whether it is the last one.
 
     With `merge_direct`, consecutive buckets whose tensors lie back to back in one storage
     (a trainer with flat parameter buffers) go as one request: the bucket size bounds the
     pack buffer, and a direct view needs none, so splitting it only adds round trips. At
     most one bucket is pulled from the source ahead of the group being sent.
+    `allow_direct(view)` may refuse a direct view (it is packed instead).
     """
     pending: SendGroup | None = None
     for bucket in buckets:
         tensors = bucket_tensors(stream, bucket)
         view = direct_view(tensors, device) if merge_direct else None
+        if view is not None and allow_direct is not None and not allow_direct(view):
+            view = None
         if pending is not None and pending.joins(view, bucket.metas):
             pending.join(view, bucket.metas, tensors, bucket.nbytes)
             continue

@@ -115,7 +115,12 @@ class WeightSync:
 
     def _device(self) -> torch.device:
         if self.config.device:
-            return torch.device(self.config.device)
+            device = torch.device(self.config.device)
+            if device.type == "cuda" and device.index is None:
+                # "cuda" names the current GPU; with its index it compares equal to the
+                # parameters' device, so flat trainer buffers go without a pack copy.
+                device = torch.device("cuda", torch.cuda.current_device())
+            return device
         if torch.cuda.is_available() and self.config.backend != "gloo":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")

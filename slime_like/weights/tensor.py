@@ -9,6 +9,13 @@ ones go as one request: no buffer bounds them, so splitting them would only add 
 
 Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
 it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
+After the first sync, the trainer's own storage goes in place only if the last sync sent
+from the same storage:
+an engine keeps the storages it mapped until the next sync ends, so a storage that is new
+every sync (a trainer that offloads between syncs frees and reallocates its flat buffers)
+would cost a fresh mapping each sync and stay held, a second copy of the trainer's state,
+until then; such buckets are packed into the rotating buffers instead.
+
 A buffer is rewritten only after the engines answered the bucket it held: the reference
 engine finishes its copy before answering, and sglang frees the received storage before it
 answers, which synchronizes its stream (torch's IPC deleter does).
@@ -41,6 +48,8 @@ class TensorTransport(Transport):
         self._syncs = 0
         # The same requests come back every sync: their metadata is laid out and pickled once.
         self.payloads = FlattenedPayloads()
+        self._in_place: set[tuple[int, int]] = set()  # storages the last sync could send as is
+        self._first = True  # the first sync sends any storage in place
 
     def transfer(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
@@ -50,8 +59,16 @@ class TensorTransport(Transport):
         packer.begin()
         slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
         all_calls: list[EngineCall] = []
+        seen: set[tuple[int, int]] = set()
+
+        def stable(view: torch.Tensor) -> bool:
+            storage = view.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            seen.add(key)
+            return self._first or key in self._in_place
+
         groups = send_groups(iter(ctx.source.tensors()), ctx.buckets, self.device,
-                             merge_direct=cuda)
+                             merge_direct=cuda, allow_direct=stable)
         t_prep = time.perf_counter()
         for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
@@ -101,6 +118,7 @@ class TensorTransport(Transport):
         stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
+        self._in_place, self._first = seen, False
 
     def _renew_buffers(self) -> None:
         """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.

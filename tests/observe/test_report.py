@@ -17,7 +17,7 @@ from slime_like.fleet.events import FleetEvent, Happening, kind_of  # noqa: E402
 from slime_like.observe.endpoints import metrics_endpoints  # noqa: E402
 from slime_like.observe.incidents import incidents_of  # noqa: E402
 from slime_like.observe.plots import _mark_incidents  # noqa: E402
-from slime_like.observe.report import RunReport, sync_metrics  # noqa: E402
+from slime_like.observe.report import RunReport, phase_line, sync_metrics  # noqa: E402
 from slime_like.observe.run_info import git_revision, json_safe  # noqa: E402
 
 E0, E1 = "default/g0/e0", "default/g0/e1"
@@ -159,6 +159,19 @@ def test_sync_metrics_derive_gbps_from_the_bytes_moved():
         "sync_s": 0.5, "sync_gbps": 4.0}
     assert sync_metrics({"total_s": 0.5, "transfer": {}}) == {"sync_s": 0.5}
     assert sync_metrics({}) == {}
+
+
+def test_the_summary_splits_a_colocated_step_into_its_phases_with_their_rates():
+    steps = [{"step": i, "trainer_offload_s": 0.2 + i, "trainer_offload_gbps": 45.0,
+              "rollout_s": 0.3, "engine_release_s": 0.05, "train_s": 0.1,
+              "engine_resume_s": 0.06, "sync_s": 0.02, "sync_gbps": 150.0, "step_s": 1.0}
+             for i in range(3)]
+    line = phase_line(steps)
+    assert line.startswith("- step phases (median): trainer offload 1.2 s (45 GB/s), "
+                           "generation 0.3 s")
+    assert "engine release 0.05 s, training 0.1 s, engine resume 0.06 s" in line
+    assert line.endswith("sync 0.02 s (150 GB/s), whole step 1 s")
+    assert phase_line([{"step": 0, "sync_s": 0.1}]) is None  # nothing to split
 
 
 def test_run_info_saves_resolved_flags_versions_and_git_revision(tmp_path):

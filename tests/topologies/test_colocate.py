@@ -19,6 +19,13 @@ def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path,
     assert all(m["sync_transport"] == "tensor" for m in ms), ms[-1]
     # CPU trainer: --offload-train (implied by --colocate) has no device memory to free
     assert all(m["trainer_offloaded"] is False for m in ms)
+    # each step split into its phases, the engine's with the rate its weights backup moved at
+    for m in ms:
+        for key in ("rollout_s", "score_s", "check_s", "engine_release_s", "train_s",
+                    "engine_resume_s", "sync_s", "step_s"):
+            assert isinstance(m.get(key), int | float), (key, m)
+        assert m["step_s"] >= m["rollout_s"] + m["train_s"] + m["sync_s"], m
+        assert m["engine_release_gbps"] > 0 and m["engine_resume_gbps"] > 0, m
     events = [e for e in timeline(tmp_path) if e["engine"] == ENGINE]
     offloads = [e for e in events if e["state"] == "OFFLOADED"]
     assert len(offloads) == STEPS
@@ -28,5 +35,6 @@ def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path,
         assert after["state"] == "REGISTERED" and after["reason"] == "memory resumed", after
     # the release and resume around every train step are routine: not in the report's table
     report = (tmp_path / "report.md").read_text()
+    assert "- step phases (median): generation" in report, report
     assert "| OFFLOADED |" not in report and f"| {ENGINE} | REGISTERED |" not in report, report
     no_process_outlives(tmp_path)

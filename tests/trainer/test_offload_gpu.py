@@ -52,3 +52,21 @@ def test_offload_gives_back_weights_grads_and_adam_state_and_training_resumes_un
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     for (name, p), q in zip(offloaded.model.named_parameters(), twin.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=f"{name} differs after offload")
+
+
+def test_overlapped_offload_and_onload_keep_the_state_for_every_use(tmp_path):
+    """Enqueued copies (the job's schedule): the next use of the model waits for them."""
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    moved = PolicyTrainer(model_dir, device="cuda", seed=0)
+    twin = PolicyTrainer(model_dir, device="cuda", seed=0)
+    for step in range(3):
+        for t in (moved, twin):
+            t.train_step(SAMPLES, ADVANTAGES)
+        moved.move_to("cpu", wait=False)
+        moved.move_to("cuda", wait=False)  # waits for the offload, then enqueues the onload
+        for mine, theirs in zip(moved.completion_logprobs(SAMPLES),
+                                twin.completion_logprobs(SAMPLES), strict=True):
+            assert mine == theirs, f"step {step}"
+        stats = moved.offloader.onload_stats()
+        assert stats.bytes > 0 and stats.seconds > 0
+        assert moved.offloader.last_offload.seconds > 0

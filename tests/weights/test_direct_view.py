@@ -87,3 +87,21 @@ def test_one_packed_bucket_per_sync_reserves_one_buffer_not_two():
     many = BucketPacker(CPU, capacity=1 << 20)
     many.reserve(4096, buckets=5)
     assert all(b is not None and b.numel() == 4096 for b in many._buffers)
+
+
+def test_a_refused_direct_view_is_packed():
+    """The tensor transport refuses the trainer's storage when it is new since the last
+    sync (an offloading trainer reallocates it every step): it is packed instead."""
+    from slime_like.weights.packing import send_groups
+
+    flat = torch.randn(1000)
+    named = _named([flat[i * 100:(i + 1) * 100] for i in range(10)])
+    asked = []
+
+    def refuse(view: torch.Tensor) -> bool:
+        asked.append(view.untyped_storage().data_ptr())
+        return False
+    groups = list(send_groups(iter(named), _buckets(named, 800), CPU, merge_direct=True,
+                              allow_direct=refuse))
+    assert len(groups) == 5 and all(g.view is None for g, _ in groups)
+    assert set(asked) == {flat.untyped_storage().data_ptr()}

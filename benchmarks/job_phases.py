@@ -1,0 +1,47 @@
+"""Median seconds (and GB/s) of each step phase in a run's metrics.jsonl, first step left out.
+
+    python benchmarks/job_phases.py RUN_DIR/metrics.jsonl [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+PHASES = ("trainer_offload", "rollout", "trainer_onload", "score", "engine_release", "check",
+          "train", "engine_resume", "sync", "step")
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for phase in PHASES:
+        for suffix in ("_s", "_gbps", "_gb"):
+            values = [r[phase + suffix] for r in rows if isinstance(r.get(phase + suffix), int | float)]
+            if values:
+                out[phase + suffix] = round(statistics.median(values), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("metrics", type=Path)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args(argv)
+    rows = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]
+    m = medians(rows[1:] or rows)
+    print(f"== {args.label or args.metrics} ({len(rows)} steps, medians of steps 1..)")
+    for phase in PHASES:
+        if phase + "_s" in m:
+            rate = f"{m[phase + '_gbps']:>9.2f} GB/s" if phase + "_gbps" in m else ""
+            print(f"{phase:<18}{m[phase + '_s']:>10.4f} s {rate}")
+    if args.json_out:
+        with args.json_out.open("a") as f:
+            f.write(json.dumps({"label": args.label, "steps": len(rows), **m}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
