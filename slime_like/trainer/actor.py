@@ -275,7 +275,8 @@ class TrainerRank:
         """Restore model, optimizer and RNG; the weights are `version` (not yet served)."""
         assert self.policy is not None
         with self._weights_lock:
-            self.policy.move_to(self.device)  # the state a load replaces must be onloaded
+            if self.device == "cuda":  # the state a load replaces must be onloaded
+                self.policy.move_to(self.device)
             if self.backend == "fsdp":
                 load_sharded_rank_state(self.policy.model, self.policy.optimizer, self.rank,
                                         ckpt_dir)
