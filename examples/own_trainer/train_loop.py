@@ -16,7 +16,6 @@ and rank 0 gathers the shards bucket by bucket into the engines.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import tempfile
 from datetime import timedelta
@@ -42,8 +41,10 @@ def _free_port() -> int:
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    # An explicit address, not MASTER_ADDR/MASTER_PORT: processes this one starts later
+    # (engines, routers) must not inherit a rendezvous that is not theirs.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(minutes=5))
 
 
 def _sharded_model(model_path: str) -> torch.nn.Module:

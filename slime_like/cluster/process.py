@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,20 @@ def _set_pdeathsig() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+# Preferred: util-linux's `setpriv --pdeathsig` sets the same signal and execs the server, so
+# no Python runs between fork and exec. Python there (`preexec_fn`) crashed children of a
+# process whose other threads had run gloo collectives and FSDP (a trainer rank that also
+# drives the fleet).
+_SETPRIV = shutil.which("setpriv") if _prctl is not None else None
+
+
+def _launch(argv: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """The argv to exec and the preexec function that give the child PDEATHSIG."""
+    if _SETPRIV is not None:
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+    return list(argv), _set_pdeathsig
+
+
 def read_tail(path: Path, max_bytes: int = 6000) -> str:
     """The last bytes of a log file, decoded leniently."""
     try:
@@ -126,10 +141,10 @@ class ServerProcess:
                 self._log_start = log.tell()
                 log.write(f"[slime_like] starting: {' '.join(self.argv)}\n".encode())
                 log.flush()
+                argv, preexec = _launch(self.argv)
                 self._proc = subprocess.Popen(
-                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=self.env, start_new_session=True, preexec_fn=_set_pdeathsig,
-                    close_fds=True)
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=self.env, start_new_session=True, preexec_fn=preexec, close_fds=True)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._spawn_error = e
             self._exited.set()

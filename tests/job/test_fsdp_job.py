@@ -28,9 +28,14 @@ def _steps(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _job(run_dir, *flags: str) -> int:
+# Every sample seeded (--rollout-seed + its index): two runs whose weights agree draw the
+# same samples, so their reward curves can be compared.
+SEEDED = ("--sglang-enable-deterministic-inference",)
+
+
+def _job(run_dir, *flags: str, backend: str = "fsdp") -> int:
     args = parse_args(["--config", "configs/quickstart.yaml", "--output-dir", str(run_dir),
-                       "--train-backend", "fsdp", "--num-gpus-per-node", "3",
+                       "--train-backend", backend, "--num-gpus-per-node", "3",
                        "--rollout-num-gpus", "1", "--rollout-batch-size", "4",
                        "--update-weight-buffer-size", str(64 << 10), *flags])
     try:
@@ -42,7 +47,7 @@ def _job(run_dir, *flags: str) -> int:
 def test_fsdp_job_keeps_logprobs_exact_and_resumes_at_another_world_size(tmp_path, fresh_ray):
     ckpt = tmp_path / "ckpt"
     assert _job(tmp_path / "ws2", "--actor-num-gpus-per-node", "2", "--num-rollout", "2",
-                "--save", str(ckpt), "--save-interval", "2") == 0
+                "--save", str(ckpt), "--save-interval", "2", *SEEDED) == 0
     first = _steps(tmp_path / "ws2")
     assert [s["step"] for s in first] == [0, 1]
     for s in first:  # the engine served exactly the gathered shards, at every step
@@ -60,3 +65,16 @@ def test_fsdp_job_keeps_logprobs_exact_and_resumes_at_another_world_size(tmp_pat
     # the resumed engine served the resharded checkpoint as its saved version first
     assert after[0]["sample_weight_versions"] == [version]
     assert after[0]["weight_version"] == version + 1
+
+
+def test_ddp_and_fsdp_give_the_same_reward_curve_for_the_same_seed(tmp_path, fresh_ray):
+    curves = {}
+    for backend in ("ddp", "fsdp"):
+        assert _job(tmp_path / backend, "--actor-num-gpus-per-node", "2", "--num-rollout", "3",
+                    *SEEDED, backend=backend) == 0
+        curves[backend] = _steps(tmp_path / backend)
+    ddp, fsdp = curves["ddp"], curves["fsdp"]
+    assert [s["reward_mean"] for s in fsdp] == pytest.approx([s["reward_mean"] for s in ddp],
+                                                             abs=1e-9)
+    assert [s["loss"] for s in fsdp] == pytest.approx([s["loss"] for s in ddp], abs=1e-4)
+    assert all(s["logprob_max_abs_diff"] < 1e-4 for s in ddp + fsdp)
