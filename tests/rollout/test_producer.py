@@ -3,7 +3,7 @@ partial samples joined with their spans."""
 
 from __future__ import annotations
 
-from slime_like.job.job import train_masks
+from slime_like.job.samples import train_masks
 from slime_like.rollout.generate import Sample, continue_sample, join_spans
 from slime_like.rollout.producer import ProducerCounts, admission_capacity
 
