@@ -223,13 +223,15 @@ def _generate_in_background(engine: EngineServer, max_new_tokens: int = 900):
                                              "temperature": 0}}, timeout=120)
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # a loaded CI machine can be slow to start it
+    load: dict = {}
     while time.monotonic() < deadline:
         load = engine.client.loads()["loads"][0]
         if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
             return t, result
         time.sleep(0.02)
-    raise AssertionError("the engine never picked up the request")
+    raise AssertionError(f"the engine never picked up the request (its loads: {load}; the "
+                         f"request's answer: {result.get('out')})")
 
 
 def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(shared_engine):
