@@ -76,8 +76,9 @@ def test_fully_async_updates_weights_while_requests_run(tmp_path, shared_ray, mo
         [m["groups_in_flight_at_sync"] for m in ms]
     # samples whose tokens span two versions were trained on, each token checked at its own
     mixed = sum(m["logprob_checked_mixed_samples"] for m in ms)
-    assert mixed > 0 and mixed == sum(m["samples_mixed_version"] for m in ms)
-    assert any(len(m["sample_weight_versions"]) > 1 for m in ms)
+    assert mixed == sum(m["samples_mixed_version"] for m in ms)
+    if mode == "abort_partial":  # continued samples always span the update
+        assert mixed > 0 and any(len(m["sample_weight_versions"]) > 1 for m in ms)
     if mode == "abort_partial":
         # the update aborted requests; each came back with its tokens and was continued
         assert sum(m["requests_aborted"] for m in ms) > 0
