@@ -246,6 +246,13 @@ def _ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=ENGINE_PROGRAMS, default="sglang",
                    help="Engine program: sglang (python -m sglang.launch_server) or reference "
                         "(our CPU server speaking the same protocol).")
+    g.add_argument("--reference-min-step-ms", type=t.non_negative_float, default=0.0,
+                   metavar="MS",
+                   help="--engine reference only: each forward step of the reference engine "
+                        "lasts at least this long, the rest waited off the CPU as a GPU's "
+                        "decode step is (e.g. 30 for a 7B model's step on one H200). A CPU run "
+                        "then has a GPU job's ratio of generation to training time instead of "
+                        "engines and trainer sharing the same cores. 0: off.")
     g.add_argument("--dry-run", action="store_true", default=False,
                    help="Validate the flags, print the resolved server groups and the nominal "
                         "placement, then exit.")

@@ -26,6 +26,7 @@ class EngineSettings:
     api_key: str | None = None
     admin_api_key: str | None = None
     server_concurrency: int = 512
+    reference_min_step_ms: float = 0.0  # the reference engine's step floor (its environment)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def engine_settings(args: argparse.Namespace, *, api_key: str | None = None,
                           api_key=api_key if api_key is not None else args.sglang_flags.get("api_key"),
                           admin_api_key=admin_api_key if admin_api_key is not None
                           else args.sglang_flags.get("admin_api_key"),
-                          server_concurrency=args.sglang_server_concurrency)
+                          server_concurrency=args.sglang_server_concurrency,
+                          reference_min_step_ms=getattr(args, "reference_min_step_ms", 0.0))
 
 
 def fleet_settings(args: argparse.Namespace, *, log_dir: str,

@@ -173,6 +173,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     check_dynamic_sampling(args, args.rollout_batch_size or RolloutSettings.batch_size)
     _check_train_backend(args)
     _resolve_rollout_gpus(args)
+    if args.reference_min_step_ms and args.engine != "reference":
+        raise ConfigError("--reference-min-step-ms", f"only the reference engine has it "
+                                                     f"(--engine is {args.engine})")
     if args.engine == "sglang" and args.hf_checkpoint is None and \
             not args.rollout_external_engine_addrs and args.sglang_config is None:
         raise ConfigError("--hf-checkpoint", "required with --engine sglang (the checkpoint "

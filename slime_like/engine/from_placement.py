@@ -17,6 +17,7 @@ from slime_like.engine.launch import render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
 from slime_like.flag_tables import ComposedArgs
+from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 
 
 def _size(name: str, overrides: Mapping[str, Any], flags: Mapping[str, Any]) -> int:
@@ -46,6 +47,8 @@ def engine_config(engine: EnginePlacement, settings: EngineSettings, *,
         api_key=settings.api_key, admin_api_key=settings.admin_api_key,
         sglang_flags=dict(flags), overrides=overrides,
         overrides_path=f"{engine.group_where}.overrides", log_dir=log_dir,
+        env=({MIN_STEP_ENV: str(settings.reference_min_step_ms)}
+             if settings.reference_min_step_ms else {}),
         name=engine.engine_id.replace("/", "-")
         + (f"-node{engine.node_rank}" if engine.nnodes > 1 else ""))
 

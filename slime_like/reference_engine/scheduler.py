@@ -42,8 +42,11 @@ class Scheduler:
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str, context_len: int,
                  max_running: int, prefix_cache_tokens: int, weight_version: str, seed: int,
                  metrics: EngineMetrics, tokenizer: Tokenizer | None = None,
-                 stall_report_s: float | None = None):
+                 stall_report_s: float | None = None, min_step_s: float = 0.0):
         self.model = model
+        # A floor on each forward step's length, waited off the CPU: the step time of a
+        # GPU engine, whose decode does not compete with a trainer for CPU cores.
+        self.min_step_s = min_step_s
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -320,6 +323,8 @@ class Scheduler:
             self._forward(decoding)
             n_tokens = len(decoding)
         self.running = [r for r in self.running if r.finish is None]
+        if self.min_step_s > 0:
+            time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t0)))
         self.forward_steps += 1
         self.last_step_at = time.monotonic()
         dt = time.perf_counter() - t0

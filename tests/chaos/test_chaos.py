@@ -79,7 +79,10 @@ def test_chaos_long_form(tmp_path, fresh_ray, seed):
     check(tmp_path, out, 24)
 
 
-FULLY_ASYNC = ("--fully-async", "--pause-generation-mode", "abort", "--partial-rollout")
+# Engine steps of at least 100 ms, waited off the CPU as on a GPU: a batch's generation then
+# outlasts the trainer's step on a loaded machine, so updates land while requests run.
+FULLY_ASYNC = ("--fully-async", "--pause-generation-mode", "abort", "--partial-rollout",
+               "--reference-min-step-ms", "100")
 
 
 def check_fully_async(run_dir, out: dict, steps: int) -> None:
