@@ -10,7 +10,8 @@ end of its last), so engine start-up and the first sync do not count:
 
 - samples/s: trained samples / that window, and its ratio to the sync run's;
 - step time, and for the sync run max(rollout, train + sync), the bound an overlapped
-  schedule can reach (the fully-async target is <= 1.15x of it);
+  schedule can reach (the fully-async target is <= 1.15x of it); each run's own median
+  train + sync (score, check, train and sync: longer where generation shares the cores);
 - engine idle: share of engine time with no request running (sampled from /v1/loads every
   50 ms), trainer idle: share of the window outside score/check/train/sync;
 - staleness: versions between a sample's oldest token and the trained version;
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-weight-staleness", type=int, default=None,
                    help="the fully-async runs' bound (default: the config's, else 1)")
+    p.add_argument("--reference-min-step-ms", type=float, default=0.0,
+                   help="a floor on each engine step, waited off the CPU (a GPU's decode "
+                        "step): the schedules as on separate trainer and engine devices")
     p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name in a.modes.split(","):
         flags = list(MODES[name])
+        if a.reference_min_step_ms:
+            flags += ["--reference-min-step-ms", str(a.reference_min_step_ms)]
         if name.startswith("fully-async") and a.max_weight_staleness is not None:
             flags += ["--max-weight-staleness", str(a.max_weight_staleness)]
         row, busy = cpu_busy_during(lambda n=name, f=flags: run_one(n, f, a.config, a.steps,
@@ -133,18 +139,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"[async_rl] {name}: {row['samples_per_s']:.1f} samples/s", flush=True)
     base = next((r for r in rows if r["mode"] == "sync"), rows[0])
     bound = max(base["rollout_s"], base["train_sync_s"])
-    print(f"\nconfig {a.config}, {a.steps} steps each; sync run: rollout {base['rollout_s']:.3f}"
+    floor = (f", engine steps of at least {a.reference_min_step_ms:g} ms"
+             if a.reference_min_step_ms else "")
+    print(f"\nconfig {a.config}{floor}, {a.steps} steps each; sync run: rollout "
+          f"{base['rollout_s']:.3f}"
           f" s, train + sync {base['train_sync_s']:.3f} s -> overlap bound {bound:.3f} s/step\n")
-    head = ("| mode | samples/s | vs sync | step s | vs bound | engine idle | trainer idle | "
+    head = ("| mode | samples/s | vs sync | step s | vs bound | train + sync s | engine idle | "
+            "trainer idle | "
             "staleness mean/max | reward first -> last | max logprob diff | mixed samples | "
             "CPU busy |")
     print(head)
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
     for r in rows:
         r["vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["vs_bound"] = r["step_s"] / bound
         print(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['vs_sync']:.2f}x | "
-              f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {_pct(r['engine_idle'])} | "
+              f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {r['train_sync_s']:.3f} | "
+              f"{_pct(r['engine_idle'])} | "
               f"{_pct(r['trainer_idle'])} | {r['staleness_mean']:.2f}/{r['staleness_max']} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
               f"{r['logprob_diff_max']:.1e} | {r['mixed_samples']} | {_pct(r['cpu_busy'])} |")

@@ -11,5 +11,6 @@ workers="${SLIME_LIKE_TEST_WORKERS:-3}"
 if [ "$workers" = "0" ]; then
   python -m pytest -q "$@"
 else
-  python -m pytest -q -n "$workers" --dist worksteal "$@"
+  # Whole modules to a worker (their fixtures start once), heaviest first (tests/conftest.py).
+  python -m pytest -q -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 fi

@@ -43,3 +43,37 @@ def router(tmp_path_factory):
     r.start()
     yield r
     r.stop()
+
+
+# The modules that take longest (seconds of one worker, measured on a 2-core machine),
+# heaviest first. scripts/test.sh hands whole modules to pytest-xdist workers in collection
+# order (--dist loadscope --no-loadscope-reorder): starting the long ones first keeps one
+# long module from starting last and running alone, and a module's fixtures start once.
+HEAVY_MODULES = (
+    "tests/job/test_async_job.py",
+    "tests/job/test_rl_job.py",
+    "tests/chaos/test_chaos.py",
+    "tests/fleet/test_fleet_sync_failure.py",
+    "tests/engine/test_engine_launch.py",
+    "tests/topologies/test_external.py",
+    "tests/job/test_fsdp_job.py",
+    "tests/fleet/test_public_api.py",
+    "tests/weights/test_sharded_sync.py",
+    "tests/scripts/test_run_job.py",
+    "tests/weights/test_benchmark_tiny.py",
+    "tests/topologies/test_multi_model.py",
+    "tests/job/test_agentic_job.py",
+    "tests/engine/test_engine_actors.py",
+    "tests/topologies/test_colocate.py",
+    "tests/job/test_train_job.py",
+    "tests/topologies/test_multinode.py",
+    "tests/topologies/test_pd.py",
+    "tests/weights/test_failed_group.py",
+    "tests/reference_engine/test_multinode.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Heaviest modules first; every other module after them, in collection order."""
+    rank = {path: i for i, path in enumerate(HEAVY_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
