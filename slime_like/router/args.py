@@ -92,9 +92,10 @@ def compose_router_args(
 
 
 def render_router_argv(args: Mapping[str, Any], python: str = sys.executable) -> list[str]:
-    """`python -m sglang_router.launch_router ...` for composed router args."""
+    """`python -m slime_like.router.launch ...` (sglang-router's launcher without importing
+    sglang) for composed router args."""
     table = router_arg_table()
     unknown = [k for k in args if k not in table]
     if unknown:
         raise ConfigError(unknown[0], f"not a flag of sglang-router {table.version}")
-    return [python, "-m", "sglang_router.launch_router", *render_flags(table, args)]
+    return [python, "-m", "slime_like.router.launch", *render_flags(table, args)]

@@ -1,4 +1,5 @@
-"""Router: one `python -m sglang_router.launch_router` process, started and stopped cleanly.
+"""Router: one sglang-router process (`python -m slime_like.router.launch`, its own
+launcher), started and stopped cleanly.
 
 Its HTTP and Prometheus ports are reserved on this node until the router binds them; the
 start waits on `/liveness` with a deadline (no fixed sleep) while watching the process, and

@@ -52,7 +52,7 @@ def test_unknown_router_flags_are_dropped_with_one_warning():
 
 def test_argv_runs_the_launcher_with_our_ports():
     argv = render_router_argv(_compose({"policy": "round_robin"}).args, python="py")
-    assert argv[:3] == ["py", "-m", "sglang_router.launch_router"]
+    assert argv[:3] == ["py", "-m", "slime_like.router.launch"]
     for pair in (["--host", "127.0.0.1"], ["--port", "15000"], ["--prometheus-port", "15001"],
                  ["--policy", "round_robin"]):
         i = argv.index(pair[0])
