@@ -20,11 +20,11 @@ from tests.topologies.job_checks import check_run, metrics, run_job
 CONFIG = "configs/async_cpu.yaml"
 ENGINES = ["default/g0/e0", "default/g0/e1"]
 BATCH, N = 4, 4  # smaller batches than async_cpu.yaml's (the benchmark's), for CI's time
-# Each engine step lasts at least 60 ms, waited off the CPU as on a GPU: a batch's generation
-# (24 steps) then outlasts the trainer's step even on a loaded 2-core machine, where engines
-# and trainer would otherwise share the cores and either could finish first.
+# Each engine step lasts at least 100 ms, waited off the CPU as on a GPU: a batch's
+# generation (24 steps) then outlasts the trainer's step even on a loaded 2-core machine,
+# where engines and trainer would otherwise share the cores and either could finish first.
 SMALL = ("--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N),
-         "--rollout-max-response-len", "24", "--reference-min-step-ms", "60")
+         "--rollout-max-response-len", "24", "--reference-min-step-ms", "100")
 FILTER = "slime_like.rollout.filters.check_reward_nonzero_std"
 
 
