@@ -107,7 +107,7 @@ def engine_settings(args: argparse.Namespace, *, api_key: str | None = None,
                           admin_api_key=admin_api_key if admin_api_key is not None
                           else args.sglang_flags.get("admin_api_key"),
                           server_concurrency=args.sglang_server_concurrency,
-                          reference_min_step_ms=getattr(args, "reference_min_step_ms", 0.0))
+                          reference_min_step_ms=args.reference_min_step_ms)
 
 
 def fleet_settings(args: argparse.Namespace, *, log_dir: str,
