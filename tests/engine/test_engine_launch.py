@@ -13,6 +13,7 @@ from slime_like.cluster.ports import PortReservation, reserve_ports
 from slime_like.engine.external import ExternalEngine, expected_fields
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError, EngineError, LaunchError
+from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 from slime_like.router.router import Router
 from tests.engine.engine_helpers import wait_gone
 
@@ -33,10 +34,15 @@ def engines():
 
 @pytest.fixture(scope="module")
 def shared_engine(tiny_model_dir, tmp_path_factory):
-    """One reference engine for the tests that leave it as they found it."""
+    """One reference engine for the tests that leave it as they found it.
+
+    Its steps last at least 10 ms, so a long request is still running when a test pauses
+    it: without a floor the tiny model can finish 900 tokens before a loaded machine
+    delivers the pause.
+    """
     engine = EngineServer(EngineConfig(model_path=str(tiny_model_dir), program="reference",
                                  host="127.0.0.1", log_dir=str(tmp_path_factory.mktemp("shared")),
-                                 startup_timeout=120.0))
+                                 startup_timeout=120.0, env={MIN_STEP_ENV: "10"}))
     engine.init()
     yield engine
     engine.shutdown(grace=5)
