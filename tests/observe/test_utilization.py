@@ -23,6 +23,7 @@ from slime_like.observe.utilization import (
     read_utilization,
     run_idle_ratios,
 )
+from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 from tests.reference_engine.conftest import start_engine, stop_engine, wait_until_healthy
 
 
@@ -38,8 +39,10 @@ def _wait_for(what: str, condition, timeout: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def two_engines(tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("utilization-engines")
+    # Steps of at least 5 ms: the long generation lasts seconds, not the tiny model's one
+    # second, so the 50 ms sampler sees it busy on a loaded machine too.
     engines = [start_engine(tiny_model_dir, log_dir, "--max-running-requests", "4",
-                            wait_healthy=False) for _ in range(2)]
+                            env={MIN_STEP_ENV: "5"}, wait_healthy=False) for _ in range(2)]
     try:
         for e in engines:
             wait_until_healthy(e)
