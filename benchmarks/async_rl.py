@@ -17,8 +17,9 @@ end of its last), so engine start-up and the first sync do not count:
 - staleness: versions between a sample's oldest token and the trained version;
 - reward first -> last, and the largest per-token |engine - trainer| log-probability
   difference, each token checked at its own span's version;
-- CPU busy: the machine's CPU time used over the window (psutil): on a 2-core box the
-  trainer and the engines share the cores, which bounds what overlap can win.
+- CPU busy: the machine's CPU time used over the same window (psutil, sampled every
+  50 ms while the run's metrics.jsonl grows): on a 2-core box the trainer and the engines
+  share the cores, which bounds what overlap can win.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 import statistics
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
 import psutil
@@ -102,13 +103,61 @@ def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> 
     }
 
 
-def cpu_busy_during(fn):
-    """Run fn(); the machine's CPU busy share over it."""
-    t0, c0 = time.time(), psutil.cpu_times()
-    result = fn()
-    t1, c1 = time.time(), psutil.cpu_times()
-    idle = (c1.idle - c0.idle) + (getattr(c1, "iowait", 0) - getattr(c0, "iowait", 0))
-    return result, 1 - idle / ((t1 - t0) * psutil.cpu_count())
+def _cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the machine so far; guest time is already in user."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = t.user + t.system + idle + sum(getattr(t, k, 0.0) for k in
+                                           ("nice", "irq", "softirq", "steal"))
+    return total - idle, total
+
+
+class SteadyCpu:
+    """The machine's CPU busy share between a run's first and last metrics row.
+
+    A thread samples psutil's CPU times every `interval_s` with the number of rows in the
+    run's metrics.jsonl, so the window is the one the other figures use (start-up, the
+    first sync and the report's rendering left out).
+    """
+
+    def __init__(self, metrics_path: Path, last_row: int, interval_s: float = 0.05):
+        self.metrics_path = metrics_path
+        self.last_row = last_row
+        self.interval_s = interval_s
+        self._first: tuple[float, float] | None = None   # (busy, total) CPU seconds
+        self._last: tuple[float, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> SteadyCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _rows(self) -> int:
+        try:
+            return self.metrics_path.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s) and self._last is None:
+            rows = self._rows()
+            point = _cpu_seconds()
+            if rows < 1:  # not started yet (or an earlier run's file was just moved away)
+                self._first = None
+            elif self._first is None:
+                self._first = point
+            if rows >= self.last_row:
+                self._last = point
+
+    def busy(self) -> float | None:
+        if self._first is None or self._last is None or self._last[1] <= self._first[1]:
+            return None
+        return (self._last[0] - self._first[0]) / (self._last[1] - self._first[1])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -132,9 +181,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flags += ["--reference-min-step-ms", str(a.reference_min_step_ms)]
         if name.startswith("fully-async") and a.max_weight_staleness is not None:
             flags += ["--max-weight-staleness", str(a.max_weight_staleness)]
-        row, busy = cpu_busy_during(lambda n=name, f=flags: run_one(n, f, a.config, a.steps,
-                                                                     out))
-        row["cpu_busy"] = busy
+        metrics = out / name.replace(":", "-") / "metrics.jsonl"
+        with SteadyCpu(metrics, last_row=a.steps) as cpu:
+            row = run_one(name, flags, a.config, a.steps, out)
+        row["cpu_busy"] = cpu.busy()
         rows.append(row)
         print(f"[async_rl] {name}: {row['samples_per_s']:.1f} samples/s", flush=True)
     base = next((r for r in rows if r["mode"] == "sync"), rows[0])

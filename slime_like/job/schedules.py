@@ -15,6 +15,7 @@ See docs/ASYNC.md.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -33,7 +34,23 @@ logger = logging.getLogger("slime_like.train")
 def run_schedule(job: Job) -> None:
     """Every step of the job, in the order of its `--async-mode`."""
     mode = job.settings.asynchrony.mode
-    {"sync": run_sync, "one-step": run_one_step, "fully-async": run_fully_async}[mode](job)
+    freeze_startup_heap()
+    try:
+        {"sync": run_sync, "one-step": run_one_step, "fully-async": run_fully_async}[mode](job)
+    finally:
+        gc.unfreeze()  # shutting down frees start-up's objects as usual
+
+
+def freeze_startup_heap() -> None:
+    """Keep what start-up built (Ray, torch, the fleet) out of the garbage collector's scans.
+
+    The driver runs the rollout producer, the engine sampler and the trainer's calls in one
+    process. A full collection over every object start-up left stalls all of them at once:
+    0.1 to 0.3 s on a CPU run, mid-step (engines wait for requests the producer cannot
+    send). Frozen objects are not scanned while the steps run; what the steps make still is.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def run_sync(job: Job) -> None:
