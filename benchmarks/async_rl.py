@@ -13,7 +13,9 @@ end of its last), so engine start-up and the first sync do not count:
   schedule can reach (the fully-async target is <= 1.15x of it); each run's own median
   train + sync (score, check, train and sync: longer where generation shares the cores);
 - engine idle: share of engine time with no request running (sampled from /v1/loads every
-  50 ms), trainer idle: share of the window outside score/check/train/sync;
+  50 ms), trainer idle: share of the window outside score/check/train/sync, trainer
+  alone: share of the window when the trainer works and no engine has a request running
+  (on shared cores, one core then has nothing to run);
 - staleness: versions between a sample's oldest token and the trained version;
 - reward first -> last, and the largest per-token |engine - trainer| log-probability
   difference, each token checked at its own span's version;
@@ -78,6 +80,29 @@ def trainer_idle(run_dir: Path, start: float, end: float) -> float | None:
     return 1 - busy / (end - start) if end > start else None
 
 
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def trainer_alone(run_dir: Path, start: float, end: float) -> float | None:
+    """Share of [start, end] when the trainer works and no engine has a request running:
+    on shared cores, the time one core has nothing to run (the trainer is one thread)."""
+    rows = read_utilization(run_dir / "utilization.jsonl")
+    clip = [(max(start, r["start_s"]), min(end, r["end_s"])) for r in rows["trainer"]]
+    trainer = _merged(clip)
+    engines = _merged([(max(start, r["start_s"]), min(end, r["end_s"]))
+                       for r in rows["engine"] if r.get("state") == "busy"])
+    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in trainer for c, d in engines)
+    alone = sum(b - a for a, b in trainer) - overlap
+    return alone / (end - start) if end > start else None
+
+
 def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> dict:
     run_dir = out / name.replace(":", "-")
     args = parse_args(["--config", config, "--output-dir", str(run_dir), "--num-rollout",
@@ -96,6 +121,7 @@ def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> 
                                           + m["sync_s"] for m in ms[1:]),
         "engine_idle": engine_idle(run_dir, start, end),
         "trainer_idle": trainer_idle(run_dir, start, end),
+        "trainer_alone": trainer_alone(run_dir, start, end),
         "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages),
         "reward_first": ms[0]["reward_mean"], "reward_last": ms[-1]["reward_mean"],
         "logprob_diff_max": max(m["logprob_max_abs_diff"] for m in ms),
@@ -195,18 +221,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{base['rollout_s']:.3f}"
           f" s, train + sync {base['train_sync_s']:.3f} s -> overlap bound {bound:.3f} s/step\n")
     head = ("| mode | samples/s | vs sync | step s | vs bound | train + sync s | engine idle | "
-            "trainer idle | "
+            "trainer idle | trainer alone | "
             "staleness mean/max | reward first -> last | max logprob diff | mixed samples | "
             "CPU busy |")
     print(head)
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 14)
     for r in rows:
         r["vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["vs_bound"] = r["step_s"] / bound
         print(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['vs_sync']:.2f}x | "
               f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {r['train_sync_s']:.3f} | "
               f"{_pct(r['engine_idle'])} | "
-              f"{_pct(r['trainer_idle'])} | {r['staleness_mean']:.2f}/{r['staleness_max']} | "
+              f"{_pct(r['trainer_idle'])} | {_pct(r['trainer_alone'])} | "
+              f"{r['staleness_mean']:.2f}/{r['staleness_max']} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
               f"{r['logprob_diff_max']:.1e} | {r['mixed_samples']} | {_pct(r['cpu_busy'])} |")
     if a.json_out:
