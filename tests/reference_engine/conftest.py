@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 from slime_like.reference_engine.tp import free_port
 
 # Engines listen on loopback; a machine-wide HTTP proxy must never see these requests.
@@ -105,10 +106,14 @@ def engine_log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model_dir, engine_log_dir) -> Iterator[RunningEngine]:
-    """A TP=1 engine with metrics and a short health timeout (paused-health tests)."""
+    """A TP=1 engine with metrics and a short health timeout (paused-health tests).
+
+    Its steps last at least 3 ms, so a test's long request (1000 tokens) runs for seconds,
+    not the tiny model's one second, and is still running when the test acts on it.
+    """
     e = start_engine(tiny_model_dir, engine_log_dir, "--enable-metrics", "--served-model-name",
                      "tiny", "--max-running-requests", "16",
-                     env={"SGLANG_HEALTH_CHECK_TIMEOUT": "2"})
+                     env={"SGLANG_HEALTH_CHECK_TIMEOUT": "2", MIN_STEP_ENV: "3"})
     yield e
     stop_engine(e)
 
