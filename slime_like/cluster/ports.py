@@ -22,6 +22,7 @@ import fcntl
 import os
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,23 +40,31 @@ def _lock_dir() -> Path:
 
 
 class _Held:
-    """One port: its bound socket and its lock file."""
+    """One port: its bound socket and its lock file.
+
+    Released at most once, under a lock: an engine actor's start-up and its shutdown may
+    release the same reservation from two threads, and closing a descriptor twice could
+    close a file that reused its number.
+    """
 
     def __init__(self, port: int, sock: socket.socket, lock_fd: int):
         self.port = port
         self.sock: socket.socket | None = sock
         self.lock_fd: int | None = lock_fd
+        self._lock = threading.Lock()
 
     def close_socket(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        with self._lock:
+            sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
 
     def unlock(self) -> None:
         self.close_socket()
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)  # closing the descriptor drops the flock
-            self.lock_fd = None
+        with self._lock:
+            fd, self.lock_fd = self.lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
 
 
 def _try_hold(port: int, family: socket.AddressFamily) -> _Held | None:

@@ -101,6 +101,19 @@ def host_store(world_size: int, timeout: timedelta | float, port: int = 0,
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
 
+def join_store(host: str, port: int, world_size: int,
+               timeout: timedelta | float) -> dist.TCPStore:
+    """A client of a store that `host_store` serves: how rank 0 joins its own group.
+
+    The master then stays with whoever hosts it alone, and dropping it closes the
+    rendezvous for every rank still in it at once (rank 0's join included), instead of
+    when rank 0's join gives up.
+    """
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=float(timeout))
+    return dist.TCPStore(host.strip("[]"), port, world_size, is_master=False, timeout=timeout)
+
+
 def abort_process_group(pg: dist.ProcessGroup | None) -> None:
     """Abort a weight group's pending collectives (NCCL ones cannot be cancelled otherwise)."""
     if pg is None:

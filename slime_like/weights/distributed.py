@@ -38,6 +38,7 @@ from slime_like.protocol.weight_group import (
     destroy_process_group,
     host_store,
     init_custom_process_group,
+    join_store,
 )
 from slime_like.weights.fanout import EngineCalls, engine_ranks, on_all
 from slime_like.weights.packing import BucketPacker, bucket_tensors, direct_view, metas_body
@@ -189,6 +190,10 @@ class DistributedTransport(Transport):
         held = {"store": host_store(world_size, self.group_timeout_s,
                                     port=self.master_port or 0, host=address)}
         port = held["store"].port
+        # Rank 0 joins as a client: were it to hold the master, an engine that fails at
+        # once (killed as it was asked to join) would leave the others in the rendezvous
+        # until rank 0's own join timed out.
+        joiner = join_store(address, port, world_size, self.group_timeout_s)
         watch = Watch(self.group_timeout_s + 10)
         step = "init_weights_update_group"
         http = []
@@ -206,7 +211,7 @@ class DistributedTransport(Transport):
         def rank0() -> None:
             try:
                 result["pg"] = init_custom_process_group(
-                    backend=self.backend, store=held["store"], world_size=world_size, rank=0,
+                    backend=self.backend, store=joiner, world_size=world_size, rank=0,
                     group_name=name, timeout=self.group_timeout_s)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 e.__traceback__ = None  # its frames would keep the store open
@@ -225,7 +230,7 @@ class DistributedTransport(Transport):
                                       f"({world_size} ranks): {err}{_hint(self.backend)}")
             watch.wait_calls(http)
         except BaseException as exc:
-            held.clear()  # closes the store (once rank 0's thread let go of it)
+            held.clear()  # closes the store: every rank still in the rendezvous fails at once
             if "pg" in result:
                 destroy_process_group(result.pop("pg"))
             gc.collect()

@@ -70,6 +70,49 @@ def test_a_group_that_cannot_form_releases_the_engines_that_joined(tiny_model_di
             e.process.terminate(grace=10)
 
 
+def test_an_engine_dying_at_its_join_frees_the_engines_already_in_the_rendezvous(
+        tiny_model_dir, tmp_path):
+    # Found by the fully-async chaos short form on a loaded machine: B is killed just as the
+    # trainer asks it to join (its call fails at once), while A already waits in the
+    # group's rendezvous. The trainer gives up at once; A must not wait out the rendezvous
+    # (group_timeout_s here, 300 s by default): until A's join answers, every later sync of
+    # A fails with "an earlier join is still unanswered".
+    a = start_engine(tiny_model_dir, tmp_path, 1)
+    b = start_engine(tiny_model_dir, tmp_path, 1)
+    sync = WeightSync([(a.url, 1), (b.url, 1)], http_timeout_s=30, group_timeout_s=120)
+    b_handle = next(e for e in sync.engines if e.url == b.url)
+    join = b_handle.init_weights_update_group
+
+    def crash_then_join(*args, **kwargs):  # a real SIGKILL, timed by this hook
+        b.process.kill()
+        b.process.wait_exit(30)
+        return join(*args, **kwargs)
+
+    b_handle.init_weights_update_group = crash_then_join
+    policy = trainer_model(tiny_model_dir, seed=5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="init_weights_update_group"):
+            sync.update(policy)
+        assert time.monotonic() - t0 < 60
+        # A's scheduler is free again within seconds, not after the 120 s rendezvous
+        r = a.post("/weights_checker", {}, timeout=30)
+        assert r.status_code == 200
+        assert time.monotonic() - t0 < 30, f"A answered {time.monotonic() - t0:.0f}s after"
+        # and the next sync, without B, lands on A
+        sync.close()
+        alone = WeightSync([(a.url, 1)], http_timeout_s=30, group_timeout_s=30)
+        try:
+            alone.update(policy)
+            assert a.rank_checksums() == [model_checksum(policy)]
+        finally:
+            alone.close()
+    finally:
+        sync.close()
+        for e in (a, b):
+            e.process.terminate(grace=10)
+
+
 class KillAfter(ModelWeights):
     """The trainer's weights; SIGKILLs `victim` once `n` tensors went out (a real crash)."""
 
