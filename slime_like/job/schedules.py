@@ -47,7 +47,8 @@ def freeze_startup_heap() -> None:
     The driver runs the rollout producer, the engine sampler and the trainer's calls in one
     process. A full collection over every object start-up left stalls all of them at once:
     0.1 to 0.3 s on a CPU run, mid-step (engines wait for requests the producer cannot
-    send). Frozen objects are not scanned while the steps run; what the steps make still is.
+    send). Frozen objects are not scanned for cycles while the steps run (reference
+    counting still frees them); what the steps make still is.
     """
     gc.collect()
     gc.freeze()
