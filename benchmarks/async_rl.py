@@ -68,18 +68,6 @@ def engine_idle(run_dir: Path, start: float, end: float) -> float | None:
     return idle / seen if seen else None
 
 
-def trainer_idle(run_dir: Path, start: float, end: float) -> float | None:
-    rows = read_utilization(run_dir / "utilization.jsonl")["trainer"]
-    spans = sorted((max(start, r["start_s"]), min(end, r["end_s"])) for r in rows)
-    busy, cursor = 0.0, start
-    for a, b in spans:
-        a = max(a, cursor)
-        if b > a:
-            busy += b - a
-            cursor = b
-    return 1 - busy / (end - start) if end > start else None
-
-
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
@@ -88,6 +76,13 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
         elif b > a:
             out.append((a, b))
     return out
+
+
+def trainer_idle(run_dir: Path, start: float, end: float) -> float | None:
+    rows = read_utilization(run_dir / "utilization.jsonl")["trainer"]
+    busy = sum(b - a for a, b in _merged([(max(start, r["start_s"]), min(end, r["end_s"]))
+                                          for r in rows]))
+    return 1 - busy / (end - start) if end > start else None
 
 
 def trainer_alone(run_dir: Path, start: float, end: float) -> float | None:

@@ -61,8 +61,7 @@ def init_custom_process_group(
         raise ValueError("group_name must be a non-empty string")
     if (store is None) == (init_method is None):
         raise ValueError("give exactly one of init_method and store")
-    if isinstance(timeout, int | float):
-        timeout = timedelta(seconds=float(timeout))
+    timeout = _as_timedelta(timeout)
     timeout = timeout or c10d.default_pg_timeout
     if store is None:
         store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size,
@@ -77,6 +76,11 @@ def init_custom_process_group(
     return pg
 
 
+def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
+    """Seconds (int or float) as a timedelta; a timedelta or None as given."""
+    return timedelta(seconds=float(timeout)) if isinstance(timeout, int | float) else timeout
+
+
 def host_store(world_size: int, timeout: timedelta | float, port: int = 0,
                host: str | None = None) -> dist.TCPStore:
     """A TCPStore for rank 0 (port 0: a free one, read back from `.port`), not waiting for peers.
@@ -84,8 +88,7 @@ def host_store(world_size: int, timeout: timedelta | float, port: int = 0,
     With `host` it listens on that address only (the trainer's, as the engines reach it),
     not on every interface of the machine.
     """
-    if isinstance(timeout, int | float):
-        timeout = timedelta(seconds=float(timeout))
+    timeout = _as_timedelta(timeout)
     if host is None:
         return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, timeout=timeout,
                              wait_for_workers=False)
@@ -109,8 +112,7 @@ def join_store(host: str, port: int, world_size: int,
     rendezvous for every rank still in it at once (rank 0's join included), instead of
     when rank 0's join gives up.
     """
-    if isinstance(timeout, int | float):
-        timeout = timedelta(seconds=float(timeout))
+    timeout = _as_timedelta(timeout)
     return dist.TCPStore(host.strip("[]"), port, world_size, is_master=False, timeout=timeout)
 
 
