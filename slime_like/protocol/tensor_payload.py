@@ -161,10 +161,12 @@ class FlattenedPayloads:
     """`serialize({"flattened_tensor": t, "metadata": m})`, with m's pickle made once.
 
     The metadata of a bucket is the same every sync, and pickling it with the pure-Python
-    pickler costs ~20 µs per tensor (7 ms for a 367-tensor request). Each piece is pickled
-    without memo (so pieces do not refer to each other) at protocol 3 (no frames), and the
-    pieces are joined into one dict: the same objects as `serialize` gives, for any
-    unpickler, sglang's included.
+    pickler costs ~20 µs per tensor (7 ms for a 367-tensor request). The pieces are pickled
+    at protocol 3 (no frames) and joined into one dict: the same objects as `serialize`
+    gives, for any unpickler, sglang's included. Only the metadata piece keeps a memo, so
+    its memo slots cannot collide with another piece's; with it, the class, `torch.Size` and
+    each dtype are written once per request rather than once per tensor, which makes the
+    payload a third of the size and the engine's unpickling several times faster.
     """
 
     _PROTO, _EMPTY_DICT, _MARK, _SETITEMS, _STOP = b"\x80\x03", b"}", b"(", b"u", b"."
@@ -175,10 +177,10 @@ class FlattenedPayloads:
         self._keys = {k: self._piece(k) for k in ("flattened_tensor", "metadata")}
 
     @classmethod
-    def _piece(cls, obj: Any) -> bytes:
+    def _piece(cls, obj: Any, memo: bool = False) -> bytes:
         buf = io.BytesIO()
         pickler = _Pickler(buf, protocol=3)
-        pickler.fast = True  # no memo: the piece stands alone inside another pickle
+        pickler.fast = not memo  # without memo the piece refers to nothing outside itself
         pickler.dump(obj)
         raw = buf.getvalue()
         assert raw.startswith(cls._PROTO) and raw.endswith(cls._STOP)
@@ -192,7 +194,7 @@ class FlattenedPayloads:
         if meta is None:
             if len(self._metadata) >= self._max:
                 self._metadata.clear()
-            meta = self._metadata[key] = self._piece(metadata())
+            meta = self._metadata[key] = self._piece(metadata(), memo=True)
         raw = b"".join((self._PROTO, self._EMPTY_DICT, self._MARK,
                         self._keys["flattened_tensor"], self._piece(flat),
                         self._keys["metadata"], meta, self._SETITEMS, self._STOP))

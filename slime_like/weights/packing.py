@@ -256,6 +256,13 @@ class SendGroup:
     #: the group's bytes in the trainer's own storage (no pack), or None
     view: torch.Tensor | None
     buckets: int = 1
+    #: the bytes, back to back in the trainer's storage, of a bucket that `allow_direct`
+    #: refused: packed with one copy instead of one per tensor
+    contiguous: torch.Tensor | None = None
+
+    def pack_sources(self) -> list[torch.Tensor]:
+        """What a pack copies: the contiguous bytes if known, else the tensors."""
+        return self.tensors if self.contiguous is None else [self.contiguous]
 
     def joins(self, view: torch.Tensor | None, metas: Sequence[TensorMeta]) -> bool:
         """Whether a direct bucket (`view`, `metas`) continues this one's bytes exactly."""
@@ -300,14 +307,15 @@ def send_groups(stream: Iterator[tuple[str, torch.Tensor]], buckets: Sequence[Bu
     for bucket in buckets:
         tensors = bucket_tensors(stream, bucket)
         view = direct_view(tensors, device) if merge_direct else None
+        refused = None
         if view is not None and allow_direct is not None and not allow_direct(view):
-            view = None
+            view, refused = None, view
         if pending is not None and pending.joins(view, bucket.metas):
             pending.join(view, bucket.metas, tensors, bucket.nbytes)
             continue
         if pending is not None:
             yield pending, False
-        pending = SendGroup(list(bucket.metas), tensors, bucket.nbytes, view)
+        pending = SendGroup(list(bucket.metas), tensors, bucket.nbytes, view, contiguous=refused)
     if pending is not None:
         yield pending, True
 

@@ -86,7 +86,7 @@ class TensorTransport(Transport):
                 # Already back to back in the trainer's storage: the engines copy from it.
                 torch.cuda.current_stream(self.device).synchronize()
             else:
-                buf = packer.pack(slot, group.tensors, group.nbytes)
+                buf = packer.pack(slot, group.pack_sources(), group.nbytes)
                 if cuda:
                     packer.wait_packed()  # the engine reads it from another process, off our streams
             key = tuple(group.metas)
@@ -107,6 +107,8 @@ class TensorTransport(Transport):
                 call = ctx.update_call(engine.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
                     engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
+                if last:
+                    ctx.queued_last(engine, calls[-1])
             slot_calls[slot] = calls
             all_calls += calls
             del buf

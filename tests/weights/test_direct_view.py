@@ -105,3 +105,29 @@ def test_a_refused_direct_view_is_packed():
                               allow_direct=refuse))
     assert len(groups) == 5 and all(g.view is None for g, _ in groups)
     assert set(asked) == {flat.untyped_storage().data_ptr()}
+
+
+def test_a_refused_direct_bucket_is_packed_from_its_contiguous_bytes_in_one_copy():
+    # The offloading trainer's flat buffer is new every sync, so it is not sent in place;
+    # its buckets still lie back to back, so the pack is one copy of their bytes.
+    from slime_like.protocol.buckets import layout
+    from slime_like.weights.packing import BucketPacker, send_groups
+
+    flat = torch.randn(1000)
+    named = _named([flat[i * 100:(i + 1) * 100].view(10, 10) for i in range(10)])
+    buckets = _buckets(named, 800)
+    groups = list(send_groups(iter(named), buckets, CPU, merge_direct=True,
+                              allow_direct=lambda view: False))
+    assert len(groups) == 5  # not merged: each goes through the pack buffer
+    packer = BucketPacker(CPU, 800)
+    for group, _ in groups:
+        assert group.view is None and group.pack_sources() == [group.contiguous]
+        assert group.contiguous.data_ptr() == group.tensors[0].data_ptr()
+        packed = packer.pack(0, group.pack_sources(), group.nbytes)
+        for entry, tensor in zip(layout(group.metas), group.tensors, strict=True):
+            assert torch.equal(packed[entry.start_idx:entry.end_idx].view(torch.float32),
+                               tensor.flatten())
+    scattered = [(f"s{i}", torch.randn(10)) for i in range(4)]  # separate storages
+    (group, _), = send_groups(iter(scattered), _buckets(scattered, 1000), CPU,
+                              merge_direct=True, allow_direct=lambda view: False)
+    assert group.contiguous is None and group.pack_sources() == group.tensors

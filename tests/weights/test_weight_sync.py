@@ -303,3 +303,57 @@ def test_lora_model_is_merged_and_sent_under_base_names(engines, tiny_model_dir)
     # the trainer's model is untouched: base weights as they were, adapter still separate
     assert all(torch.equal(p, before[n.replace("base_model.model.", "").replace(".base_layer", "")])
                for n, p in lora.named_parameters() if "lora_" not in n)
+
+
+def test_tensor_sync_ends_and_resumes_each_engine_from_its_lane(engines, tiny_model_dir):
+    # end and continue ride behind the last update in each engine's lane; the engines end
+    # up serving the new weights, unpaused, with no session left open
+    sync = WeightSync([(e.url, e.tp_size) for e in engines], transport="tensor",
+                      update_weight_buffer_size=64 << 10, http_timeout_s=60)
+    try:
+        model = trainer_model(tiny_model_dir, seed=next(_seeds))
+        report = sync.update(model)
+    finally:
+        sync.close()
+    assert {"end", "continue"} <= set(report.round_trips)
+    assert report.seconds["verify"] == 0.0 and set(report.flush.values()) == {"flushed"}
+    for e in engines:
+        assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
+        assert e.weight_version() == report.weight_version
+        assert e.get("/ready").status_code == 200
+        assert e.post("/begin_weight_update").json()["success"]  # no session left open
+        assert e.post("/end_weight_update").json()["success"]
+
+
+def test_a_refused_last_update_sends_no_early_end_and_leaves_no_engine_paused(
+        engines, tiny_model_dir):
+    a, b = engines
+    sync = WeightSync([(e.url, e.tp_size) for e in engines], transport="tensor",
+                      update_weight_buffer_size=64 << 10, http_timeout_s=60)
+    handle = sync.engines[1]
+    real = handle.update_weights_from_tensor
+
+    def close_session_first(req, *args, **kwargs):
+        # A real refusal: B's session is closed (by a real /end_weight_update) just before
+        # its last update, so B answers 400 "must run between begin and end".
+        if req.weight_version is not None:
+            assert b.post("/end_weight_update").json()["success"]
+        return real(req, *args, **kwargs)
+
+    handle.update_weights_from_tensor = close_session_first
+    model = trainer_model(tiny_model_dir, seed=next(_seeds))
+    try:
+        with pytest.raises(WeightSyncError, match="between begin_weight_update") as failed:
+            sync.update(model)
+        assert failed.value.engine == b.url
+        for e in engines:
+            assert e.get("/ready").status_code == 200, e.url  # continued after the failure
+            assert e.post("/begin_weight_update").json()["success"], e.url  # session closed
+            assert e.post("/end_weight_update").json()["success"], e.url
+        handle.update_weights_from_tensor = real
+        report = sync.update(model)  # and the next sync lands everywhere
+        for e in engines:
+            assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
+            assert e.weight_version() == report.weight_version
+    finally:
+        sync.close()
