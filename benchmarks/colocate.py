@@ -110,7 +110,9 @@ def d2d_tensors(cuda: bool, source, reps: int = 5) -> float:
     `_foreach_copy_`, as `benchmarks/weight_sync.py` times d2d); median."""
     if not cuda:
         return 0.0
-    src = [t for _, t in source.tensors()]
+    from slime_like.weights.packing import as_source
+
+    src = [t for _, t in as_source(source).tensors()]
     dst = [torch.empty_like(t) for t in src]
     times = []
     for i in range(reps + 1):

@@ -196,64 +196,6 @@ class Control:
                 on_all(engines, "end_weight_update", end)
 
 
-class EarlyClose:
-    """end, then continue, queued in each engine's lane right behind its last update.
-
-    The lane sends end the moment the last update is answered, and continue once every
-    engine's end is answered, with no hop through the trainer's thread in between (about
-    a millisecond per sync on one GPU). Each is sent only when it would have been sent
-    anyway: end if that engine's last update succeeded and its answer carries the new
-    version; continue if every engine's end succeeded. Otherwise the call is dropped
-    unsent and the transaction ends the slow way (separate end, verify, continue).
-    Used when every engine folds its flush into the last update or skips it.
-    """
-
-    def __init__(self, engines: Sequence[EngineHandle], begun: list[EngineHandle],
-                 calls: EngineCalls, version_set: Callable[[EngineHandle], bool]):
-        self.engines = list(engines)
-        self.begun = begun
-        self.calls = calls
-        self.version_set = version_set
-        self.ends: dict[str, EngineCall] = {}
-        self.continues: list[EngineCall] = []
-
-    def queue(self, engine: EngineHandle, last_update: EngineCall) -> list[EngineCall]:
-        """Queue end and continue behind `last_update` (just queued in the same lane)."""
-        def end(e: EngineHandle) -> Any:
-            if last_update.error is not None or not self.version_set(e) or e not in self.begun:
-                raise CallCancelled("not sent early: the last update did not set the version")
-            return e.end_weight_update()
-
-        def resume(e: EngineHandle) -> Any:
-            if not self.ended():
-                raise CallCancelled("not sent early: not every engine's session ended")
-            return e.continue_generation()
-
-        ended = self.ends[engine.url] = _call(self.calls, engine, "end_weight_update", end)
-        resumed = _call(self.calls, engine, "continue_generation", resume, self._all_answered)
-        self.continues.append(resumed)
-        return [ended, resumed]
-
-    def covers(self, engines: Sequence[EngineHandle]) -> bool:
-        return len(self.ends) == len(engines) and all(e.url in self.ends for e in engines)
-
-    def _all_answered(self) -> bool:
-        return len(self.ends) == len(self.engines) and all(
-            c.future.done() for c in self.ends.values())
-
-    def ended(self) -> bool:
-        """Every engine's early end was sent and succeeded."""
-        return self._all_answered() and all(c.error is None for c in self.ends.values())
-
-    def wait(self, timeout_s: float) -> None:
-        """Until every early end is answered (or dropped); a failed end raises, naming it."""
-        settle(list(self.ends.values()), timeout_s)
-        for call in self.ends.values():
-            exc = call.error
-            if exc is not None and not isinstance(exc, CallCancelled):
-                raise WeightSyncError(call.step, f"{type(exc).__name__}: {exc}", call.engine.url)
-
-
 class _Timed:
     """An engine call that remembers how long its HTTP round trip took once sent."""
 

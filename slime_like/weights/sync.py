@@ -35,7 +35,7 @@ import torch
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
-from slime_like.weights.control import Control, EarlyClose, round_trips, settle
+from slime_like.weights.control import Control, round_trips, settle
 from slime_like.weights.fanout import EngineCalls, on_all
 from slime_like.weights.handshake import check_same_metadata, engine_model_metadata
 from slime_like.weights.packing import as_source
@@ -318,27 +318,10 @@ class WeightSync:
                     engines=engines, buckets=buckets, source=source, weight_version=version,
                     watch=watch, calls=calls, stats=stats, http_timeout_s=cfg.http_timeout_s,
                     flush_last=folded, control={c.engine.url: c.future for c in control})
-                early = self._early_close(engines, folded, begun, calls, ctx, report, sent)
                 self._transport().transfer(ctx)
                 watch.wait_calls(control)  # answered long before, unless a transport sent nothing
                 report.transfer = stats.as_dict()
-            if early is not None and not early.ends:
-                early = None  # this transport does not report its last updates
-            if early is not None:
-                # end and continue went out of the lanes behind the last updates
-                with steps("end"):
-                    if not early.covers(engines):
-                        calls.cancel_pending()  # the continues would wait for ends never queued
-                    early.wait(cfg.http_timeout_s)
-                    ended = {url for url, c in early.ends.items() if c.error is None}
-                    begun = [e for e in begun if e.url not in ended]
-                    if early.ended():
-                        resumed = early.continues
-            if early is not None and early.ended():
-                with steps("flush"):
-                    self.control.flush(engines, folded, ctx.flush_refused, report)
-                report.seconds["verify"] = 0.0  # the last update's answer said so
-            elif early is None and self.control.can_pipeline_end(engines, folded, ctx, report):
+            if self.control.can_pipeline_end(engines, folded, ctx, report):
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
@@ -392,19 +375,6 @@ class WeightSync:
         report.total_s = time.perf_counter() - start
         self.last_report = report
         return report
-
-    def _early_close(self, engines: list[EngineHandle], folded: frozenset[str],
-                     begun: list[EngineHandle], calls: EngineCalls, ctx: TransferContext,
-                     report: SyncReport, sent: list[EngineCall]) -> EarlyClose | None:
-        """End and continue queued behind each engine's last update, where nothing else
-        (a separate flush) is due between them; None where it is."""
-        if not self._transport().gated or not all(
-                e.has_begin_end and (e.url in folded or self.control.flush_plan(e, report) is not None)
-                for e in engines):
-            return None
-        early = EarlyClose(engines, begun, calls, ctx.version_set)
-        ctx.after_last = lambda engine, call: sent.extend(early.queue(engine, call))
-        return early
 
     def _failed(self, exc: BaseException, step: str, begun: list[EngineHandle]) -> WeightSyncError:
         """Clean up after a failed step; the error names the step (and the engine, if known)."""

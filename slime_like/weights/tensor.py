@@ -107,8 +107,6 @@ class TensorTransport(Transport):
                 call = ctx.update_call(engine.update_weights_from_tensor, engine, last)
                 calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
                     engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
-                if last:
-                    ctx.queued_last(engine, calls[-1])
             slot_calls[slot] = calls
             all_calls += calls
             del buf

@@ -86,14 +86,6 @@ class TransferContext:
     control: dict[str, Future] = field(default_factory=dict)
     #: engine url -> the answer to its last update (it says whether the version was set)
     last_answers: dict[str, Any] = field(default_factory=dict)
-    #: called with (engine, its last update call) right after a transport queued that call,
-    #: before anything else goes into the engine's lane (WeightSync queues end behind it)
-    after_last: Callable[[EngineHandle, Any], None] | None = None
-
-    def queued_last(self, engine: EngineHandle, call: Any) -> None:
-        """A transport just queued `call`, the engine's last update of this transfer."""
-        if self.after_last is not None:
-            self.after_last(engine, call)
 
     def update_call(self, fn: Callable, engine: EngineHandle, last: bool) -> Callable:
         """The engine call for one update; a refused folded flush is recorded, not raised."""

@@ -305,9 +305,10 @@ def test_lora_model_is_merged_and_sent_under_base_names(engines, tiny_model_dir)
                for n, p in lora.named_parameters() if "lora_" not in n)
 
 
-def test_tensor_sync_ends_and_resumes_each_engine_from_its_lane(engines, tiny_model_dir):
-    # end and continue ride behind the last update in each engine's lane; the engines end
-    # up serving the new weights, unpaused, with no session left open
+def test_a_tensor_sync_leaves_every_engine_serving_unpaused_with_no_session_open(
+        engines, tiny_model_dir):
+    # end and continue go out of the engines' lanes (no separate verify: the last update's
+    # answer carries the version); the engines serve the new weights, unpaused
     sync = WeightSync([(e.url, e.tp_size) for e in engines], transport="tensor",
                       update_weight_buffer_size=64 << 10, http_timeout_s=60)
     try:
@@ -325,7 +326,7 @@ def test_tensor_sync_ends_and_resumes_each_engine_from_its_lane(engines, tiny_mo
         assert e.post("/end_weight_update").json()["success"]
 
 
-def test_a_refused_last_update_sends_no_early_end_and_leaves_no_engine_paused(
+def test_a_refused_last_update_names_the_engine_and_leaves_no_engine_paused(
         engines, tiny_model_dir):
     a, b = engines
     sync = WeightSync([(e.url, e.tp_size) for e in engines], transport="tensor",
