@@ -18,8 +18,9 @@ The job's colocated step, with its real parts in plain processes (no Ray, no rou
 
 The same steps run without the four offload phases first (the `--no-offload-train
 --no-offload-rollout` step). In the same run it measures a pinned device-to-host and
-host-to-device copy (one large buffer each way) and a device-to-device copy, and prints
-beside every moving phase the time the link needs for the same bytes. One JSON line per
+host-to-device copy (one large buffer each way), a device-to-device copy of one buffer
+and one of the sync's tensors tensor by tensor, and prints beside every moving phase the
+time the link needs for the same bytes (and beside the sync, both d2d times). One JSON line per
 layout goes to --json-out.
 
     python benchmarks/colocate.py --layout tiny0.75b,dense7b          # one GPU
