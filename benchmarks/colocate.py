@@ -106,24 +106,17 @@ def link_rates(cuda: bool, nbytes: int, reps: int = 5) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
-def d2d_tensors(cuda: bool, source, reps: int = 5) -> float:
-    """Seconds of a device-to-device copy of the sync's tensors, tensor by tensor (one
-    `_foreach_copy_`, as `benchmarks/weight_sync.py` times d2d); median."""
+def d2d_tensors(cuda: bool, source) -> float:
+    """Seconds of a device-to-device copy of the sync's tensors, tensor by tensor (what
+    `benchmarks/weight_sync.py` calls d2d); median."""
     if not cuda:
         return 0.0
+    from weight_sync import d2d_copy
+
     from slime_like.weights.packing import as_source
 
-    src = [t for _, t in as_source(source).tensors()]
-    dst = [torch.empty_like(t) for t in src]
-    times = []
-    for i in range(reps + 1):
-        seconds, _ = timed(lambda: torch._foreach_copy_(dst, src), cuda)
-        if i:
-            times.append(seconds)
-    src.clear()
-    dst.clear()
-    torch.cuda.empty_cache()
-    return statistics.median(times)
+    return statistics.median(d2d_copy([t for _, t in as_source(source).tensors()], reps=5,
+                                      warmup=1))
 
 
 # ---- the engine -----------------------------------------------------------------------------
@@ -198,7 +191,7 @@ def run_layout(args, name: str, work: Path) -> dict:
         sync.update(trainer.sync_source(), str(version))
         rng = random.Random(0)
         rates = link_rates(cuda, args.copy_mb << 20)
-        rates["d2d_tensors_s"] = d2d_tensors(cuda, trainer.sync_source())
+        d2d_tensors_s = d2d_tensors(cuda, trainer.sync_source())
         log(f"link: pinned D2H {rates['d2h'] / 1e9:.1f} GB/s, H2D {rates['h2d'] / 1e9:.1f} GB/s, "
             f"d2d {rates['d2d'] / 1e9:.0f} GB/s (one buffer of {args.copy_mb} MiB)")
 
@@ -247,7 +240,7 @@ def run_layout(args, name: str, work: Path) -> dict:
             p.numel() for p in trainer.model.parameters()) / 1e9, 3),
             "trainer_dtype": str(trainer_dtype).removeprefix("torch."),
             "engine_dtype": engine_dtype, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "link_gbps": {k: round(v / 1e9, 2) for k, v in rates.items() if k != "d2d_tensors_s"}}
+            "link_gbps": {k: round(v / 1e9, 2) for k, v in rates.items()}}
         for mode, colocated in (("no_offload", False), ("colocated", True)):
             runs = [step(colocated) for _ in range(args.warmup + args.steps)][args.warmup:]
             result[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -258,15 +251,16 @@ def run_layout(args, name: str, work: Path) -> dict:
             result[f"{mode}_sync_transfer"] = last_report.get("transfer")
         if cuda:
             result["pinned_host_gb"] = round(trainer.offloader.host_bytes() / 1e9, 2)
-        return summarize(result, rates)
+        return summarize(result, rates, d2d_tensors_s)
     finally:
         if sync is not None:
             sync.close()
         engine.stop()
 
 
-def summarize(result: dict, rates: dict[str, float]) -> dict:
-    """Beside each moving phase: the pinned copy of the same bytes; the targets' ratios."""
+def summarize(result: dict, rates: dict[str, float], d2d_tensors_s: float) -> dict:
+    """Beside each moving phase: the pinned copy of the same bytes; beside the sync, a d2d
+    copy of one buffer and of its tensors (`d2d_tensors_s`); the targets' ratios."""
     c = result["colocated"]
     link = {  # (bytes, rate) of what each phase moves over the host link
         "trainer_offload": (c["trainer_offload_bytes"], rates["d2h"]),
@@ -285,7 +279,6 @@ def summarize(result: dict, rates: dict[str, float]) -> dict:
     moved_s = sum(p["s"] for p in phases.values())
     copy_s = sum(p["pinned_copy_s"] for p in phases.values())
     d2d_s = c["sync_bytes"] / rates["d2d"] if rates["d2d"] else 0.0
-    d2d_tensors_s = rates.get("d2d_tensors_s", 0.0)
     result["phases"] = phases
     result["offload_onload_release_resume"] = {
         "s": round(moved_s, 4), "pinned_copy_s": round(copy_s, 4),
