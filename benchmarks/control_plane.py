@@ -1,11 +1,15 @@
-"""Round trips of a weight sync's control calls against one reference engine, one by one.
+"""Round trips of a weight sync's control calls, on the engine's two HTTP stacks side by side.
 
-Each call goes through `EngineClient` (one keep-alive connection), the way a sync sends it:
-pause (retract), begin, end, continue, plus /ping and /model_info for scale. Prints one
-JSON line with the median and p90 milliseconds of each over `--repeats` cycles.
+Two reference engines run at once: one on its default stack (`--reference-http-stack auto`:
+uvloop and httptools, as sglang serves) and one on the pure-Python stack (`asyncio`: the
+standard event loop and h11). Each call goes through `EngineClient` (one keep-alive
+connection), the way a sync sends it: pause (retract), begin, end, continue, plus /ping and
+/model_info for scale. The cycles alternate between the engines, so both see the same
+machine. Prints one JSON line: the median and p90 milliseconds of each call on each stack,
+and the ratio of the medians (auto / asyncio).
 
-    python benchmarks/control_plane.py                 # engine on CPU
-    python benchmarks/control_plane.py --device cuda   # engine on GPU 0
+    python benchmarks/control_plane.py                 # engines on CPU
+    python benchmarks/control_plane.py --device cuda   # engines on GPU 0
 """
 
 from __future__ import annotations
@@ -25,6 +29,26 @@ if str(REPO) not in sys.path:
 from benchmarks.weight_sync import Engines, EngineSpec, layout_config, write_model_dir  # noqa: E402
 from slime_like.engine.client import EngineClient  # noqa: E402
 
+STACKS = ("auto", "asyncio")
+WARMUP_CYCLES = 10
+
+
+def _calls(client: EngineClient) -> dict:
+    return {
+        "ping": client.ping,
+        "model_info": client.model_info,
+        "pause": lambda: client.pause_generation("retract"),
+        "begin": client.begin_weight_update,
+        "end": client.end_weight_update,
+        "continue": client.continue_generation,
+    }
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_ms": round(statistics.median(xs) * 1e3, 4),
+            "p90_ms": round(xs[int(len(xs) * 0.9)] * 1e3, 4)}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,35 +56,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    samples = {stack: {} for stack in STACKS}
     with tempfile.TemporaryDirectory(prefix="control-plane-") as work:
         model_dir = write_model_dir(layout_config("tiny_dense"), Path(work))
-        engines = Engines(model_dir, [EngineSpec("A", 1, 0)], args.device == "cuda", Path(work))
+        engines = {stack: Engines(model_dir, [EngineSpec(stack, 1, 0)], args.device == "cuda",
+                                  Path(work), extra_argv=("--reference-http-stack", stack))
+                   for stack in STACKS}
         try:
-            client = EngineClient(engines.urls[0])
-            calls = {
-                "ping": client.ping,
-                "model_info": client.model_info,
-                "pause": lambda: client.pause_generation("retract"),
-                "begin": client.begin_weight_update,
-                "end": client.end_weight_update,
-                "continue": client.continue_generation,
-            }
-            samples: dict[str, list[float]] = {name: [] for name in calls}
-            for i in range(args.repeats + 10):
-                for name, fn in calls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    if i >= 10:  # warm-up cycles left out
-                        samples[name].append(time.perf_counter() - t0)
+            calls = {stack: _calls(EngineClient(e.urls[0])) for stack, e in engines.items()}
+            for stack in STACKS:
+                samples[stack] = {name: [] for name in calls[stack]}
+            for i in range(args.repeats + WARMUP_CYCLES):
+                for stack in STACKS:
+                    for name, fn in calls[stack].items():
+                        t0 = time.perf_counter()
+                        fn()
+                        if i >= WARMUP_CYCLES:
+                            samples[stack][name].append(time.perf_counter() - t0)
         finally:
-            engines.stop()
-    record = {"bench": "control_plane", "engine_device": args.device, "repeats": args.repeats}
-    for name, xs in samples.items():
-        xs.sort()
-        record[name] = {"median_ms": round(statistics.median(xs) * 1e3, 4),
-                        "p90_ms": round(xs[int(len(xs) * 0.9)] * 1e3, 4)}
+            for e in engines.values():
+                e.stop()
+    record: dict = {"bench": "control_plane", "engine_device": args.device,
+                    "repeats": args.repeats}
+    for stack in STACKS:
+        record[stack] = {name: _stats(xs) for name, xs in samples[stack].items()}
+    record["ratio_auto_to_asyncio"] = {
+        name: round(record["auto"][name]["median_ms"] / record["asyncio"][name]["median_ms"], 3)
+        for name in samples["auto"]}
     line = json.dumps(record)
     print(line, flush=True)
+    print(f"{'call':<12}{'auto ms':>10}{'asyncio ms':>12}{'ratio':>8}")
+    for name, ratio in record["ratio_auto_to_asyncio"].items():
+        print(f"{name:<12}{record['auto'][name]['median_ms']:>10.3f}"
+              f"{record['asyncio'][name]['median_ms']:>12.3f}{ratio:>8.2f}")
     if args.json_out:
         with open(args.json_out, "a") as f:
             f.write(line + "\n")

@@ -342,7 +342,8 @@ def _sync(device: torch.device) -> None:
 class Engines:
     """Reference engines as plain processes (no Ray), killed with their whole tree."""
 
-    def __init__(self, model_dir: Path, specs: list[EngineSpec], cuda: bool, log_dir: Path):
+    def __init__(self, model_dir: Path, specs: list[EngineSpec], cuda: bool, log_dir: Path,
+                 extra_argv: tuple[str, ...] = ()):
         from slime_like.cluster.process import ServerProcess, server_env
 
         self.procs, self.urls = [], []
@@ -357,6 +358,7 @@ class Engines:
                     "--max-total-tokens", "1024", "--skip-server-warmup"]
             argv += (["--device", "cuda", "--base-gpu-id", str(spec.base_gpu), "--dtype", "bfloat16"]
                      if cuda else ["--device", "cpu", "--dtype", "bfloat16"])
+            argv += list(extra_argv)
             proc = ServerProcess(argv, log_path=log_dir / f"engine-{spec.name}-{port}.log",
                                  env=env, name=f"engine {spec.name}")
             proc.start()

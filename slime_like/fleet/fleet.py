@@ -68,6 +68,9 @@ class Update:
     targets: list[EngineHandle]
     full: bool
     report: dict = field(default_factory=dict)
+    # URLs of targets held out of the router with nothing running since their memory came
+    # back (`offloaded(hold_for_sync=True)`): the push need not pause or continue them.
+    quiet: frozenset[str] = frozenset()
 
 
 class Fleet:
@@ -243,8 +246,10 @@ class Fleet:
                     f"{e.engine_id} {e.state.value}" for e in self.engines if e.update_weights))
             update = Update(version if version is not None else
                             (self.version.next() if full else self.version),
-                            [e.handle for e in chosen], full)
+                            [e.handle for e in chosen], full,
+                            quiet=frozenset(e.url for e in chosen if e.held_for_sync))
             for e in chosen:
+                e.held_for_sync = False  # one update: a retry pauses it like any other
                 self.move(e, S.UPDATING, version=str(update.version))
         try:
             yield update
@@ -374,9 +379,9 @@ class Fleet:
 
     # ---- colocated engines ------------------------------------------------------------------
 
-    def offloaded(self, tags: Sequence[str] | None = None):
+    def offloaded(self, tags: Sequence[str] | None = None, *, hold_for_sync: bool = False):
         """Colocated engines release their memory for the body (see `fleet/offload.py`)."""
-        return self.offload.offloaded(tags)
+        return self.offload.offloaded(tags, hold_for_sync=hold_for_sync)
 
     # ---- generation and views ---------------------------------------------------------------
 

@@ -88,6 +88,9 @@ class ManagedEngine:
     recovering: bool = False          # a recovery thread owns it
     resyncing: bool = False           # a resync thread of its own runs (it was STALE)
     awaiting_full_sync: bool = False  # released without a weight backup: the next full sync
+    # Resumed and held out of the router, nothing running, for the sync that follows: that
+    # sync needs no pause or continue for it (`Fleet.Update.quiet`).
+    held_for_sync: bool = False
 
     @property
     def url(self) -> str | None:
@@ -105,6 +108,8 @@ class ManagedEngine:
         if dst not in TRANSITIONS[src]:
             raise IllegalTransition(self.engine_id, src, dst)
         self.state = dst
+        if dst is not EngineState.STALE:
+            self.held_for_sync = False  # anything but waiting for that sync ends the hold
         if dst is EngineState.DEAD:
             self.dead_at = time.time()
         return src

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 S = EngineState
+HELD_FOR_SYNC = "memory resumed; out of the router until the sync"
 
 
 class Offload:
@@ -38,7 +39,8 @@ class Offload:
         return self.fleet.settings.engine.offload_rollout and e.colocated
 
     @contextlib.contextmanager
-    def offloaded(self, tags: Sequence[str] | None = None) -> Iterator[list[str]]:
+    def offloaded(self, tags: Sequence[str] | None = None, *,
+                  hold_for_sync: bool = False) -> Iterator[list[str]]:
         """Colocated engines release their memory (by `tags`; all by default) for the body.
 
         Each leaves the router (OFFLOADED: a released engine answers 503) and is probed with
@@ -46,6 +48,11 @@ class Offload:
         (a weights backup, or `weights` not among the tags) is routed again if still at the
         fleet's version, otherwise it is STALE and the next full sync takes it along (no
         resync of its own: it would race that sync for the same engine).
+
+        `hold_for_sync`: the caller syncs right after the body, so every resumed engine stays
+        out of the router (STALE, taken along by that sync) instead of being routed at the
+        old version. Nothing can reach it meanwhile, so the sync skips its pause and
+        continue (two round trips each): the sync routes it at the new version.
         """
         fleet = self.fleet
         tag_list = list(tags) if tags else None
@@ -75,9 +82,13 @@ class Offload:
                         continue
                     kept = tag_list is not None and "weights" not in tag_list or \
                         bool(e.handle.server_info.get("enable_weights_cpu_backup"))
-                    if kept and (not e.update_weights or e.verified_version == fleet.version):
+                    current = not e.update_weights or e.verified_version == fleet.version
+                    if kept and current and not (hold_for_sync and e.update_weights):
                         fleet.route(e)
                         fleet.move(e, S.REGISTERED, reason="memory resumed")
+                    elif kept and current:
+                        e.awaiting_full_sync = e.held_for_sync = True
+                        fleet.move(e, S.STALE, reason=HELD_FOR_SYNC)
                     else:
                         e.awaiting_full_sync = True
                         fleet.move(e, S.STALE, reason="memory resumed without its weights")

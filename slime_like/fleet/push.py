@@ -72,7 +72,8 @@ class FleetWeights:
         for attempt in self.fleet.sync_attempts():
             with attempt as update:
                 update.report = self.sync.update(weights, update.version.wire,
-                                                 engines=update.targets).as_dict()
+                                                 engines=update.targets,
+                                                 quiet=update.quiet).as_dict()
         report = update.report
         self._pushed, self._stamp = weights, _stamp(weights)
         return report
@@ -94,7 +95,8 @@ class FleetWeights:
                 with attempt as update:
                     try:
                         update.report = self.sync.update(source, update.version.wire,
-                                                         engines=update.targets).as_dict()
+                                                         engines=update.targets,
+                                                         quiet=update.quiet).as_dict()
                     finally:
                         source.finish()
                     update.report["gather"] = source.stats.as_dict()

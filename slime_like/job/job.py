@@ -222,7 +222,10 @@ class Job:
                                                              int(self.fleet.version)))
         with busy("score"), self._phase("score"):
             scores = self.score(rollout.samples)
-        with self.engines_released() as released:
+        # With the sync right after the train step (nothing drains in between), the engines
+        # stay out of the router from their memory resume until it: it need not pause them.
+        hold = before_sync is None and self.syncs_after(step)
+        with self.engines_released(hold_for_sync=hold) as released:
             with busy("check"), self._phase("check"):
                 checked = self.check(rollout.samples, step)
             with busy("train"), self._phase("train"):
@@ -341,14 +344,15 @@ class Job:
                               fraction=asynchrony.check_fraction, seed=step)
 
     @contextlib.contextmanager
-    def engines_released(self):
+    def engines_released(self, hold_for_sync: bool = False):
         """--offload-rollout: colocated engines release their memory for the body (the
         engines released, or None). The release (device to host) overlaps the trainer's
-        onload (host to device): opposite directions of the host link."""
+        onload (host to device): opposite directions of the host link. `hold_for_sync`:
+        a sync follows the body, so the engines stay unrouted until it (`Offload`)."""
         if not self.settings.offload_rollout:
             yield None
             return
-        with self.fleet.offloaded() as released:
+        with self.fleet.offloaded(hold_for_sync=hold_for_sync) as released:
             yield released
         self.phases.update(self._engine_phases())
 
@@ -390,9 +394,13 @@ class Job:
                     out[f"{phase}_gbps"] = round(moved / seconds / 1e9, 3)
         return out
 
+    def syncs_after(self, step: int) -> bool:
+        """Whether `step` ends with a sync (every --update-weights-interval steps)."""
+        return (step + 1) % self.settings.update_weights_interval == 0
+
     def sync(self, step: int) -> dict:
         """Every --update-weights-interval steps: the new weights into every engine."""
-        if (step + 1) % self.settings.update_weights_interval != 0:
+        if not self.syncs_after(step):
             return {}
         if self.chaos is not None:
             self.chaos.arm_sync(step)

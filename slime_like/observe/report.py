@@ -36,13 +36,17 @@ RUN_FILES = ("metrics.jsonl", "engine_timeline.jsonl", "report.md", "endpoints.j
 
 
 def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
-    """sync_s, the transport, and sync_gbps where the transport reported the bytes it moved."""
+    """sync_s, the transport, sync_gbps where the transport reported the bytes it moved,
+    and sync_not_paused: how many engines it updated without pausing (held out of the
+    router, idle: colocated engines between their memory resume and the sync)."""
     if not sync_report:
         return {}
     seconds = float(sync_report.get("total_s", 0.0))
     out: dict[str, Any] = {"sync_s": round(seconds, 4)}
     if sync_report.get("transport"):
         out["sync_transport"] = sync_report["transport"]
+    if "not_paused" in sync_report:
+        out["sync_not_paused"] = len(sync_report["not_paused"])
     moved = (sync_report.get("transfer") or {}).get("bytes")
     if moved and seconds > 0:
         out["sync_gbps"] = round(moved / seconds / 1e9, 4)

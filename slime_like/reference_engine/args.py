@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 WEIGHT_UPDATE_GATES = ("strict", "optional")
+# The HTTP server under the engine: `auto` is uvloop + httptools where installed (as sglang
+# serves), `asyncio` the pure-Python loop and h11 parser (for side-by-side measurement).
+HTTP_STACKS = ("auto", "asyncio")
+OWN_DESTS = ("reference_weight_update_gate", "reference_http_stack")
 
 # ServerArgs fields the reference engine acts on; any other flag given is warned about once.
 USED_DESTS = frozenset({
@@ -112,6 +116,11 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         choices=WEIGHT_UPDATE_GATES, **({} if suppress_defaults else {"default": "strict"}),
         help="strict (sglang >= 0.5.21): tensor/distributed updates need begin_weight_update; "
              "optional (sglang <= 0.5.20): updates outside a session are accepted.")
+    p.add_argument(
+        "--reference-http-stack", dest="reference_http_stack", choices=HTTP_STACKS,
+        **({} if suppress_defaults else {"default": "auto"}),
+        help="auto: uvloop and httptools where installed (each control call of a weight sync "
+             "answers faster); asyncio: the standard event loop and the h11 parser.")
     return p
 
 
@@ -152,6 +161,7 @@ class EngineArgs:
     # reference engine always does, after 20 s unless the flag says otherwise.
     soft_watchdog_timeout: float | None = None
     weight_update_gate: str = "strict"
+    http_stack: str = "auto"
     all_args: dict[str, Any] = field(default_factory=dict)
     ignored_flags: list[str] = field(default_factory=list)
 
@@ -203,8 +213,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
     if not values.get("model_path"):
         parser.error("the following arguments are required: --model-path/--model")
     given = _given_flags(argv)
-    ignored = sorted(d for d in given if d not in USED_DESTS
-                     and d != "reference_weight_update_gate")
+    ignored = sorted(d for d in given if d not in USED_DESTS and d not in OWN_DESTS)
     if ignored:
         flag_of = {row.dest: row.flag for row in sglang_arg_table()}
         logger.warning("reference engine: accepted but ignored sglang flags: %s",
@@ -264,6 +273,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         skip_tokenizer_init=values["skip_tokenizer_init"],
         soft_watchdog_timeout=values["soft_watchdog_timeout"],
         weight_update_gate=values["reference_weight_update_gate"],
-        all_args={k: v for k, v in values.items() if k != "reference_weight_update_gate"},
+        http_stack=values["reference_http_stack"],
+        all_args={k: v for k, v in values.items() if k not in OWN_DESTS},
         ignored_flags=ignored,
     )

@@ -157,6 +157,7 @@ class ReferenceEngine:
             "version": SGLANG_VERSION, "frontend": "python",
             "engine": "slime_like.reference",
             "weight_update_gate": self.args.weight_update_gate,
+            "http_stack": self.args.http_stack,
         })
         return info
 

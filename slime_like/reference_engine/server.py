@@ -34,8 +34,10 @@ def main(argv: list[str]) -> int:
     try:
         app = create_app(engine)
         # A bounded graceful shutdown: an open stream must not keep SIGTERM from stopping us.
+        pure = args.http_stack == "asyncio"
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_keep_alive=30, access_log=False, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=30, access_log=False, timeout_graceful_shutdown=5,
+                                loop="asyncio" if pure else "auto", http="h11" if pure else "auto")
         uvicorn.Server(config).run()
     finally:
         engine.shutdown()

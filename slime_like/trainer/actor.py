@@ -195,8 +195,10 @@ class TrainerRank:
             self._sync_step_hook = None
             hook[1]()  # done before the step goes on
 
-    def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True) -> dict:
-        """Put the current weights into `targets` (the fleet's update) and report.
+    def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True,
+                     quiet: frozenset[str] = frozenset()) -> dict:
+        """Put the current weights into `targets` (the fleet's update) and report; `quiet`:
+        targets the fleet holds out of the router, idle (not paused, `WeightSync.update`).
 
         A full update installs `version` (the fleet's next) on every target over the main
         weight group. A resync gives replacement engines the version the others serve,
@@ -213,7 +215,8 @@ class TrainerRank:
         try:
             with self._weights_lock:
                 if full:
-                    report = self._weight_sync().update(source, str(version), engines=targets)
+                    report = self._weight_sync().update(source, str(version), engines=targets,
+                                                        quiet=quiet)
                     self.version = version
                     self._dirty = False
                     self._versions.put(version, self.policy.model)

@@ -96,7 +96,7 @@ class TrainerGroup:
         A failure comes back as the WeightSyncError rank 0 raised (not Ray's wrapper), so
         the fleet sees which step and engine failed.
         """
-        args = (update.targets, int(update.version), update.full)
+        args = (update.targets, int(update.version), update.full, update.quiet)
         ref = self.rank0.push_weights.remote(*args)
         # fsdp: every rank serves rank 0's gathers (rank 0 always ends each sync for them).
         peers = [a.push_weights.remote(*args) for a in self.actors[1:]] if self.sharded else []

@@ -37,9 +37,11 @@ class Control:
 
     def pause_and_begin(self, engines: list[EngineHandle], paused: list[EngineHandle],
                         begun: list[EngineHandle], report: SyncReport, calls: EngineCalls,
-                        sent: list[EngineCall], *, gated: bool) -> list[EngineCall]:
+                        sent: list[EngineCall], *, gated: bool,
+                        quiet: frozenset[str] = frozenset()) -> list[EngineCall]:
         """Queue pause (and begin, where gated) in every engine's lane; the last call of each
-        is returned, every call is added to `sent`."""
+        is returned, every call is added to `sent`. `quiet` engines (nothing can reach
+        them, nothing runs) are not paused; `report.not_paused` lists them."""
         mode = self.config.pause_mode
         lock = threading.Lock()
         out: list[EngineCall] = []
@@ -71,13 +73,18 @@ class Control:
             return answer
 
         for engine in engines:
-            paused.append(engine)  # even a pause that times out may have paused it
-            call = _call(calls, engine, "pause_generation", pause)
-            sent.append(call)
+            call = None
+            if engine.url in quiet:
+                report.not_paused.append(engine.url)
+            else:
+                paused.append(engine)  # even a pause that times out may have paused it
+                call = _call(calls, engine, "pause_generation", pause)
+                sent.append(call)
             if gated and engine.has_begin_end:
                 call = _call(calls, engine, "begin_weight_update", begin)
                 sent.append(call)
-            out.append(call)
+            if call is not None:
+                out.append(call)
         return out
 
     def can_pipeline_end(self, engines: list[EngineHandle], folded: frozenset[str],

@@ -5,7 +5,8 @@ The transaction, per `update()` (its engine calls are in `control.py`):
   check_metadata  names/dtypes/shapes vs what was registered and what each engine's model
                   has; a mismatch raises before any engine is paused or any byte moves
   attach          (re)build the weight group if the engine set changed or a sync failed
-  pause           every engine concurrently (`abort` | `retract` | `in_place`)
+  pause           every engine concurrently (`abort` | `retract` | `in_place`), except the
+                  `quiet` ones: out of the router with nothing running (the caller says so)
   begin           `begin_weight_update` where the engine has it (sglang >= 0.5.21)
   transfer        the transport's buckets; the last update carries `weight_version`
   end             `end_weight_update`
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -247,16 +248,21 @@ class WeightSync:
     # ---- the transaction ------------------------------------------------------------------------
 
     def update(self, weights: Any, weight_version: str | None = None,
-               engines: Sequence[EngineHandle] | None = None) -> SyncReport:
+               engines: Sequence[EngineHandle] | None = None,
+               quiet: Collection[str] = ()) -> SyncReport:
         """Push `weights` (a model, named tensors or a WeightSource) into every engine.
 
         `engines` replaces the set to sync (the fleet passes the engines of this update);
-        the weight group is rebuilt when the set changed.
+        the weight group is rebuilt when the set changed. `quiet`: URLs of engines that no
+        request can reach and that run none (the fleet holds a colocated engine out of the
+        router from its memory resume to this sync); they are not paused or continued, two
+        round trips fewer each. Only the caller can know it: an engine in the router may
+        be sent a request at any moment.
         """
         with self._lock:
             if engines is not None:
                 self._set_engines(engines)
-            return self._update(weights, weight_version)
+            return self._update(weights, weight_version, frozenset(quiet))
 
     def _set_engines(self, engines: Sequence[EngineHandle]) -> None:
         new = [_target(e) for e in engines]
@@ -270,7 +276,8 @@ class WeightSync:
                 self._probed.discard(e.url)
             self.engines.append(known.get(e.url, e))
 
-    def _update(self, weights: Any, weight_version: str | None) -> SyncReport:
+    def _update(self, weights: Any, weight_version: str | None,
+                quiet: frozenset[str] = frozenset()) -> SyncReport:
         cfg = self.config
         version = weight_version or str(self._counter + 1)
         report = SyncReport(version, cfg.transport, cfg.pause_mode, [e.url for e in self.engines])
@@ -307,7 +314,8 @@ class WeightSync:
                 # Sent, not awaited: each engine's lane sends pause, then begin, then bucket
                 # 1, each once the one before was answered, while the trainer packs bucket 1.
                 control = self.control.pause_and_begin(engines, paused, begun, report, calls, sent,
-                                                       gated=self._transport().gated)
+                                                       gated=self._transport().gated,
+                                                       quiet=quiet)
                 for c in control:
                     watch.add(c)
             with steps("transfer"):

@@ -75,6 +75,8 @@ class SyncReport:
     transfer: dict = field(default_factory=dict)
     flush: dict[str, str] = field(default_factory=dict)
     in_flight_at_pause: dict[str, int] = field(default_factory=dict)
+    #: engines updated without a pause: the caller held them out of the router, idle
+    not_paused: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     #: seconds of each control round trip (slowest engine) and of an average bucket update
     round_trips: dict[str, float] = field(default_factory=dict)
@@ -85,6 +87,7 @@ class SyncReport:
                 "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
                 "total_s": round(self.total_s, 6), "transfer": self.transfer,
                 "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
+                "not_paused": self.not_paused,
                 "warnings": self.warnings, "round_trips": self.round_trips}
 
 

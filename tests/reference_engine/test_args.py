@@ -65,6 +65,17 @@ def test_weight_update_gate_flag_defaults_to_strict():
     assert args.weight_update_gate == "optional"
 
 
+def test_http_stack_flag_is_the_engines_own_and_checked(capsys, caplog):
+    assert parse_args(["--model-path", "m"]).http_stack == "auto"
+    with caplog.at_level("WARNING"):
+        args = parse_args(["--model-path", "m", "--reference-http-stack", "asyncio"])
+    assert args.http_stack == "asyncio"
+    assert "reference_http_stack" not in args.all_args and not args.ignored_flags
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--reference-http-stack", "h2"])
+    assert "--reference-http-stack: invalid choice: 'h2'" in capsys.readouterr().err
+
+
 def test_the_engine_imports_neither_ray_nor_sglang():
     import subprocess
     import sys

@@ -1,10 +1,12 @@
 """configs/colocate_cpu.yaml end to end: the trainer and a reference engine share one
 bundle. Around each train step the engine releases its memory and resumes it (OFFLOADED:
-out of the router, probed with /ping), and weights go over the `tensor` transport (shared
-memory on CPU)."""
+out of the router, probed with /ping), stays out of the router until the sync that follows
+(so the sync does not pause it), and weights go over the `tensor` transport (shared memory
+on CPU)."""
 
 from __future__ import annotations
 
+from slime_like.fleet.offload import HELD_FOR_SYNC
 from tests.topologies.job_checks import check_run, no_process_outlives, run_job, timeline
 
 STEPS = 3
@@ -17,6 +19,8 @@ def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path,
     assert all(m["engines_offloaded"] == [ENGINE] for m in ms), [m.get("engines_offloaded")
                                                                  for m in ms]
     assert all(m["sync_transport"] == "tensor" for m in ms), ms[-1]
+    # the engine was held out of the router from its resume to the sync: never paused
+    assert all(m["sync_not_paused"] == 1 for m in ms), [m.get("sync_not_paused") for m in ms]
     # CPU trainer: --offload-train (implied by --colocate) has no device memory to free
     assert all(m["trainer_offloaded"] is False for m in ms)
     # each step split into its phases, the engine's with the rate its weights backup moved at
@@ -29,10 +33,14 @@ def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path,
     events = [e for e in timeline(tmp_path) if e["engine"] == ENGINE]
     offloads = [e for e in events if e["state"] == "OFFLOADED"]
     assert len(offloads) == STEPS
-    # each offload is followed by a resume that routed it again at the version it served
+    # each offload is followed by a resume that keeps it out of the router (STALE) until the
+    # sync right after the train step routes it at the new version
     for e in offloads:
-        after = events[events.index(e) + 1]
-        assert after["state"] == "REGISTERED" and after["reason"] == "memory resumed", after
+        held, updating, routed = events[events.index(e) + 1:events.index(e) + 4]
+        assert held["state"] == "STALE" and held["reason"] == HELD_FOR_SYNC, held
+        assert updating["state"] == "UPDATING", updating
+        assert routed["state"] == "REGISTERED", routed
+        assert routed["version"] == updating["version"], (updating, routed)
     # the release and resume around every train step are routine: not in the report's table
     report = (tmp_path / "report.md").read_text()
     assert "- step phases (median): generation" in report, report

@@ -358,3 +358,35 @@ def test_a_refused_last_update_names_the_engine_and_leaves_no_engine_paused(
             assert e.weight_version() == report.weight_version
     finally:
         sync.close()
+
+
+def test_an_engine_held_out_of_the_router_is_updated_without_a_pause(engines, tiny_model_dir):
+    # The fleet holds a colocated engine out of the router from its memory resume to the
+    # sync (`quiet`): that engine gets begin, the updates and end, no pause or continue;
+    # the other engine is paused and continued as always. Both end at the new weights.
+    a, b = engines
+    sync = WeightSync([(e.url, e.tp_size) for e in engines], transport="tensor",
+                      update_weight_buffer_size=64 << 10, http_timeout_s=60)
+    control: list[tuple[str, str]] = []
+    for handle in sync.engines:  # spies that record the call and make it for real
+        for verb in ("pause_generation", "continue_generation"):
+            real = getattr(handle, verb)
+
+            def spy(*args, real=real, url=handle.url, verb=verb, **kwargs):
+                control.append((url, verb))
+                return real(*args, **kwargs)
+
+            setattr(handle, verb, spy)
+    model = trainer_model(tiny_model_dir, seed=next(_seeds))
+    try:
+        report = sync.update(model, quiet={a.url})
+    finally:
+        sync.close()
+    assert report.not_paused == [a.url]
+    assert sorted(control) == [(b.url, "continue_generation"), (b.url, "pause_generation")]
+    for e in engines:
+        assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
+        assert e.weight_version() == report.weight_version
+        assert e.get("/ready").status_code == 200
+        assert e.post("/begin_weight_update").json()["success"]  # no session left open
+        assert e.post("/end_weight_update").json()["success"]
