@@ -227,8 +227,11 @@ def run_layout(args, name: str, work: Path) -> dict:
                     lambda: engine.post("/resume_memory_occupation", {}), False)
                 t["engine_backup_bytes"] = weight_bytes
             version += 1
-            t["sync_s"], report = timed(lambda: sync.update(trainer.sync_source(), str(version)),
-                                        cuda)
+            # As in the job: a colocated engine is held out of the router from its resume to
+            # the sync, so the sync does not pause it; a routed one is paused.
+            quiet = {engine.url} if colocated else set()
+            t["sync_s"], report = timed(
+                lambda: sync.update(trainer.sync_source(), str(version), quiet=quiet), cuda)
             t["sync_bytes"] = (report.transfer or {}).get("bytes", weight_bytes)
             t["step_s"] = time.perf_counter() - t_step
             last_report.clear()
