@@ -50,15 +50,6 @@ class LoadTensorPayload:
 
 
 @dataclass(frozen=True)
-class LoadDeserialized:
-    """Rank 0's payload, unpickled before the update lock (never sent to a rank process:
-    it holds the tensors it mapped)."""
-
-    obj: Any
-    load_format: str | None
-
-
-@dataclass(frozen=True)
 class LoadFromDisk:
     model_path: str
     load_format: str | None
@@ -84,8 +75,8 @@ class EndSession:
     """The update session ended: let go of IPC storages it did not use."""
 
 
-RankOp = (InitGroup | DestroyGroup | ReceiveDistributed | LoadTensorPayload | LoadDeserialized
-          | LoadFromDisk | Checksums | ReleaseWeights | ResumeWeights | EndSession)
+RankOp = (InitGroup | DestroyGroup | ReceiveDistributed | LoadTensorPayload | LoadFromDisk
+          | Checksums | ReleaseWeights | ResumeWeights | EndSession)
 
 
 class Completion:

@@ -195,17 +195,11 @@ class WeightControl:
                            f"tp_size {self.tp.size}: send one payload per TP rank")
         if req.abort_all_requests:
             await self.frontend.abort_request("", True)
-        # Rank 0's payload is unpickled (its IPC handles mapped) in a worker thread before
-        # the update lock: with two updates in flight it overlaps the copy of the first.
-        fmt = req.load_format
-        first = await asyncio.to_thread(self.receiver.prepare_payload, payloads[0])
-        ops: list[op.RankOp] = [op.LoadTensorPayload(payloads[0], fmt) if first is None
-                                else op.LoadDeserialized(first, fmt)]
-        ops += [op.LoadTensorPayload(payloads[r], fmt) for r in range(1, self.tp.size)]
         async with self.frontend.model_update():
             t0 = time.perf_counter()
             self._tensor_loads = self.session_open
-            results = await self._fanout(ops)
+            results = await self._fanout([op.LoadTensorPayload(payloads[r], req.load_format)
+                                          for r in range(self.tp.size)])
             ok, message = self._merge(results)
             self.metrics.weight_load(time.perf_counter() - t0)
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)

@@ -124,7 +124,6 @@ class WeightReceiver:
                 list(o.names), list(o.dtypes), [list(s) for s in o.shapes], o.group_name,
                 o.load_format)),
             (op.LoadTensorPayload, lambda o: self.load_tensor_payload(o.payload, o.load_format)),
-            (op.LoadDeserialized, lambda o: self.load_payload_object(o.obj, o.load_format)),
             (op.LoadFromDisk, lambda o: self.load_from_disk(o.model_path, o.load_format)),
             (op.Checksums, lambda o: self.checksums(
                 list(o.skip_tensor_list) if o.skip_tensor_list is not None else None)),
@@ -325,28 +324,11 @@ class WeightReceiver:
 
     # ---- tensor (IPC) ----------------------------------------------------------------------
 
-    @staticmethod
-    def prepare_payload(payload: str | bytes) -> Any | None:
-        """Rank 0's payload unpickled ahead of the update lock (any thread), so its unpickling
-        and IPC mapping overlap the copy of the update before it; None if it cannot be (the
-        rank then unpickles it again and reports the error as always)."""
-        from slime_like.protocol.tensor_payload import deserialize
-
-        try:
-            return deserialize(payload)
-        except Exception:  # noqa: BLE001 - reported by load_tensor_payload, in its place
-            return None
-
     def load_tensor_payload(self, payload: str | bytes, load_format: str | None) -> tuple[bool, str]:
         """Deserialize this rank's payload (allowlisting unpickler) and load it."""
-        from slime_like.protocol.tensor_payload import deserialize
+        from slime_like.protocol.tensor_payload import LocalSerializedTensor, deserialize
 
-        return self.load_payload_object(deserialize(payload), load_format)
-
-    def load_payload_object(self, obj: Any, load_format: str | None) -> tuple[bool, str]:
-        """Load an unpickled payload: a flattened bucket, or (name, tensor) pairs."""
-        from slime_like.protocol.tensor_payload import LocalSerializedTensor
-
+        obj = deserialize(payload)
         if load_format == FLATTENED_BUCKET:
             if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
                 raise ValueError("a flattened_bucket payload must be a dict with 'flattened_tensor' "
