@@ -126,9 +126,10 @@ class Launcher:
 
     def probe(self, e: ManagedEngine, timeout: float) -> None:
         """A real generation step; while paused for an update (where /health_generate
-        blocks by design) or released, only that the server still answers (/ping), so a
+        blocks by design), released, or held idle for the sync that follows (no request
+        may run on it before that sync), only that the server still answers (/ping), so a
         hang during a sync is still found."""
-        if e.state in (S.UPDATING, S.OFFLOADED):  # paused, or memory released: 503 by design
+        if e.state in (S.UPDATING, S.OFFLOADED) or e.held_for_sync:
             if not e.handle.ping(timeout=timeout):
                 raise FleetError(f"{e.engine_id}: /ping unanswered while {e.state.value}")
             return
