@@ -150,14 +150,27 @@ class Fleet:
                 gen.resubmit_in_flight()
 
     def _reroute(self, model: str) -> int:
-        """After a router's relaunch: its engines are re-added (or resync); how many were."""
+        """After a router's relaunch: its engines are re-added (or resync); how many were.
+
+        All at once: each registration waits until the router lists the worker healthy (up
+        to 60 s), and one after another they would hold the fleet's lock that long per
+        engine whose health check fails (a hung engine), keeping the health monitor from
+        finding it."""
+        def readd(e: ManagedEngine) -> Exception | None:
+            try:
+                self.route(e)
+            except Exception as err:  # noqa: BLE001 - it resyncs or recovers instead
+                return err
+            return None
+
         with self.lock:
             routed = [e for e in self.engines if e.model_name == model and e.routed]
             for e in routed:
                 self.routers.forget(e)
-                try:
-                    self.route(e)
-                except Exception as err:  # noqa: BLE001 - it resyncs or recovers instead
+            with ThreadPoolExecutor(max(1, len(routed)), thread_name_prefix="reroute") as pool:
+                errors = list(pool.map(readd, routed))
+            for e, err in zip(routed, errors, strict=True):
+                if err is not None:
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
                     if e.state is S.REGISTERED:
                         self.move(e, S.STALE, reason=f"router restart: {err}")
