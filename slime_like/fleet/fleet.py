@@ -151,26 +151,15 @@ class Fleet:
 
     def _reroute(self, model: str) -> int:
         """After a router's relaunch: its engines are re-added (or resync); how many were.
-
-        All at once: each registration waits until the router lists the worker healthy (up
-        to 60 s), and one after another they would hold the fleet's lock that long per
-        engine whose health check fails (a hung engine), keeping the health monitor from
-        finding it."""
-        def readd(e: ManagedEngine) -> Exception | None:
-            try:
-                self.route(e)
-            except Exception as err:  # noqa: BLE001 - it resyncs or recovers instead
-                return err
-            return None
-
+        All at once: one after another, each hung engine would hold the lock for the
+        registration timeout, keeping the health monitor from finding it."""
         with self.lock:
             routed = [e for e in self.engines if e.model_name == model and e.routed]
             for e in routed:
                 self.routers.forget(e)
-            with ThreadPoolExecutor(max(1, len(routed)), thread_name_prefix="reroute") as pool:
-                errors = list(pool.map(readd, routed))
+            errors = self.routers.add_all(routed, self.route)
             for e, err in zip(routed, errors, strict=True):
-                if err is not None:
+                if err is not None:  # it resyncs or recovers instead
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
                     if e.state is S.REGISTERED:
                         self.move(e, S.STALE, reason=f"router restart: {err}")
@@ -261,8 +250,7 @@ class Fleet:
                             (self.version.next() if full else self.version),
                             [e.handle for e in chosen], full,
                             quiet=frozenset(e.url for e in chosen if e.held_for_sync))
-            for e in chosen:
-                e.held_for_sync = False  # one update: a retry pauses it like any other
+            for e in chosen:  # leaving STALE ends a hold: a retry pauses it like any other
                 self.move(e, S.UPDATING, version=str(update.version))
         try:
             yield update

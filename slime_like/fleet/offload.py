@@ -83,12 +83,12 @@ class Offload:
                     kept = tag_list is not None and "weights" not in tag_list or \
                         bool(e.handle.server_info.get("enable_weights_cpu_backup"))
                     current = not e.update_weights or e.verified_version == fleet.version
-                    if kept and current and not (hold_for_sync and e.update_weights):
-                        fleet.route(e)
-                        fleet.move(e, S.REGISTERED, reason="memory resumed")
-                    elif kept and current:
+                    if kept and current and hold_for_sync and e.update_weights:
                         e.awaiting_full_sync = e.held_for_sync = True
                         fleet.move(e, S.STALE, reason=HELD_FOR_SYNC)
+                    elif kept and current:
+                        fleet.route(e)
+                        fleet.move(e, S.REGISTERED, reason="memory resumed")
                     else:
                         e.awaiting_full_sync = True
                         fleet.move(e, S.STALE, reason="memory resumed without its weights")

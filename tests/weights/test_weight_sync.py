@@ -305,6 +305,17 @@ def test_lora_model_is_merged_and_sent_under_base_names(engines, tiny_model_dir)
                for n, p in lora.named_parameters() if "lora_" not in n)
 
 
+def _serve_unpaused_with_no_session_open(engines, model, version: str) -> None:
+    """Every engine holds the model's weights at `version`, is not paused and has no
+    weight-update session left open."""
+    for e in engines:
+        assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
+        assert e.weight_version() == version
+        assert e.get("/ready").status_code == 200
+        assert e.post("/begin_weight_update").json()["success"]  # no session left open
+        assert e.post("/end_weight_update").json()["success"]
+
+
 def test_a_tensor_sync_leaves_every_engine_serving_unpaused_with_no_session_open(
         engines, tiny_model_dir):
     # end and continue go out of the engines' lanes (no separate verify: the last update's
@@ -318,12 +329,7 @@ def test_a_tensor_sync_leaves_every_engine_serving_unpaused_with_no_session_open
         sync.close()
     assert {"end", "continue"} <= set(report.round_trips)
     assert report.seconds["verify"] == 0.0 and set(report.flush.values()) == {"flushed"}
-    for e in engines:
-        assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
-        assert e.weight_version() == report.weight_version
-        assert e.get("/ready").status_code == 200
-        assert e.post("/begin_weight_update").json()["success"]  # no session left open
-        assert e.post("/end_weight_update").json()["success"]
+    _serve_unpaused_with_no_session_open(engines, model, report.weight_version)
 
 
 def test_a_refused_last_update_names_the_engine_and_leaves_no_engine_paused(
@@ -384,9 +390,4 @@ def test_an_engine_held_out_of_the_router_is_updated_without_a_pause(engines, ti
         sync.close()
     assert report.not_paused == [a.url]
     assert sorted(control) == [(b.url, "continue_generation"), (b.url, "pause_generation")]
-    for e in engines:
-        assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
-        assert e.weight_version() == report.weight_version
-        assert e.get("/ready").status_code == 200
-        assert e.post("/begin_weight_update").json()["success"]  # no session left open
-        assert e.post("/end_weight_update").json()["success"]
+    _serve_unpaused_with_no_session_open(engines, model, report.weight_version)
