@@ -16,6 +16,10 @@ PHASES = ("trainer_offload", "rollout", "trainer_onload", "score", "engine_relea
 
 def medians(rows: list[dict]) -> dict[str, float]:
     out: dict[str, float] = {}
+    for key in ("sync_requests", "sync_pack_s"):
+        values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        if values:
+            out[key] = round(statistics.median(values), 5)
     for phase in PHASES:
         for suffix in ("_s", "_gbps", "_gb"):
             values = [r[phase + suffix] for r in rows if isinstance(r.get(phase + suffix), int | float)]
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         if phase + "_s" in m:
             rate = f"{m[phase + '_gbps']:>9.2f} GB/s" if phase + "_gbps" in m else ""
             print(f"{phase:<18}{m[phase + '_s']:>10.4f} s {rate}")
+    if "sync_requests" in m:
+        print(f"sync: {m['sync_requests']:g} update requests, pack {m['sync_pack_s'] * 1e3:.2f} ms")
     if args.json_out:
         with args.json_out.open("a") as f:
             f.write(json.dumps({"label": args.label, "steps": len(rows), **m}) + "\n")

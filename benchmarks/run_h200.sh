@@ -4,7 +4,8 @@
 # one. Each step has its own time limit so a slow one cannot eat the rest; JSON lines go to
 # $OUT (default ./bench-out).
 # `colocate` runs the colocated step phase by phase on one GPU (docs/COLOCATE.md).
-# `colocatejob` runs the 0.75B colocated job itself (needs Ray and sglang-router installed).
+# `colocatejob` runs the 0.75B colocated job itself (needs Ray and sglang-router installed):
+#   colocated, colocated with the trainer's weights kept on the GPU, and nothing moving.
 #   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|colocate|colocatejob|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +36,11 @@ for step in ${steps[*]}; do
     colocate) timeout -k 10 "${COLOCATE_LIMIT:-330}" python3 benchmarks/colocate.py \
                 --layout "${COLOCATE_LAYOUTS:-tiny0.75b,dense7b}" --steps "${COLOCATE_STEPS:-5}" \
                 --json-out "$out/colocate.jsonl" 2>&1 | tee "$out/colocate.log" ;;
-    colocatejob)  # the job itself (Ray + router): colocated, then nothing moving
-              for variant in colocated no_offload; do
-                extra=(); [ "$variant" = no_offload ] && extra=(--no-offload-train --no-offload-rollout)
+    colocatejob)  # the job itself (Ray + router): colocated, weights kept, nothing moving
+              for variant in ${JOB_VARIANTS:-colocated keep_weights no_offload}; do
+                extra=()
+                [ "$variant" = keep_weights ] && extra=(--no-offload-train-weights)
+                [ "$variant" = no_offload ] && extra=(--no-offload-train --no-offload-rollout)
                 timeout -k 10 "${JOB_LIMIT:-240}" python3 -m slime_like.train \
                   --config configs/colocate_cpu.yaml --num-rollout "${JOB_STEPS:-8}" \
                   --tiny-model-layers 16 --tiny-model-hidden 2048 \

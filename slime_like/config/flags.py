@@ -52,6 +52,12 @@ def _cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                    help="Move the trainer's model and optimizer state off the GPU while "
                         "engines generate (with --colocate only).")
+    g.add_argument("--offload-train-weights", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="With --offload-train, whether the weights move too (default) or stay "
+                        "on the GPU while the engines generate: then only the optimizer state "
+                        "moves, and the weight sync sends the weights in place (one request, "
+                        "no pack copy), for one copy of the weights in GPU memory.")
     g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
                    help="Engines release their memory by tag around each train step and resume "
                         "it before the weight sync (sglang --enable-memory-saver; with "

@@ -352,6 +352,7 @@ class TrainerSettings:
     lr: float = 1e-6
     seed: int = 1234
     offload_train: bool = False
+    offload_train_weights: bool = True  # with offload_train: the weights move too
     train_backend: str = "ddp"
 
 
@@ -425,6 +426,7 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
                             engine_dtype=args.sglang_flags.get("dtype")),
         trainer=TrainerSettings(lr=args.lr, seed=args.seed,
                                 offload_train=bool(args.offload_train),
+                                offload_train_weights=args.offload_train_weights is not False,
                                 train_backend=args.train_backend),
         placement=placement_settings(args), observe=observe_settings(args),
         prompts=prompt_settings(args), chaos=chaos_settings(args),

@@ -70,6 +70,13 @@ def _resolve_offload(args: argparse.Namespace) -> None:
                                                        "(released weights come back only with "
                                                        "the next sync, so engines would sit "
                                                        "idle until then)")
+    if args.offload_train_weights is None:
+        args.offload_train_weights = True
+    elif not args.offload_train:
+        flag = "--offload-train-weights" if args.offload_train_weights else \
+            "--no-offload-train-weights"
+        raise ConfigError(flag, "only with --offload-train (it says whether the trainer's "
+                                "weights move when its state does)")
     if args.offload and not args.colocate:
         raise ConfigError("--offload", "only with --colocate (engines on their own GPUs have "
                                        "nothing to give the trainer)")

@@ -254,7 +254,8 @@ class Job:
         batch, n = settings.rollout.batch_size, settings.rollout.n_samples_per_prompt
         total = batch * n
         hook = self.crash.rollout_hook(step, total) if self.crash is not None else None
-        offloaded = self.trainer.offload() if settings.trainer.offload_train else {}
+        offloaded = (self.trainer.offload(keep_weights=not settings.trainer.offload_train_weights)
+                     if settings.trainer.offload_train else {})
         if self.chaos is not None:
             hook = self.chaos.rollout_hook(step, total) or hook
         metrics: dict[str, Any] = {}

@@ -37,6 +37,7 @@ RUN_FILES = ("metrics.jsonl", "engine_timeline.jsonl", "report.md", "endpoints.j
 
 def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
     """sync_s, the transport, sync_gbps where the transport reported the bytes it moved,
+    sync_requests and sync_pack_s (the update requests per engine, the trainer's pack copy),
     and sync_not_paused: how many engines it updated without pausing (held out of the
     router, idle: colocated engines between their memory resume and the sync)."""
     if not sync_report:
@@ -47,9 +48,15 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
         out["sync_transport"] = sync_report["transport"]
     if "not_paused" in sync_report:
         out["sync_not_paused"] = len(sync_report["not_paused"])
-    moved = (sync_report.get("transfer") or {}).get("bytes")
+    transfer = sync_report.get("transfer") or {}
+    moved = transfer.get("bytes")
     if moved and seconds > 0:
         out["sync_gbps"] = round(moved / seconds / 1e9, 4)
+    if transfer.get("buckets"):
+        # Requests per engine, and the trainer's pack copy: 0 when the buckets went from
+        # the trainer's own storage (flat weights that outlive the offload).
+        out["sync_requests"] = int(transfer["buckets"])
+        out["sync_pack_s"] = round(float(transfer.get("pack_s", 0.0)), 5)
     return out
 
 

@@ -154,10 +154,11 @@ class TrainerRank:
                                f"current {self.version}{' + a train step' if self._dirty else ''})")
         return kept
 
-    def offload(self) -> dict[str, Any]:
+    def offload(self, keep_weights: bool = False) -> dict[str, Any]:
         """--offload-train: model and optimizer state leave the GPU while engines generate
-        (pinned host buffers, reused every step; gradients freed). The copy is enqueued and
-        overlaps the generation; its time comes with the next train step's metrics.
+        (pinned host buffers, reused every step; gradients freed; the weights stay with
+        `keep_weights`, --no-offload-train-weights). The copy is enqueued and overlaps the
+        generation; its time comes with the next train step's metrics.
 
         On a CPU trainer there is no device memory to give back; the call says so.
         """
@@ -165,7 +166,7 @@ class TrainerRank:
         if self.device != "cuda":
             return {"trainer_offloaded": False, "reason": "cpu trainer: nothing on a device"}
         with self._weights_lock:
-            stats = self.policy.move_to("cpu", wait=False)
+            stats = self.policy.move_to("cpu", wait=False, keep_weights=keep_weights)
             return {"trainer_offloaded": True, "trainer_offload_gb": round(stats.bytes / 1e9, 4)}
 
     def onload(self) -> None:

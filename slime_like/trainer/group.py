@@ -83,9 +83,10 @@ class TrainerGroup:
         return ray.get([a.span_logprobs.remote(samples, temperature, kv_kept)
                         for a in self.actors])[0]
 
-    def offload(self) -> dict:
-        """--offload-train: every rank's model and optimizer state leave the GPU."""
-        return ray.get([a.offload.remote() for a in self.actors])[0]
+    def offload(self, keep_weights: bool = False) -> dict:
+        """--offload-train: every rank's model and optimizer state leave the GPU (the
+        weights stay with `keep_weights`)."""
+        return ray.get([a.offload.remote(keep_weights) for a in self.actors])[0]
 
     def onload(self) -> None:
         ray.get([a.onload.remote() for a in self.actors])

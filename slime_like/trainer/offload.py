@@ -4,11 +4,18 @@ The parameters and the optimizer state (AdamW's two moments) go to pinned host b
 are allocated once, one per dtype, and reused every step; gradients are freed, not copied
 (each train step zeroes them before it uses them). Onload puts each dtype's state back into
 one flat device buffer and makes every tensor a view of it (parameters first, in the
-model's order), so from the second step on an
-offload is one device-to-host copy per dtype and an onload one host-to-device copy per
-dtype: the copies are batched by storage, not by tensor. Copies run on a side stream;
-`onload` returns once they are enqueued and `ready()` makes the compute stream wait for
-them, so the copy overlaps whatever the caller does before its next use of the model.
+model's order), so from the second step on an offload is one device-to-host copy per dtype
+and an onload two host-to-device copies per dtype, batched by storage, not by tensor: the
+parameters first, then the optimizer state. Copies run on a side stream; `onload` returns
+once they are enqueued. `ready_weights()` makes the compute stream wait for the parameters
+only (a forward and backward need nothing else), `ready()` for everything (the optimizer
+step), so the optimizer state's copy runs under the forward and backward.
+
+`keep_weights` (--no-offload-train-weights) leaves the parameters on the GPU: only the
+optimizer state moves. The parameters then live in one flat device buffer per dtype that
+survives every offload, so a colocated weight sync sends them in place (one request, no
+pack copy, an IPC mapping the engine opened once). That costs one copy of the weights in
+device memory while the engines generate.
 
 A memory saver that keeps virtual addresses (torch_memory_saver) would avoid the re-view,
 but it needs an LD_PRELOAD'd allocator hook; plain pinned copies run everywhere and already
@@ -27,6 +34,9 @@ import torch
 # No wider: parameters whose sizes are multiples of 16 bytes then lie back to back, in the
 # sync's order, so a weight sync sends them straight from the flat buffer (no pack copy).
 ALIGN_BYTES = 16
+# Offloads between fresh resident weight buffers: torch wraps a storage in one more
+# reference-counting layer every time it is shared over CUDA IPC (each sync shares it).
+WEIGHTS_RENEW_EVERY = 64
 
 
 @dataclass
@@ -79,24 +89,28 @@ class TrainerOffload:
         self.offloaded = False
         self._host: dict[torch.dtype, torch.Tensor] = {}  # reused pinned buffers
         self._flat: dict[torch.dtype, torch.Tensor] = {}  # device buffers the views share
+        self._weights: dict[torch.dtype, torch.Tensor] = {}  # resident parameters (keep_weights)
+        self._weight_offloads = 0
         self._groups: list[_Group] = []
         self._stream: torch.cuda.Stream | None = None
-        self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        # An onload still copying: (start, parameters copied, everything copied).
+        self._pending: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None
         self.last_offload = MoveStats()
         self.last_onload = MoveStats()
         self._drain: threading.Thread | None = None
 
     # ---- layout ------------------------------------------------------------------------------
 
-    def _slots(self) -> list[_Slot]:
-        """Parameters, then every optimizer-state tensor on the model's device."""
-        slots: list[_Slot] = []
+    def _params(self) -> list[torch.nn.Parameter]:
         seen: set[int] = set()
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                slots.append(_Slot(p, None, None, p.data))
-        device = slots[0].tensor.device if slots else torch.device("cpu")
+        return [p for p in self.model.parameters() if not (id(p) in seen or seen.add(id(p)))]
+
+    def _slots(self, keep_weights: bool = False) -> list[_Slot]:
+        """Parameters (unless kept), then every optimizer-state tensor on the model's
+        device."""
+        params = self._params()
+        slots = [] if keep_weights else [_Slot(p, None, None, p.data) for p in params]
+        device = params[0].device if params else torch.device("cpu")
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 # AdamW's `step` is a CPU scalar: only tensors on the model's device move.
@@ -116,15 +130,33 @@ class TrainerOffload:
             g.numel += s.tensor.numel()
         return list(groups.values())
 
-    def _is_flat(self, g: _Group) -> bool:
+    def _is_flat(self, g: _Group, flats: dict[torch.dtype, torch.Tensor] | None = None) -> bool:
         """True when every tensor of the group is still the view onload made of the flat
         buffer (then one copy moves the whole group)."""
-        flat = self._flat.get(g.dtype)
+        flat = (self._flat if flats is None else flats).get(g.dtype)
         if flat is None or flat.numel() != g.numel:
             return False
         base, size = flat.data_ptr(), flat.element_size()
         return all(s.tensor.is_contiguous() and s.tensor.data_ptr() == base + off * size
                    for s, off in zip(g.slots, g.offsets, strict=True))
+
+    def _keep_weights_flat(self) -> None:
+        """Make the parameters views of one resident flat buffer per dtype, in the model's
+        order, once (again every WEIGHTS_RENEW_EVERY offloads: a fresh storage)."""
+        groups = self._group([_Slot(p, None, None, p.data) for p in self._params()])
+        self._weight_offloads += 1
+        renew = self._weight_offloads % WEIGHTS_RENEW_EVERY == 0
+        if not renew and all(self._is_flat(g, self._weights) for g in groups):
+            return
+        weights: dict[torch.dtype, torch.Tensor] = {}
+        for g in groups:
+            flat = torch.empty(g.numel, dtype=g.dtype, device=g.slots[0].tensor.device)
+            for s, off in zip(g.slots, g.offsets, strict=True):
+                view = flat[off:off + s.tensor.numel()].view(s.tensor.shape)
+                view.copy_(s.tensor)
+                s.assign(view)
+            weights[g.dtype] = flat
+        self._weights = weights
 
     def _host_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The pinned host buffer for `dtype`, allocated once (again only if it grew)."""
@@ -145,18 +177,24 @@ class TrainerOffload:
     # ---- moves -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def offload(self, wait: bool = True) -> MoveStats:
+    def offload(self, wait: bool = True, keep_weights: bool = False) -> MoveStats:
         """State to the pinned host buffers, the device memory given back once copied.
 
         With `wait=False` the call returns once the copies are enqueued and a thread gives
         the memory back when they end (the engines generate meanwhile: their memory is
-        already theirs); `onload` waits for that first."""
+        already theirs); `onload` waits for that first. `keep_weights`: the parameters stay
+        on the device, in a flat buffer that outlives the offload; only the optimizer state
+        moves."""
         if self.offloaded:
             return MoveStats()
         self.ready()
         self.onload_stats()
         t0 = time.perf_counter()
-        slots = self._slots()
+        if keep_weights:
+            self._keep_weights_flat()
+        else:
+            self._weights = {}  # the parameters move with the rest (and from it, next time)
+        slots = self._slots(keep_weights)
         if not slots:
             return MoveStats()
         self.device = slots[0].tensor.device
@@ -221,9 +259,10 @@ class TrainerOffload:
 
     @torch.no_grad()
     def onload(self, wait: bool = True) -> MoveStats:
-        """State back to the device, one flat buffer per dtype. With `wait=False` the call
-        returns once the copies are enqueued; `ready()` (called by every use of the model)
-        makes the compute stream wait for them."""
+        """State back to the device, one flat buffer per dtype: the parameters' part first,
+        then the optimizer state's. With `wait=False` the call returns once the copies are
+        enqueued; `ready_weights()` (a forward) and `ready()` (the optimizer step) make the
+        compute stream wait for them."""
         if not self.offloaded:
             return MoveStats()
         self._wait_drained()  # the host has every byte, the device memory is back
@@ -233,14 +272,20 @@ class TrainerOffload:
         flats = {g.dtype: torch.empty(g.numel, dtype=g.dtype, device=self.device)
                  for g in self._groups}
         if stream is not None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            start.record(stream)
+            events[0].record(stream)
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            for g in self._groups:
-                flats[g.dtype].copy_(self._host[g.dtype][:g.numel], non_blocking=True)
-                stats.copies += 1
-                stats.bytes += g.numel * flats[g.dtype].element_size()
+            ranges = [(g, 0, _weights_end(g)) for g in self._groups]
+            ranges += [(g, end, g.numel) for g, _, end in list(ranges)]
+            for i, (g, start, end) in enumerate(ranges):
+                if i == len(self._groups) and stream is not None:
+                    events[1].record(stream)  # every parameter is back
+                if end > start:
+                    flats[g.dtype][start:end].copy_(self._host[g.dtype][start:end],
+                                                    non_blocking=True)
+                    stats.copies += 1
+            stats.bytes = sum(g.numel * flats[g.dtype].element_size() for g in self._groups)
         for g in self._groups:
             flat = flats[g.dtype]
             for s, off in zip(g.slots, g.offsets, strict=True):
@@ -252,12 +297,18 @@ class TrainerOffload:
         if stream is None:
             stats.seconds = time.perf_counter() - t0
             return stats
-        end.record(stream)
-        self._pending = (start, end)
+        events[2].record(stream)
+        self._pending = (events[0], events[1], events[2])
         if wait:
             self.ready()
             self.onload_stats()
         return stats
+
+    def ready_weights(self) -> None:
+        """Make the compute stream wait for the parameters of an onload still copying (a
+        forward and backward need nothing else; the optimizer state may still be copying)."""
+        if self._pending is not None and self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending[1])
 
     def ready(self) -> None:
         """Make the compute stream wait for an onload still copying (no host wait)."""
@@ -267,7 +318,7 @@ class TrainerOffload:
     def onload_stats(self) -> MoveStats:
         """The last onload, its seconds read from the copy's events (waits for the copy)."""
         if self._pending is not None:
-            start, end = self._pending
+            start, _, end = self._pending
             self._pending = None
             end.synchronize()
             self.last_onload.seconds = start.elapsed_time(end) / 1e3
@@ -281,6 +332,12 @@ class TrainerOffload:
     def host_bytes(self) -> int:
         """Bytes of pinned host memory held for the offload."""
         return sum(b.numel() * b.element_size() for b in self._host.values())
+
+
+def _weights_end(g: _Group) -> int:
+    """Where the group's parameters end in its flat buffer (they come first)."""
+    return max((off + s.tensor.numel() for s, off in zip(g.slots, g.offsets, strict=True)
+                if s.param is not None), default=0)
 
 
 class _nullcontext:

@@ -106,7 +106,7 @@ class PolicyTrainer:
         if off_policy is not None and off_policy.enabled and rollout_logprobs is None:
             raise ValueError("the off-policy correction (--use-rollout-logprobs / --use-tis) "
                              "needs rollout_logprobs: the engines' log-probabilities")
-        self.offloader.ready()
+        self.offloader.ready_weights()  # the optimizer state may still be copying back
         batch: PackedBatch = pack(samples, advantages, loss_masks=loss_masks).to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         logits = self._logits(batch.input_ids)
@@ -133,6 +133,7 @@ class PolicyTrainer:
                     dist.all_reduce(p.grad, group=self.group)
                     p.grad.div_(self._world())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        self.offloader.ready()
         self.optimizer.step()
         self.steps += 1
         if self.offloader.used and str(self.device).startswith("cuda"):
@@ -147,7 +148,7 @@ class PolicyTrainer:
         """Per generated token, log p(token | prefix) under the current weights (fp32), or
         under `model` (e.g. a copy of the weights the engines serve). `temperature` scales
         the logits as the engines do for the logprobs they report (sglang's default)."""
-        self.offloader.ready()
+        self.offloader.ready_weights()
         model = model or self.model
         was_training = model.training
         model.eval()
@@ -167,12 +168,13 @@ class PolicyTrainer:
         return out
 
 
-    def move_to(self, device: str, wait: bool = True) -> MoveStats:
+    def move_to(self, device: str, wait: bool = True, keep_weights: bool = False) -> MoveStats:
         """Offload the weights and the optimizer state to pinned host memory ("cpu"), or
         bring them back (the trainer's device). With `wait=False` the copy overlaps the
-        caller's next work. Gradients are freed, not moved. See trainer/offload.py."""
+        caller's next work. Gradients are freed, not moved; `keep_weights` leaves the
+        weights on the device. See trainer/offload.py."""
         if device == "cpu":
-            return self.offloader.offload(wait=wait)
+            return self.offloader.offload(wait=wait, keep_weights=keep_weights)
         return self.offloader.onload(wait=wait)
 
     def sync_source(self) -> Any:

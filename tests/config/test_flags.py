@@ -198,6 +198,9 @@ def test_abbreviated_flags_are_not_guessed():
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--offload-rollout"],
      "--offload-rollout: only with --colocate (engines on their own GPUs have nothing to give "
      "the trainer)"),
+    (["--hf-checkpoint", "m", "--colocate", "--no-offload-train", "--no-offload-train-weights"],
+     "--no-offload-train-weights: only with --offload-train (it says whether the trainer's "
+     "weights move when its state does)"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--use-kl-loss",
       "--kl-loss-coef", "0.1"],
      "--use-kl-loss: needs a reference model: a model with update_weights: false in "
@@ -224,6 +227,10 @@ def test_colocate_implies_offload_and_rollout_gpus_unless_set():
     assert (b.offload_train, b.offload_rollout, b.rollout_num_gpus) == (True, False, 4)
     c = parse_args(["--hf-checkpoint", "m", "--colocate", "--offload", "--no-offload-train"])
     assert (c.offload_train, c.offload_rollout) == (False, True)
+    # the weights move with the trainer's state unless told to stay
+    assert a.offload_train_weights is True
+    d = parse_args(["--hf-checkpoint", "m", "--colocate", "--no-offload-train-weights"])
+    assert (d.offload_train, d.offload_train_weights) == (True, False)
 
 
 def test_zero_rollout_gpus_only_with_external_engines():

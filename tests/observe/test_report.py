@@ -158,6 +158,10 @@ def test_sync_metrics_derive_gbps_from_the_bytes_moved():
     assert sync_metrics({"total_s": 0.5, "transfer": {"bytes": 2_000_000_000}}) == {
         "sync_s": 0.5, "sync_gbps": 4.0}
     assert sync_metrics({"total_s": 0.5, "transfer": {}}) == {"sync_s": 0.5}
+    # the update requests per engine and the trainer's pack copy (0: sent in place)
+    assert sync_metrics({"total_s": 0.01, "transfer": {"bytes": 10**9, "buckets": 1,
+                                                       "pack_s": 0.0}}) == {
+        "sync_s": 0.01, "sync_gbps": 100.0, "sync_requests": 1, "sync_pack_s": 0.0}
     assert sync_metrics({}) == {}
 
 

@@ -12,6 +12,7 @@ import torch
 
 from slime_like.models.tiny import make_tiny_model
 from slime_like.protocol.checksums import tensor_checksum
+from slime_like.trainer import offload as offload_module
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.weights.packing import direct_view
 
@@ -49,7 +50,9 @@ def test_offload_and_onload_keep_weights_and_adam_state_and_training_goes_on_as_
     assert _checksums(moved) == before
 
     back = moved.offloader.onload()
-    assert back.bytes == out.bytes and back.copies == 1  # one dtype: one copy back
+    # One dtype: two copies back, the weights first (a forward waits for them only), then
+    # the optimizer state (the optimizer step waits for it).
+    assert back.bytes == out.bytes and back.copies == 2
     assert _checksums(moved) == before
     # Onloaded as views of one flat buffer: the next offload is one copy, into the same
     # (reused) host buffer.
@@ -70,3 +73,57 @@ def test_offload_and_onload_keep_weights_and_adam_state_and_training_goes_on_as_
     b = twin.train_step(SAMPLES, ADVANTAGES)
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     assert _checksums(moved) == _checksums(twin)
+
+
+def test_kept_weights_stay_in_one_storage_that_outlives_every_offload_and_only_adam_moves(
+        tmp_path, monkeypatch):
+    """--no-offload-train-weights: the weights stay on the device, as views of one flat
+    buffer in the sync's order that survives offloads (so a colocated sync sends them in
+    place); only AdamW's moments go to the host, and training matches a twin that never
+    moved. The buffer is renewed every WEIGHTS_RENEW_EVERY offloads, bytes unchanged."""
+    monkeypatch.setattr(offload_module, "WEIGHTS_RENEW_EVERY", 3)
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    kept = PolicyTrainer(model_dir, seed=0)
+    twin = PolicyTrainer(model_dir, seed=0)
+    params = list(kept.model.parameters())
+    per_copy = sum(p.numel() * p.element_size() for p in params)
+    storages = []
+    for step in range(4):
+        for t in (kept, twin):
+            t.train_step(SAMPLES, ADVANTAGES)
+        before = _checksums(kept)
+        out = kept.move_to("cpu", keep_weights=True)
+        # AdamW's two moments moved (alignment may pad a few bytes), the weights did not
+        assert 2 * per_copy <= out.bytes < 3 * per_copy, step
+        assert all(p.grad is None for p in params)
+        weights = {p.untyped_storage().data_ptr() for p in params}
+        assert len(weights) == 1, f"step {step}: weights in {len(weights)} storages"
+        assert direct_view([p.data for p in params], params[0].device) is not None
+        assert _checksums(kept) == before
+        storages.append(weights.pop())
+        back = kept.offloader.onload()
+        assert back.bytes == out.bytes and back.copies == 1  # only the state comes back
+        assert _checksums(kept) == before
+        for mine, theirs in zip(kept.completion_logprobs(SAMPLES),
+                                twin.completion_logprobs(SAMPLES), strict=True):
+            assert mine == theirs, f"step {step}"
+    # the same storage offload after offload, a fresh one at the renewal (the 3rd offload)
+    assert storages[0] == storages[1] != storages[2] == storages[3]
+    assert _checksums(kept) == _checksums(twin)
+
+
+def test_weights_kept_then_moved_again_come_back_intact(tmp_path):
+    """Switching between the two modes keeps every byte (the kept buffer is let go)."""
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    moved = PolicyTrainer(model_dir, seed=0)
+    twin = PolicyTrainer(model_dir, seed=0)
+    for keep in (True, False, True):
+        for t in (moved, twin):
+            t.train_step(SAMPLES, ADVANTAGES)
+        before = _checksums(moved)
+        moved.move_to("cpu", keep_weights=keep)
+        moved.offloader.onload()
+        assert _checksums(moved) == before, f"keep_weights={keep}"
+    a = moved.train_step(SAMPLES, ADVANTAGES)
+    b = twin.train_step(SAMPLES, ADVANTAGES)
+    assert a["loss"] == b["loss"] and _checksums(moved) == _checksums(twin)

@@ -70,3 +70,33 @@ def test_overlapped_offload_and_onload_keep_the_state_for_every_use(tmp_path):
         stats = moved.offloader.onload_stats()
         assert stats.bytes > 0 and stats.seconds > 0
         assert moved.offloader.last_offload.seconds > 0
+
+
+def test_kept_weights_stay_in_one_gpu_storage_while_adam_state_moves(tmp_path):
+    """--no-offload-train-weights: weights stay on the GPU in one storage that outlives the
+    offloads (what a colocated sync sends in place); grads and both moments are given back;
+    every use and every train step match a twin that never moved (overlapped copies)."""
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    kept = PolicyTrainer(model_dir, device="cuda", seed=0)
+    twin = PolicyTrainer(model_dir, device="cuda", seed=0)
+    params = list(kept.model.parameters())
+    per_copy = sum(p.numel() * p.element_size() for p in params)
+    storages = set()
+    for step in range(3):
+        for t in (kept, twin):
+            t.train_step(SAMPLES, ADVANTAGES)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        kept.move_to("cpu", keep_weights=True)
+        kept.offloader._wait_drained()
+        freed = before - torch.cuda.memory_allocated()
+        # grads + exp_avg + exp_avg_sq (less the weights' alignment padding)
+        assert freed >= 3 * per_copy - 16 * len(params), f"step {step}: freed {freed}"
+        assert all(p.is_cuda for p in params)
+        storages |= {p.untyped_storage().data_ptr() for p in params}
+        kept.move_to("cuda", wait=False)
+        for mine, theirs in zip(kept.completion_logprobs(SAMPLES),
+                                twin.completion_logprobs(SAMPLES), strict=True):
+            assert mine == theirs, f"step {step}"
+    assert len(storages) == 1, f"the weights moved between {len(storages)} storages"
+    assert kept.train_step(SAMPLES, ADVANTAGES)["loss"] == twin.train_step(SAMPLES, ADVANTAGES)["loss"]
