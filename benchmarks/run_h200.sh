@@ -37,12 +37,18 @@ for step in ${steps[*]}; do
                 --layout "${COLOCATE_LAYOUTS:-tiny0.75b,dense7b}" --steps "${COLOCATE_STEPS:-5}" \
                 --json-out "$out/colocate.jsonl" 2>&1 | tee "$out/colocate.log" ;;
     colocatejob)  # the job itself (Ray + router): colocated, weights kept, nothing moving
+              # no_backup: weights kept, and the engines drop their weights on release
+              # (no host backup; the sync after each train step refills them)
+              sed 's/^sglang_enable_weights_cpu_backup: true/sglang_enable_weights_cpu_backup: false/' \
+                configs/colocate_cpu.yaml > "$out/colocate_no_backup.yaml"
               for variant in ${JOB_VARIANTS:-colocated keep_weights no_offload}; do
-                extra=()
+                extra=(); config=configs/colocate_cpu.yaml
                 [ "$variant" = keep_weights ] && extra=(--no-offload-train-weights)
+                [ "$variant" = no_backup ] && extra=(--no-offload-train-weights) \
+                  && config="$out/colocate_no_backup.yaml"
                 [ "$variant" = no_offload ] && extra=(--no-offload-train --no-offload-rollout)
                 timeout -k 10 "${JOB_LIMIT:-240}" python3 -m slime_like.train \
-                  --config configs/colocate_cpu.yaml --num-rollout "${JOB_STEPS:-8}" \
+                  --config "$config" --num-rollout "${JOB_STEPS:-8}" \
                   --tiny-model-layers 16 --tiny-model-hidden 2048 \
                   --update-weight-buffer-size 1073741824 --output-dir "${JOB_DIR:-runs/colocate-job}/$variant" \
                   "${extra[@]}" > "$out/job-$variant.log" 2>&1
