@@ -16,6 +16,10 @@ PHASES = ("trainer_offload", "rollout", "trainer_onload", "score", "engine_relea
 
 def medians(rows: list[dict]) -> dict[str, float]:
     out: dict[str, float] = {}
+    details = [r["sync_detail_ms"] for r in rows if isinstance(r.get("sync_detail_ms"), dict)]
+    for key in sorted({k for d in details for k in d}):
+        values = [d[key] for d in details if isinstance(d.get(key), int | float)]
+        out[f"sync_ms_{key}"] = round(statistics.median(values), 3)
     for key in ("sync_requests", "sync_pack_s"):
         values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
         if values:
@@ -43,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{phase:<18}{m[phase + '_s']:>10.4f} s {rate}")
     if "sync_requests" in m:
         print(f"sync: {m['sync_requests']:g} update requests, pack {m['sync_pack_s'] * 1e3:.2f} ms")
+    detail = {k.removeprefix("sync_ms_"): v for k, v in m.items() if k.startswith("sync_ms_")}
+    if detail:
+        print("sync, ms: " + ", ".join(f"{k} {v:g}" for k, v in detail.items()))
     if args.json_out:
         with args.json_out.open("a") as f:
             f.write(json.dumps({"label": args.label, "steps": len(rows), **m}) + "\n")

@@ -5,7 +5,8 @@
 # $OUT (default ./bench-out).
 # `colocate` runs the colocated step phase by phase on one GPU (docs/COLOCATE.md).
 # `colocatejob` runs the 0.75B colocated job itself (needs Ray and sglang-router installed):
-#   colocated, colocated with the trainer's weights kept on the GPU, and nothing moving.
+#   colocated, with the trainer's weights kept on the GPU, with the engines' weights backup,
+#   and nothing moving.
 #   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|colocate|colocatejob|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,16 +37,14 @@ for step in ${steps[*]}; do
     colocate) timeout -k 10 "${COLOCATE_LIMIT:-330}" python3 benchmarks/colocate.py \
                 --layout "${COLOCATE_LAYOUTS:-tiny0.75b,dense7b}" --steps "${COLOCATE_STEPS:-5}" \
                 --json-out "$out/colocate.jsonl" 2>&1 | tee "$out/colocate.log" ;;
-    colocatejob)  # the job itself (Ray + router): colocated, weights kept, nothing moving
-              # no_backup: weights kept, and the engines drop their weights on release
-              # (no host backup; the sync after each train step refills them)
-              sed 's/^sglang_enable_weights_cpu_backup: true/sglang_enable_weights_cpu_backup: false/' \
-                configs/colocate_cpu.yaml > "$out/colocate_no_backup.yaml"
-              for variant in ${JOB_VARIANTS:-colocated keep_weights no_offload}; do
+    colocatejob)  # the job itself (Ray + router): colocated; with the trainer's weights kept
+              # on the GPU; with the engines' host backup of their weights; nothing moving
+              sed 's/^sglang_enable_weights_cpu_backup: false/sglang_enable_weights_cpu_backup: true/' \
+                configs/colocate_cpu.yaml > "$out/colocate_backup.yaml"
+              for variant in ${JOB_VARIANTS:-colocated keep_weights backup no_offload}; do
                 extra=(); config=configs/colocate_cpu.yaml
                 [ "$variant" = keep_weights ] && extra=(--no-offload-train-weights)
-                [ "$variant" = no_backup ] && extra=(--no-offload-train-weights) \
-                  && config="$out/colocate_no_backup.yaml"
+                [ "$variant" = backup ] && config="$out/colocate_backup.yaml"
                 [ "$variant" = no_offload ] && extra=(--no-offload-train --no-offload-rollout)
                 timeout -k 10 "${JOB_LIMIT:-240}" python3 -m slime_like.train \
                   --config "$config" --num-rollout "${JOB_STEPS:-8}" \

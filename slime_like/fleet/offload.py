@@ -51,7 +51,7 @@ class Offload:
 
         `hold_for_sync`: the caller syncs right after the body, so every resumed engine stays
         out of the router (STALE, taken along by that sync) instead of being routed at the
-        old version. Nothing can reach it meanwhile, so the sync skips its pause and
+        old version, or probed while it has no weights (released without a backup). Nothing can reach it meanwhile, so the sync skips its pause and
         continue (two round trips each): the sync routes it at the new version.
         """
         fleet = self.fleet
@@ -83,7 +83,8 @@ class Offload:
                     kept = tag_list is not None and "weights" not in tag_list or \
                         bool(e.handle.server_info.get("enable_weights_cpu_backup"))
                     current = not e.update_weights or e.verified_version == fleet.version
-                    if kept and current and hold_for_sync and e.update_weights:
+                    if hold_for_sync and e.update_weights:
+                        # the sync right after refills weights that were dropped, too
                         e.awaiting_full_sync = e.held_for_sync = True
                         fleet.move(e, S.STALE, reason=HELD_FOR_SYNC)
                     elif kept and current:

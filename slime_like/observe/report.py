@@ -57,6 +57,14 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
         # the trainer's own storage (flat weights that outlive the offload).
         out["sync_requests"] = int(transfer["buckets"])
         out["sync_pack_s"] = round(float(transfer.get("pack_s", 0.0)), 5)
+    # Where the sync's time went, in ms: its steps, each engine round trip (slowest engine;
+    # update_mean per bucket) and the trainer's host time building and waiting on requests.
+    detail = {f"step_{k}": v for k, v in (sync_report.get("seconds") or {}).items()}
+    detail |= {f"rt_{k}": v for k, v in (sync_report.get("round_trips") or {}).items()}
+    detail |= {k: transfer[k] for k in ("prep_s", "wait_s", "first_call_s")
+               if isinstance(transfer.get(k), int | float)}
+    if detail:
+        out["sync_detail_ms"] = {k.removesuffix("_s"): round(v * 1e3, 3) for k, v in detail.items()}
     return out
 
 

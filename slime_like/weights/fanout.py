@@ -126,14 +126,21 @@ def on_all(engines: Sequence[EngineHandle], step: str, fn: Callable[[EngineHandl
     Every call is waited for (up to `timeout`) before raising, so no engine is left with a
     half-issued control call when the caller moves on to clean up.
     """
-    with ThreadPoolExecutor(max(1, len(engines)), thread_name_prefix=step) as pool:
-        futures = [(e, pool.submit(fn, e)) for e in engines]
-        results, errors = [], []
-        for e, f in futures:
-            try:
-                results.append(f.result(timeout=timeout))
-            except Exception as exc:  # noqa: BLE001 - every failure is reported below
-                errors.append((e, exc))
+    results, errors = [], []
+    if len(engines) == 1:
+        # One engine (a colocated sync): no thread to start and join on the critical path.
+        try:
+            results.append(fn(engines[0]))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append((engines[0], exc))
+    else:
+        with ThreadPoolExecutor(len(engines), thread_name_prefix=step) as pool:
+            futures = [(e, pool.submit(fn, e)) for e in engines]
+            for e, f in futures:
+                try:
+                    results.append(f.result(timeout=timeout))
+                except Exception as exc:  # noqa: BLE001 - every failure is reported below
+                    errors.append((e, exc))
     if errors:
         raise step_error(step, errors)
     return results

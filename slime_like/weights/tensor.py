@@ -10,7 +10,7 @@ ones go as one request: no buffer bounds them, so splitting them would only add 
 Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
 it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
 After the first sync, the trainer's own storage goes in place only if the last sync sent
-from the same storage:
+from the same storage (the same object, not merely the same address):
 an engine keeps the storages it mapped until the next sync ends, so a storage that is new
 every sync (a trainer that offloads between syncs frees and reallocates its flat buffers)
 would cost a fresh mapping each sync and stay held, a second copy of the trainer's state,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
@@ -48,7 +49,7 @@ class TensorTransport(Transport):
         self._syncs = 0
         # The same requests come back every sync: their metadata is laid out and pickled once.
         self.payloads = FlattenedPayloads()
-        self._in_place: set[tuple[int, int]] = set()  # storages the last sync could send as is
+        self._in_place = SentStorages()  # the storages the last sync could send as is
         self._first = True  # the first sync sends any storage in place
 
     def transfer(self, ctx: TransferContext) -> None:
@@ -59,13 +60,12 @@ class TensorTransport(Transport):
         packer.begin()
         slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
         all_calls: list[EngineCall] = []
-        seen: set[tuple[int, int]] = set()
+        seen = SentStorages()
 
         def stable(view: torch.Tensor) -> bool:
             storage = view.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            seen.add(key)
-            return self._first or key in self._in_place
+            seen.add(storage)
+            return self._first or storage in self._in_place
 
         groups = send_groups(iter(ctx.source.tensors()), ctx.buckets, self.device,
                              merge_direct=cuda, allow_direct=stable)
@@ -144,6 +144,26 @@ class TensorTransport(Transport):
         self.packer.release()
         if self.packer.is_cuda:
             torch.cuda.ipc_collect()  # give back buffers every engine has let go of
+
+
+class SentStorages:
+    """Storages by identity, not by address.
+
+    A trainer that frees its flat buffer and allocates a new one of the same size often gets
+    the same address back; that is a new storage (a new CUDA IPC handle, a fresh mapping in
+    the engine), so it must not pass for the one the last sync sent. Weak references: a
+    storage listed here is still freed when its owner lets go of it.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[int, int], StorageWeakRef] = {}
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        self._refs[(storage.data_ptr(), storage.nbytes())] = StorageWeakRef(storage)
+
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        ref = self._refs.get((storage.data_ptr(), storage.nbytes()))
+        return ref is not None and not ref.expired() and ref.cdata == storage._cdata
 
 
 def _always() -> bool:

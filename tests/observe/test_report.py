@@ -162,6 +162,12 @@ def test_sync_metrics_derive_gbps_from_the_bytes_moved():
     assert sync_metrics({"total_s": 0.01, "transfer": {"bytes": 10**9, "buckets": 1,
                                                        "pack_s": 0.0}}) == {
         "sync_s": 0.01, "sync_gbps": 100.0, "sync_requests": 1, "sync_pack_s": 0.0}
+    # and where the time went, in ms
+    detail = sync_metrics({"total_s": 0.01, "seconds": {"begin": 0.001, "transfer": 0.006},
+                           "round_trips": {"update_mean": 0.004},
+                           "transfer": {"prep_s": 0.0005, "wait_s": 0.005}})["sync_detail_ms"]
+    assert detail == {"step_begin": 1.0, "step_transfer": 6.0, "rt_update_mean": 4.0,
+                      "prep": 0.5, "wait": 5.0}
     assert sync_metrics({}) == {}
 
 

@@ -1,8 +1,8 @@
 """configs/colocate_cpu.yaml end to end: the trainer and a reference engine share one
-bundle. Around each train step the engine releases its memory and resumes it (OFFLOADED:
-out of the router, probed with /ping), stays out of the router until the sync that follows
-(so the sync does not pause it), and weights go over the `tensor` transport (shared memory
-on CPU)."""
+bundle. Around each train step the engine releases its memory, weights dropped (no host
+backup), and resumes it (OFFLOADED: out of the router, probed with /ping), stays out of the
+router until the sync that follows refills its weights (so the sync does not pause it),
+and weights go over the `tensor` transport (shared memory on CPU)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ def test_colocated_engine_gives_its_memory_back_around_each_train_step(tmp_path,
     assert all(m["sync_not_paused"] == 1 for m in ms), [m.get("sync_not_paused") for m in ms]
     # CPU trainer: --offload-train (implied by --colocate) has no device memory to free
     assert all(m["trainer_offloaded"] is False for m in ms)
-    # each step split into its phases, the engine's with the rate its weights backup moved at
+    # each step split into its phases; without a weights backup the engine's release and
+    # resume move nothing over the host link (the sync refills the weights)
     for m in ms:
         for key in ("rollout_s", "score_s", "check_s", "engine_release_s", "train_s",
                     "engine_resume_s", "sync_s", "step_s"):
             assert isinstance(m.get(key), int | float), (key, m)
         assert m["step_s"] >= m["rollout_s"] + m["train_s"] + m["sync_s"], m
-        assert m["engine_release_gbps"] > 0 and m["engine_resume_gbps"] > 0, m
+        assert "engine_release_gbps" not in m and "engine_resume_gbps" not in m, m
+        assert m["sync_requests"] >= 1 and isinstance(m["sync_detail_ms"], dict), m
     events = [e for e in timeline(tmp_path) if e["engine"] == ENGINE]
     offloads = [e for e in events if e["state"] == "OFFLOADED"]
     assert len(offloads) == STEPS
