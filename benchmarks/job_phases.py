@@ -1,6 +1,9 @@
 """Median seconds (and GB/s) of each step phase in a run's metrics.jsonl, first step left out.
 
-    python benchmarks/job_phases.py RUN_DIR/metrics.jsonl [--json-out FILE]
+With --d2d (on the GPU the run used) it also times a device-to-device copy of the sync's
+bytes, one buffer, and prints the sync's ratio to it.
+
+    python benchmarks/job_phases.py RUN_DIR/metrics.jsonl [--d2d] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ def medians(rows: list[dict]) -> dict[str, float]:
     for key in sorted({k for d in details for k in d}):
         values = [d[key] for d in details if isinstance(d.get(key), int | float)]
         out[f"sync_ms_{key}"] = round(statistics.median(values), 3)
-    for key in ("sync_requests", "sync_pack_s"):
+    for key in ("sync_requests", "sync_pack_s", "sync_gb"):
         values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
         if values:
             out[key] = round(statistics.median(values), 5)
@@ -32,11 +35,31 @@ def medians(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def d2d_seconds(nbytes: int, repeats: int = 7) -> float:
+    """Median time of one contiguous device-to-device copy of `nbytes` (CUDA events)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("metrics", type=Path)
     ap.add_argument("--label", default="")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--d2d", action="store_true", help="time a d2d copy of the sync's bytes")
     args = ap.parse_args(argv)
     rows = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]
     m = medians(rows[1:] or rows)
@@ -50,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     detail = {k.removeprefix("sync_ms_"): v for k, v in m.items() if k.startswith("sync_ms_")}
     if detail:
         print("sync, ms: " + ", ".join(f"{k} {v:g}" for k, v in detail.items()))
+    if args.d2d and m.get("sync_gb"):
+        m["d2d_one_buffer_s"] = round(d2d_seconds(int(m["sync_gb"] * 1e9)), 6)
+        m["sync_over_d2d"] = round(m["sync_s"] / m["d2d_one_buffer_s"], 2)
+        print(f"sync {m['sync_s'] * 1e3:.1f} ms for {m['sync_gb']:.2f} GB; d2d one buffer "
+              f"{m['d2d_one_buffer_s'] * 1e3:.2f} ms: {m['sync_over_d2d']:.2f}x")
     if args.json_out:
         with args.json_out.open("a") as f:
             f.write(json.dumps({"label": args.label, "steps": len(rows), **m}) + "\n")

@@ -6,7 +6,8 @@
 # `colocate` runs the colocated step phase by phase on one GPU (docs/COLOCATE.md).
 # `colocatejob` runs the 0.75B colocated job itself (needs Ray and sglang-router installed):
 #   colocated, with the trainer's weights kept on the GPU, with the engines' weights backup,
-#   and nothing moving.
+#   and nothing moving (JOB_VARIANTS picks some; JOB_MODEL="--tiny-model-layers 28
+#   --tiny-model-hidden 3072" runs a 3B-shaped model instead of the 0.75B one).
 #   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|colocate|colocatejob|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,12 +49,12 @@ for step in ${steps[*]}; do
                 [ "$variant" = no_offload ] && extra=(--no-offload-train --no-offload-rollout)
                 timeout -k 10 "${JOB_LIMIT:-240}" python3 -m slime_like.train \
                   --config "$config" --num-rollout "${JOB_STEPS:-8}" \
-                  --tiny-model-layers 16 --tiny-model-hidden 2048 \
+                  ${JOB_MODEL:---tiny-model-layers 16 --tiny-model-hidden 2048} \
                   --update-weight-buffer-size 1073741824 --output-dir "${JOB_DIR:-runs/colocate-job}/$variant" \
                   "${extra[@]}" > "$out/job-$variant.log" 2>&1
                 echo "job $variant: exit $?"
                 python3 benchmarks/job_phases.py "${JOB_DIR:-runs/colocate-job}/$variant/metrics.jsonl" \
-                  --label "$variant" --json-out "$out/job_phases.jsonl"
+                  --label "$variant" --d2d --json-out "$out/job_phases.jsonl"
               done ;;
     gputests) timeout -k 10 "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -x -s \
                 tests/reference_engine/test_gpu.py tests/trainer/test_offload_gpu.py 2>&1 \

@@ -52,6 +52,7 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
     moved = transfer.get("bytes")
     if moved and seconds > 0:
         out["sync_gbps"] = round(moved / seconds / 1e9, 4)
+        out["sync_gb"] = round(moved / 1e9, 4)
     if transfer.get("buckets"):
         # Requests per engine, and the trainer's pack copy: 0 when the buckets went from
         # the trainer's own storage (flat weights that outlive the offload).

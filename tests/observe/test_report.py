@@ -156,12 +156,13 @@ def test_a_relaunched_router_counts_as_recovered(tmp_path):
 
 def test_sync_metrics_derive_gbps_from_the_bytes_moved():
     assert sync_metrics({"total_s": 0.5, "transfer": {"bytes": 2_000_000_000}}) == {
-        "sync_s": 0.5, "sync_gbps": 4.0}
+        "sync_s": 0.5, "sync_gbps": 4.0, "sync_gb": 2.0}
     assert sync_metrics({"total_s": 0.5, "transfer": {}}) == {"sync_s": 0.5}
     # the update requests per engine and the trainer's pack copy (0: sent in place)
     assert sync_metrics({"total_s": 0.01, "transfer": {"bytes": 10**9, "buckets": 1,
                                                        "pack_s": 0.0}}) == {
-        "sync_s": 0.01, "sync_gbps": 100.0, "sync_requests": 1, "sync_pack_s": 0.0}
+        "sync_s": 0.01, "sync_gbps": 100.0, "sync_gb": 1.0, "sync_requests": 1,
+        "sync_pack_s": 0.0}
     # and where the time went, in ms
     detail = sync_metrics({"total_s": 0.01, "seconds": {"begin": 0.001, "transfer": 0.006},
                            "round_trips": {"update_mean": 0.004},
