@@ -158,12 +158,21 @@ class TrainerOffload:
             weights[g.dtype] = flat
         self._weights = weights
 
-    def _host_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The pinned host buffer for `dtype`, allocated once (again only if it grew)."""
+    def _moments_to_come(self) -> int:
+        """Tensors per parameter the optimizer adds at its first step (Adam's and AdamW's
+        two moments, three with amsgrad); 0 once it has state or for other optimizers."""
+        if self.optimizer.state or not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return 0
+        return 3 if any(g.get("amsgrad") for g in self.optimizer.param_groups) else 2
+
+    def _host_buffer(self, dtype: torch.dtype, numel: int, reserve: int = 0) -> torch.Tensor:
+        """The pinned host buffer for `dtype`, allocated once (again only if it grew), with
+        room for `reserve` elements: page-locking takes seconds per ten GB, and a buffer
+        replaced stays pinned in torch's host cache for the rest of the run."""
         buf = self._host.get(dtype)
         if buf is None or buf.numel() < numel:
             pin = self.device is not None and self.device.type == "cuda"
-            buf = torch.empty(numel, dtype=dtype, pin_memory=pin)
+            buf = torch.empty(max(numel, reserve), dtype=dtype, pin_memory=pin)
             self._host[dtype] = buf
         return buf[:numel]
 
@@ -199,6 +208,7 @@ class TrainerOffload:
             return MoveStats()
         self.device = slots[0].tensor.device
         groups = self._group(slots)
+        moments = 0 if keep_weights else self._moments_to_come()
         stream = self._side_stream()
         stats = MoveStats()
         events = None
@@ -208,7 +218,10 @@ class TrainerOffload:
             events[0].record(stream)
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             for g in groups:
-                host = self._host_buffer(g.dtype, g.numel)
+                # Before the first train step only the weights move; room for the moments
+                # the optimizer is about to add, so the next offload reuses this buffer.
+                reserve = (1 + moments) * (g.numel + len(g.slots) * ALIGN_BYTES) if moments else 0
+                host = self._host_buffer(g.dtype, g.numel, reserve)
                 if self._is_flat(g):
                     host.copy_(self._flat[g.dtype], non_blocking=True)
                     stats.copies += 1

@@ -127,3 +127,29 @@ def test_weights_kept_then_moved_again_come_back_intact(tmp_path):
     a = moved.train_step(SAMPLES, ADVANTAGES)
     b = twin.train_step(SAMPLES, ADVANTAGES)
     assert a["loss"] == b["loss"] and _checksums(moved) == _checksums(twin)
+
+
+def test_the_first_offload_sizes_the_host_buffer_for_the_moments_adamw_is_about_to_add(
+        tmp_path):
+    """The job offloads before the first train step (only weights exist then); the host
+    buffer is allocated once, with room for AdamW's two moments, not replaced at step 1
+    (pinning takes seconds per ten GB, and a replaced buffer stays pinned in torch's cache)."""
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    moved = PolicyTrainer(model_dir, seed=0)
+    twin = PolicyTrainer(model_dir, seed=0)
+    per_copy = sum(p.numel() * p.element_size() for p in moved.model.parameters())
+    first = moved.move_to("cpu")
+    assert first.bytes < 1.1 * per_copy  # the weights alone moved
+    host = dict(moved.offloader._host)
+    assert moved.offloader.host_bytes() >= 3 * per_copy
+    moved.offloader.onload()
+    for t in (moved, twin):
+        t.train_step(SAMPLES, ADVANTAGES)
+    before = _checksums(moved)
+    second = moved.move_to("cpu")
+    assert second.bytes >= 3 * per_copy  # weights and both moments
+    assert {d: b.data_ptr() for d, b in moved.offloader._host.items()} == \
+        {d: b.data_ptr() for d, b in host.items()}, "the host buffer was replaced"
+    assert _checksums(moved) == before
+    moved.offloader.onload()
+    assert _checksums(moved) == _checksums(twin)
