@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.protocol.io_struct import ALL_MEMORY_TAGS
 
 if TYPE_CHECKING:
     from slime_like.fleet.fleet import Fleet
@@ -63,14 +64,15 @@ class Offload:
                 fleet.unroute(e)
                 fleet.move(e, S.OFFLOADED, tags=tag_list or "all")
         t0 = time.perf_counter()
-        released = _each(chosen, lambda e: self._release(e, tag_list))
+        engine_tags: dict[str, list[str] | None] = {}
+        released = _each(chosen, lambda e: self._release(e, tag_list, engine_tags))
         self.last = {"engine_release_s": time.perf_counter() - t0}
         try:
             yield [e.engine_id for e in released]
         finally:
             t0 = time.perf_counter()
-            resumed = _each(released,
-                            lambda e: e.handle.resume_memory_occupation(tag_list))
+            resumed = _each(released, lambda e: e.handle.resume_memory_occupation(
+                engine_tags.get(e.engine_id, tag_list)))
             self.last["engine_resume_s"] = time.perf_counter() - t0
             failed = []
             with fleet.lock:
@@ -80,7 +82,8 @@ class Offload:
                     if e not in resumed:
                         failed.append(e)
                         continue
-                    kept = tag_list is not None and "weights" not in tag_list or \
+                    tags = engine_tags.get(e.engine_id, tag_list)
+                    kept = tags is not None and "weights" not in tags or \
                         bool(e.handle.server_info.get("enable_weights_cpu_backup"))
                     current = not e.update_weights or e.verified_version == fleet.version
                     if hold_for_sync and e.update_weights:
@@ -97,9 +100,15 @@ class Offload:
                     fleet.recovery.start_recovery(e, "memory could not be released or resumed")
 
     @staticmethod
-    def _release(e: ManagedEngine, tags: list[str] | None) -> None:
+    def _release(e: ManagedEngine, tags: list[str] | None,
+                 engine_tags: dict[str, list[str] | None]) -> None:
         if not e.handle.server_info:
             e.handle.probe()
+        if not e.update_weights and not e.handle.server_info.get("enable_weights_cpu_backup"):
+            # No sync ever refills a frozen model (a KL reference): without a backup it
+            # gives back everything but its weights.
+            tags = [t for t in (tags or ALL_MEMORY_TAGS) if t != "weights"]
+        engine_tags[e.engine_id] = tags
         for attempt in range(20):  # a probe's one-token generation may still be running
             try:
                 e.handle.release_memory_occupation(tags)

@@ -113,3 +113,38 @@ def test_release_while_a_request_runs_is_refused(backup_engine):
         assert r.status_code == 400 and "idle" in r.json()["error"]["message"]
         assert fut.result(timeout=120).status_code == 200
     assert _kv_bytes(e) > 0
+
+
+@pytest.fixture(scope="module")
+def plain_engine(tiny_model_dir, engine_log_dir) -> Iterator[RunningEngine]:
+    """A colocated engine without a weights backup (the shipped colocate config's)."""
+    e = start_engine(tiny_model_dir, engine_log_dir, "--enable-memory-saver")
+    yield e
+    stop_engine(e)
+
+
+def test_a_frozen_model_without_a_backup_keeps_its_weights_through_the_fleets_release(
+        plain_engine):
+    """No sync ever refills a frozen model (a KL reference), so the fleet's release around a
+    train step gives back everything but its weights; a trained engine gives back all."""
+    from slime_like.engine.handle import EngineHandle
+    from slime_like.fleet.lifecycle import ManagedEngine
+    from slime_like.fleet.offload import Offload
+
+    e = plain_engine
+    before, sums = e.generate(GREEDY).json(), _checksums(e)
+    frozen = ManagedEngine("ref/g0/e0", "ref", [], update_weights=False,
+                           handle=EngineHandle(e.url))
+    tags: dict = {}
+    Offload._release(frozen, None, tags)
+    assert tags["ref/g0/e0"] == ["kv_cache", "cuda_graph"]
+    assert _kv_bytes(e) == 0 and _checksums(e) == sums  # KV given back, weights kept
+    frozen.handle.resume_memory_occupation(tags["ref/g0/e0"])
+    assert e.generate(GREEDY).json()["output_ids"] == before["output_ids"]
+
+    trained = ManagedEngine("actor/g0/e0", "actor", [], update_weights=True,
+                            handle=EngineHandle(e.url))
+    Offload._release(trained, None, tags)
+    assert tags["actor/g0/e0"] is None  # all tags: the sync refills its weights
+    assert _checksums(e) != sums
+    trained.handle.resume_memory_occupation(None)
