@@ -56,6 +56,9 @@ from slime_like.rollout.scoring import token_logprobs
 logger = logging.getLogger(__name__)
 
 S = EngineState
+# Re-adding an engine to a relaunched router: engines that served a moment ago register in
+# well under a second; one that takes longer is hung and resyncs instead.
+REROUTE_TIMEOUT_S = 10.0
 # push(update): put the weights of `update.version` into `update.targets` (the trainer).
 WeightSource = Callable[["Update"], Any]
 
@@ -133,12 +136,12 @@ class Fleet:
         return next((r.model_name for r in self.placement.plan.routers
                      if not r.update_weights), None)
 
-    def route(self, e: ManagedEngine) -> None:
+    def route(self, e: ManagedEngine, timeout: float | None = None) -> None:
         """Add an engine to its router; refused unless it serves the fleet's version."""
         if e.update_weights and e.verified_version != self.version:
             raise FleetError(f"engine {e.engine_id} serves version {e.verified_version}, the "
                              f"fleet is at {self.version}: not routed")
-        self.routers.add(e)
+        self.routers.add(e, timeout)
 
     def unroute(self, e: ManagedEngine) -> None:
         self.routers.remove(e)
@@ -151,13 +154,14 @@ class Fleet:
 
     def _reroute(self, model: str) -> int:
         """After a router's relaunch: its engines are re-added (or resync); how many were.
-        All at once: one after another, each hung engine would hold the lock for the
-        registration timeout, keeping the health monitor from finding it."""
+        All at once, each within REROUTE_TIMEOUT_S: they answered a moment ago, and a hung
+        one would otherwise hold the lock for the registration timeout, keeping the health
+        monitor from finding it."""
         with self.lock:
             routed = [e for e in self.engines if e.model_name == model and e.routed]
             for e in routed:
                 self.routers.forget(e)
-            errors = self.routers.add_all(routed, self.route)
+            errors = self.routers.add_all(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S))
             for e, err in zip(routed, errors, strict=True):
                 if err is not None:  # it resyncs or recovers instead
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)

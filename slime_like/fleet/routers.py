@@ -115,16 +115,19 @@ class Routers(Mapping[str, Router]):
 
     # ---- membership ------------------------------------------------------------------------------
 
-    def add(self, e: ManagedEngine) -> None:
-        """Make the engine a worker of its model's router (waits until the router lists it)."""
+    def add(self, e: ManagedEngine, timeout: float | None = None) -> None:
+        """Make the engine a worker of its model's router (waits until the router lists it,
+        up to `timeout`, by default the registration timeout)."""
         if e.routed or e.handle is None:
             return
         h = e.handle
         if h.worker_type == "encoder":
             return
+        wait = self.settings.register_timeout_s if timeout is None else \
+            min(timeout, self.settings.register_timeout_s)
         info = self._routers[e.model_name].client.add_worker(
             h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
-            api_key=h.api_key, timeout=self.settings.register_timeout_s)
+            api_key=h.api_key, timeout=wait)
         e.routed, e.router_worker_id = True, info.id
 
     def add_all(self, engines: list[ManagedEngine],
