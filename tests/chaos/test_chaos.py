@@ -18,8 +18,10 @@ from slime_like.train import train
 from tests.topologies.job_checks import no_process_outlives
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fresh_ray():
+    """One local Ray cluster for the module's runs (every run starts its own fleet, trainer
+    and placement group, and stops them at its end)."""
     yield
     if ray.is_initialized():
         ray.shutdown()

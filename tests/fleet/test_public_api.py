@@ -11,8 +11,10 @@ import ray
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "train_loop.py"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fresh_ray():
+    """One local Ray cluster for the module: the first run of the example starts it (the
+    example joins a running one), the module's end stops it."""
     yield
     if ray.is_initialized():
         ray.shutdown()

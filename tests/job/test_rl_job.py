@@ -29,8 +29,10 @@ MATH = ["--config", "examples/math_rl/config.yaml", "--rollout-batch-size", "4",
         "--n-samples-per-prompt", "2"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fresh_ray():
+    """One local Ray cluster for the module's in-process jobs (each starts its own fleet,
+    trainer and placement group and stops them at its end)."""
     yield
     if ray.is_initialized():
         ray.shutdown()

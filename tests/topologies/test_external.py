@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+import ray
 import requests
 
 from slime_like.models.tiny import make_tiny_model
@@ -29,6 +31,15 @@ from tests.topologies.job_checks import (
 
 STEPS = 5
 KILLED = "default/external/e1"
+
+
+@pytest.fixture(scope="module")
+def fresh_ray():
+    """One local Ray cluster for the module's jobs (each starts its own fleet, trainer and
+    placement group and stops them; the external engines are the tests' own processes)."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def start(model: Path, port: int, log: Path, seed: int) -> subprocess.Popen:
