@@ -153,3 +153,44 @@ def test_a_retry_leaves_out_an_engine_whose_scheduler_is_busy(fleet, tiny_model_
 def _quietly(fn, *args) -> None:
     with contextlib.suppress(Exception):  # the held call fails once its store closes
         fn(*args)
+
+
+def test_a_router_relaunched_while_an_engine_hangs_lets_go_of_it_without_holding_the_fleet(
+        fleet, tiny_model_dir):
+    """The router dies while one engine is SIGSTOPped. The fleet relaunches it and re-adds
+    both engines at once: the answering one is routed again; the hung one is given up after
+    REROUTE_TIMEOUT_S, not the 60 s registration timeout (the fleet's lock is held during
+    the re-add, which kept the health monitor from finding it), and goes STALE. Once it
+    answers again it resyncs and rejoins."""
+    import os
+    import signal
+    import threading
+
+    from slime_like.chaos import kill_router
+    from slime_like.fleet.fleet import REROUTE_TIMEOUT_S
+
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", http_timeout_s=5.0, group_timeout_s=5.0)
+    weights.push(model)
+    hung, other = fleet.engines[0], fleet.engines[1]
+    given_up, reasons = threading.Event(), []
+
+    def on_event(event) -> None:
+        if event.subject == hung.engine_id and event.kind is EngineState.STALE:
+            reasons.append(str(event.details.get("reason")))
+            given_up.set()
+
+    fleet.subscribe(on_event)
+    pid = ray.get(hung.actors[0].server_pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        kill_router(fleet)
+        # well before the 60 s registration timeout would have let go of the fleet's lock
+        assert given_up.wait(REROUTE_TIMEOUT_S + 20), "the hung engine held the re-add"
+        assert reasons[0].startswith("router restart"), reasons
+        assert routed_urls(fleet) == {other.url}
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_all_registered(fleet)
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    weights.close()
