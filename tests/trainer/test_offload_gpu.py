@@ -100,3 +100,24 @@ def test_kept_weights_stay_in_one_gpu_storage_while_adam_state_moves(tmp_path):
             assert mine == theirs, f"step {step}"
     assert len(storages) == 1, f"the weights moved between {len(storages)} storages"
     assert kept.train_step(SAMPLES, ADVANTAGES)["loss"] == twin.train_step(SAMPLES, ADVANTAGES)["loss"]
+
+
+def test_the_first_offload_pins_one_host_buffer_for_the_whole_run(tmp_path):
+    """The job's first offload comes before any train step (weights only): the pinned host
+    buffer it allocates has room for AdamW's moments, so later offloads reuse it."""
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    moved = PolicyTrainer(model_dir, device="cuda", seed=0)
+    twin = PolicyTrainer(model_dir, device="cuda", seed=0)
+    moved.move_to("cpu", wait=False)
+    moved.move_to("cuda", wait=False)
+    host = {d: (b.data_ptr(), b.is_pinned()) for d, b in moved.offloader._host.items()}
+    assert all(pinned for _, pinned in host.values())
+    for step in range(2):
+        for t in (moved, twin):
+            t.train_step(SAMPLES, ADVANTAGES)
+        moved.move_to("cpu", wait=False)
+        moved.move_to("cuda", wait=False)
+        assert {d: (b.data_ptr(), b.is_pinned()) for d, b in moved.offloader._host.items()} == host
+        for mine, theirs in zip(moved.completion_logprobs(SAMPLES),
+                                twin.completion_logprobs(SAMPLES), strict=True):
+            assert mine == theirs, f"step {step}"
