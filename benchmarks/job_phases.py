@@ -35,25 +35,6 @@ def medians(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def d2d_seconds(nbytes: int, repeats: int = 7) -> float:
-    """Median time of one contiguous device-to-device copy of `nbytes` (CUDA events)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("metrics", type=Path)
@@ -74,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if detail:
         print("sync, ms: " + ", ".join(f"{k} {v:g}" for k, v in detail.items()))
     if args.d2d and m.get("sync_gb"):
-        m["d2d_one_buffer_s"] = round(d2d_seconds(int(m["sync_gb"] * 1e9)), 6)
+        from colocate import link_rates  # the colocate benchmark's link measurement
+
+        nbytes = int(m["sync_gb"] * 1e9)
+        m["d2d_one_buffer_s"] = round(nbytes / link_rates(True, nbytes)["d2d"], 6)
         m["sync_over_d2d"] = round(m["sync_s"] / m["d2d_one_buffer_s"], 2)
         print(f"sync {m['sync_s'] * 1e3:.1f} ms for {m['sync_gb']:.2f} GB; d2d one buffer "
               f"{m['d2d_one_buffer_s'] * 1e3:.2f} ms: {m['sync_over_d2d']:.2f}x")

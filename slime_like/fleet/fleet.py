@@ -52,6 +52,7 @@ from slime_like.fleet.stream import RolloutStream
 from slime_like.protocol.weight_version import WeightVersion, parse_weight_version
 from slime_like.rollout.generate import RouterGenerator, Sample
 from slime_like.rollout.scoring import token_logprobs
+from slime_like.weights.fanout import each
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +162,8 @@ class Fleet:
             routed = [e for e in self.engines if e.model_name == model and e.routed]
             for e in routed:
                 self.routers.forget(e)
-            errors = self.routers.add_all(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S))
-            for e, err in zip(routed, errors, strict=True):
+            outcomes = each(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S), name="router-add")
+            for e, (_, err) in zip(routed, outcomes, strict=True):
                 if err is not None:  # it resyncs or recovers instead
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
                     if e.state is S.REGISTERED:
@@ -317,11 +318,9 @@ class Fleet:
         self.recovery.resync_stale_later()
 
     def _resume(self, chosen: list[ManagedEngine]) -> None:
-        def resume(e: ManagedEngine) -> None:
-            with contextlib.suppress(Exception):
-                e.handle.continue_generation(timeout=self.settings.verify_timeout_s)
-        with ThreadPoolExecutor(max(1, len(chosen))) as pool:
-            list(pool.map(resume, chosen))
+        # failures are the health monitor's to find
+        each(chosen, lambda e: e.handle.continue_generation(timeout=self.settings.verify_timeout_s),
+             name="continue")
 
     def sync_attempts(self, retries: int = 3, wait_for_engines_s: float = 600.0,
                       version: WeightVersion | None = None) -> SyncAttempts:

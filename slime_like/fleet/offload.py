@@ -12,12 +12,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.lifecycle import ManagedEngine
 from slime_like.protocol.io_struct import ALL_MEMORY_TAGS
+from slime_like.weights.fanout import each
 
 if TYPE_CHECKING:
     from slime_like.fleet.fleet import Fleet
@@ -52,7 +52,8 @@ class Offload:
 
         `hold_for_sync`: the caller syncs right after the body, so every resumed engine stays
         out of the router (STALE, taken along by that sync) instead of being routed at the
-        old version, or probed while it has no weights (released without a backup). Nothing can reach it meanwhile, so the sync skips its pause and
+        old version, or probed while it has no weights (released without a backup). Nothing
+        can reach it meanwhile, so the sync skips its pause and
         continue (two round trips each): the sync routes it at the new version.
         """
         fleet = self.fleet
@@ -121,15 +122,8 @@ class Offload:
 
 def _each(engines: list[ManagedEngine], fn: Callable[[ManagedEngine], Any]) -> list[ManagedEngine]:
     """Run `fn` on every engine concurrently; the engines it succeeded on."""
-    def one(e: ManagedEngine) -> bool:
-        try:
-            fn(e)
-            return True
-        except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
+    outcomes = each(engines, fn, name="offload")
+    for e, (_, err) in zip(engines, outcomes, strict=True):
+        if err is not None:
             logger.warning("%s: %s", e.engine_id, err)
-            return False
-    if not engines:
-        return []
-    with ThreadPoolExecutor(len(engines)) as pool:
-        ok = list(pool.map(one, engines))
-    return [e for e, good in zip(engines, ok, strict=True) if good]
+    return [e for e, (_, err) in zip(engines, outcomes, strict=True) if err is None]

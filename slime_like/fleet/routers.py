@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from slime_like.config.layout import RouterPlan
@@ -129,22 +128,6 @@ class Routers(Mapping[str, Router]):
             h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
             api_key=h.api_key, timeout=wait)
         e.routed, e.router_worker_id = True, info.id
-
-    def add_all(self, engines: list[ManagedEngine],
-                add: Callable[[ManagedEngine], None]) -> list[Exception | None]:
-        """`add(e)` for every engine at once (each waits until its router lists it healthy,
-        up to the registration timeout); each engine's error, or None."""
-        def one(e: ManagedEngine) -> Exception | None:
-            try:
-                add(e)
-            except Exception as err:  # noqa: BLE001 - the caller decides what it means
-                return err
-            return None
-
-        if not engines:
-            return []
-        with ThreadPoolExecutor(len(engines), thread_name_prefix="router-add") as pool:
-            return list(pool.map(one, engines))
 
     def remove(self, e: ManagedEngine) -> None:
         """Take the engine out of its router; a router that is down took it with it."""

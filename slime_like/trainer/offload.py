@@ -150,12 +150,8 @@ class TrainerOffload:
             return
         weights: dict[torch.dtype, torch.Tensor] = {}
         for g in groups:
-            flat = torch.empty(g.numel, dtype=g.dtype, device=g.slots[0].tensor.device)
-            for s, off in zip(g.slots, g.offsets, strict=True):
-                view = flat[off:off + s.tensor.numel()].view(s.tensor.shape)
-                view.copy_(s.tensor)
-                s.assign(view)
-            weights[g.dtype] = flat
+            weights[g.dtype] = torch.empty(g.numel, dtype=g.dtype, device=g.slots[0].tensor.device)
+            _view_into(g, weights[g.dtype], copy=True)
         self._weights = weights
 
     def _moments_to_come(self) -> int:
@@ -300,9 +296,7 @@ class TrainerOffload:
                     stats.copies += 1
             stats.bytes = sum(g.numel * flats[g.dtype].element_size() for g in self._groups)
         for g in self._groups:
-            flat = flats[g.dtype]
-            for s, off in zip(g.slots, g.offsets, strict=True):
-                s.assign(flat[off:off + s.tensor.numel()].view(s.tensor.shape))
+            _view_into(g, flats[g.dtype])
         self._flat = flats
         self.offloaded = False
         self._groups = []
@@ -345,6 +339,15 @@ class TrainerOffload:
     def host_bytes(self) -> int:
         """Bytes of pinned host memory held for the offload."""
         return sum(b.numel() * b.element_size() for b in self._host.values())
+
+
+def _view_into(g: _Group, flat: torch.Tensor, copy: bool = False) -> None:
+    """Make every tensor of the group its view of `flat` (copying its bytes in first)."""
+    for s, off in zip(g.slots, g.offsets, strict=True):
+        view = flat[off:off + s.tensor.numel()].view(s.tensor.shape)
+        if copy:
+            view.copy_(s.tensor)
+        s.assign(view)
 
 
 def _weights_end(g: _Group) -> int:

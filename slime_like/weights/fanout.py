@@ -16,6 +16,7 @@ from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError, WeightSyncError
 
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - an item
 
 
 def engine_ranks(engines: Sequence[EngineHandle]) -> tuple[list[int], int]:
@@ -119,31 +120,36 @@ def _copy_result(src: Future, dst: Future) -> None:
         dst.set_result(src.result())
 
 
-def on_all(engines: Sequence[EngineHandle], step: str, fn: Callable[[EngineHandle], T],
-           timeout: float | None = None) -> list[T]:
+def each(items: Sequence[I], fn: Callable[[I], T], *,
+         name: str = "each") -> list[tuple[T | None, Exception | None]]:
+    """`fn(item)` for every item at once; per item, in order, (result, None) or (None, the
+    error). Every call has ended when this returns. One item runs in the caller's thread:
+    no thread to start and join on a hot path (a colocated sync's single engine). The
+    fleet's fan-outs use it too."""
+    def one(item: I) -> tuple[T | None, Exception | None]:
+        try:
+            return fn(item), None
+        except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
+            return None, err
+
+    if len(items) <= 1:
+        return [one(item) for item in items]
+    with ThreadPoolExecutor(len(items), thread_name_prefix=name) as pool:
+        return list(pool.map(one, items))
+
+
+def on_all(engines: Sequence[EngineHandle], step: str,
+           fn: Callable[[EngineHandle], T]) -> list[T]:
     """Run fn on every engine concurrently; the first failure raises naming engine and step.
 
-    Every call is waited for (up to `timeout`) before raising, so no engine is left with a
-    half-issued control call when the caller moves on to clean up.
+    Every call is waited for before raising, so no engine is left with a half-issued
+    control call when the caller moves on to clean up.
     """
-    results, errors = [], []
-    if len(engines) == 1:
-        # One engine (a colocated sync): no thread to start and join on the critical path.
-        try:
-            results.append(fn(engines[0]))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append((engines[0], exc))
-    else:
-        with ThreadPoolExecutor(len(engines), thread_name_prefix=step) as pool:
-            futures = [(e, pool.submit(fn, e)) for e in engines]
-            for e, f in futures:
-                try:
-                    results.append(f.result(timeout=timeout))
-                except Exception as exc:  # noqa: BLE001 - every failure is reported below
-                    errors.append((e, exc))
+    outcomes = each(engines, fn, name=step)
+    errors = [(e, err) for e, (_, err) in zip(engines, outcomes, strict=True) if err is not None]
     if errors:
         raise step_error(step, errors)
-    return results
+    return [result for result, _ in outcomes]
 
 
 def step_error(step: str, errors: Sequence[tuple[EngineHandle, BaseException]]) -> WeightSyncError:
