@@ -26,8 +26,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from slime_like.cluster.ports import free_port  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
-from slime_like.reference_engine.tp import free_port  # noqa: E402
 
 
 def start_engine(model_dir: Path, cpu: int, max_running: int, log: Path) -> tuple[subprocess.Popen, str]:

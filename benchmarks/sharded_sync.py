@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,13 +46,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from slime_like.cluster.ports import free_port  # noqa: E402
+
 TARGETS = {"ratio": 1.3, "extra_vs_bound": 1.1, "overlap": 0.7}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checksum(named) -> str:

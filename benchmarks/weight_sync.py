@@ -38,7 +38,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -59,6 +58,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from slime_like.cluster.ports import free_port  # noqa: E402
 from slime_like.models.config import ModelConfig  # noqa: E402
 from slime_like.models.transformer import CausalLM, hf_named_parameters  # noqa: E402
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name, dtype_name  # noqa: E402
@@ -215,12 +215,6 @@ def log(msg: str) -> None:
 
 
 # ---- raw and per-tensor: plain receivers on the engines' ranks ----------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _receiver(rank: int, world: int, port: int, device: str, backend: str, spec: list,
               plan: list[tuple[str, int]], conn) -> None:

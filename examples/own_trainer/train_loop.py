@@ -16,7 +16,6 @@ and rank 0 gathers the shards bucket by bucket into the engines.
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -27,17 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from slime_like.api import FleetWeights, launch_fleet
+from slime_like.cluster.ports import free_port
 from slime_like.models import load_pretrained
 from slime_like.models.tiny import make_tiny_model
 
 HERE = Path(__file__).resolve().parent
 BUCKET_BYTES = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(rank: int, world: int, port: int) -> None:
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     peers = []
     try:
         if a.fsdp > 1:
-            port = _free_port()
+            port = free_port()
             ctx = mp.get_context("spawn")
             peers = [ctx.Process(target=fsdp_peer, args=(r, a.fsdp, port, model_path, a.steps))
                      for r in range(1, a.fsdp)]

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import random
 import socket
 import tempfile
 import threading
@@ -29,8 +30,10 @@ from pathlib import Path
 from slime_like.errors import LaunchError
 
 # Below Linux's ephemeral range (32768+), where outgoing connections and port-0 binds of
-# NCCL/torch would otherwise collide with ours.
-DEFAULT_PORT_RANGE = (15000, 32000)
+# NCCL/gloo/torch would otherwise collide with ours, and above Ray's worker ports
+# (10002-19999 by default).
+DEFAULT_PORT_RANGE = (20000, 32000)
+_random = random.SystemRandom()  # not the seeded global: seeded processes would pick alike
 
 
 def _lock_dir() -> Path:
@@ -173,3 +176,36 @@ def reserve_ports(
         raise LaunchError(f"could not reserve {count} block(s) of {consecutive} free port(s) in "
                           f"{start}..{end} on {socket.gethostname()}")
     return PortReservation(firsts, extra)
+
+
+def free_ports(count: int = 1, *, host: str = "0.0.0.0",
+               port_range: tuple[int, int] = DEFAULT_PORT_RANGE) -> list[int]:
+    """`count` distinct ports free on this node now, for servers the caller starts next.
+
+    For a process that binds the port itself soon after (a test's engine, a TCP store).
+    Drawn at random from `port_range`, not the kernel's port 0: the kernel hands port-0
+    binds (gloo pairs, Ray's workers, other test processes) from the ephemeral range, and
+    one of them could take a port picked there before our server binds it. A port another
+    reserver holds is skipped. A launcher that can hold the port until the server binds it
+    uses `reserve_ports` instead.
+    """
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    start, end = port_range
+    picked: list[int] = []
+    for _ in range(100 * count):
+        port = _random.randrange(start, end)
+        if port in picked:
+            continue
+        held = _try_hold(port, family)
+        if held is not None:
+            held.unlock()
+            picked.append(port)
+            if len(picked) == count:
+                return picked
+    raise LaunchError(f"could not find {count} free port(s) in {start}..{end} on "
+                      f"{socket.gethostname()}")
+
+
+def free_port(host: str = "0.0.0.0") -> int:
+    """One port free on this node now (see `free_ports`)."""
+    return free_ports(1, host=host)[0]

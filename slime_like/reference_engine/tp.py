@@ -18,7 +18,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime_like.cluster.ports import free_port
 from slime_like.errors import LaunchError
 from slime_like.reference_engine.args import EngineArgs, split_host_port
 from slime_like.reference_engine.rank_ops import RankOp
@@ -56,13 +56,6 @@ def die_with_parent() -> None:
             time.sleep(0.5)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_group_init_method(args: EngineArgs, local_port: int | None = None) -> str:

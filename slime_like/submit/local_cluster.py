@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from slime_like.cluster.ports import free_ports
 from slime_like.errors import LaunchError
 
 PORT_FLAGS = ("--port", "--dashboard-port", "--dashboard-agent-listen-port",
@@ -49,18 +49,6 @@ class PrivateCluster:
     def dashboard_url(self) -> str:
         """Where `ray job` and the job SDK reach it."""
         return f"http://127.0.0.1:{self.dashboard_port}"
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now (held together while they are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def start_cluster(temp_dir: str, num_cpus: int, num_gpus: int, timeout_s: float = 300.0,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,6 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from slime_like.cluster.ports import free_port
 from slime_like.engine.handle import EngineHandle
 from slime_like.trainer.checkpoint import (
     load_rank_state,
@@ -35,12 +35,6 @@ from slime_like.weights.sharded import ShardedWeights
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class TrainerRank:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from slime_like.cluster.hosts import node_ip
-from slime_like.cluster.ports import reserve_ports
+from slime_like.cluster.ports import DEFAULT_PORT_RANGE, free_ports, reserve_ports
 from slime_like.errors import LaunchError
 
 
@@ -83,3 +84,29 @@ def test_ipv6_host_reserves_on_both_stacks():
 def test_node_ip_honours_the_override(monkeypatch):
     monkeypatch.setenv("SLIME_LIKE_HOST_IP", "[fd00::7]")
     assert node_ip() == "fd00::7"
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
+    """Picked below the kernel's port-0 range, so gloo, Ray and other tests' port-0 binds
+    cannot take one between the pick and the server's bind."""
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    for port in ports:
+        assert DEFAULT_PORT_RANGE[0] <= port < min(DEFAULT_PORT_RANGE[1], lo)
+        assert _can_bind(port)
+
+
+def test_free_ports_skip_taken_ports_and_ports_a_launcher_holds():
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"could not find 1 free port.*{taken}"):
+            free_ports(1, port_range=(taken, taken + 1))
+    with reserve_ports(1) as held:
+        port = held.ports[0]
+        held.release_for_server()  # bindable now, still locked until the server has it
+        assert _can_bind(port)
+        for _ in range(20):
+            assert free_ports(1, port_range=(port, port + 3)) != [port]

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from slime_like.cluster.ports import free_port
 from slime_like.cluster.process import ServerProcess
 from slime_like.engine.client import EngineClient
 from slime_like.fleet.health import HealthMonitor, HealthPolicy
-from slime_like.reference_engine.tp import free_port
 
 
 @pytest.fixture

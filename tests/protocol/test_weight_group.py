@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.multiprocessing as mp
 
+from slime_like.cluster.ports import free_port
 from slime_like.protocol.weight_group import (
     destroy_process_group,
     init_custom_process_group,
     tcp_init_method,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _member(rank: int, port: int, group_names: list[str], out):
@@ -35,7 +28,7 @@ def _member(rank: int, port: int, group_names: list[str], out):
 
 
 def test_two_processes_broadcast_and_rebuild_under_a_new_group_name():
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_member, args=(r, port, ["g1", "g2"], q)) for r in (0, 1)]

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from slime_like.cluster.ports import free_port
 from slime_like.reference_engine.step_floor import MIN_STEP_ENV
-from slime_like.reference_engine.tp import free_port
 
 # Engines listen on loopback; a machine-wide HTTP proxy must never see these requests.
 for _var in ("no_proxy", "NO_PROXY"):

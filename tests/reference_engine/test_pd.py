@@ -16,9 +16,9 @@ import time
 import pytest
 import requests
 
+from slime_like.cluster.ports import free_port
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.tokenizer import ByteTokenizer
-from slime_like.reference_engine.tp import free_port
 from slime_like.router.router import Router
 from slime_like.weights import WeightSync
 from tests.reference_engine.conftest import start_engine, stop_engine

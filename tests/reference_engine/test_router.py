@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from slime_like.reference_engine.tp import free_port
+from slime_like.cluster.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -13,16 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from slime_like.cluster.ports import free_port
 from slime_like.submit.ray_job import NO_AGENT, JobSubmitError, wait_and_submit
 from tests.scripts.port_helpers import RAY_FIXED_DEFAULT_PORTS, hold
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_bad_flag_is_the_clis_one_line_error_and_exit_2(tmp_path):
@@ -70,7 +64,7 @@ def test_a_flag_without_its_value_is_named_too():
 
 
 def test_submission_gives_up_at_the_deadline_naming_what_it_waited_for():
-    address = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(JobSubmitError) as err:
         wait_and_submit(address, "true", timeout_s=1, say=lambda _: None)
     assert str(err.value).startswith(

@@ -19,8 +19,8 @@ import pytest
 import ray
 import requests
 
+from slime_like.cluster.ports import free_port
 from slime_like.models.tiny import make_tiny_model
-from slime_like.reference_engine.tp import free_port
 from tests.topologies.job_checks import (
     check_run,
     metrics,

@@ -9,7 +9,7 @@ as --rollout-max-response-len and the check holds at --rollout-temperature 0.7.
 
 from __future__ import annotations
 
-from slime_like.reference_engine.tp import free_port
+from slime_like.cluster.ports import free_port
 from tests.topologies.job_checks import check_run, no_process_outlives, run_job, timeline
 
 STEPS = 4

@@ -15,8 +15,8 @@ import torch
 import torch.multiprocessing as mp
 from fsdp_helpers import ddp_and_fsdp_rank
 
+from slime_like.cluster.ports import free_port
 from slime_like.errors import ConfigError
-from slime_like.reference_engine.tp import free_port
 from slime_like.trainer.checkpoint import SHARDED_DIR, load_rank_state, load_sharded_rank_state
 from slime_like.trainer.policy import PolicyTrainer
 

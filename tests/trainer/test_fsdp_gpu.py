@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from slime_like.cluster.ports import free_port
 from slime_like.models.tiny import make_tiny_model
-from slime_like.reference_engine.tp import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

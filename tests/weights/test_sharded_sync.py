@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from sharded_helpers import SCALE, sharded_sync_rank
 from weight_sync_helpers import greedy_continuation, model_checksum, trainer_model
 
-from slime_like.reference_engine.tp import free_port
+from slime_like.cluster.ports import free_port
 
 PROMPT = [1, 72, 101, 108, 108, 111]
 BUCKET = 16 << 10

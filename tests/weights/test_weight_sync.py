@@ -81,6 +81,9 @@ def test_pause_modes_with_requests_in_flight(engines, tiny_model_dir, pause_mode
                       update_weight_buffer_size=64 << 10, http_timeout_s=60)
     model = trainer_model(tiny_model_dir, seed=next(_seeds))
     try:
+        # Probe, metadata check and weight group first: on a loaded machine they take
+        # seconds, long enough for the requests to finish before the pause.
+        sync.attach(model)
         with ThreadPoolExecutor(8) as pool:
             pending = {e.url: _start_long_requests(pool, e, 2) for e in engines}
             for e in engines:

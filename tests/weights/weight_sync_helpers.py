@@ -10,10 +10,10 @@ from pathlib import Path
 import requests
 import torch
 
+from slime_like.cluster.ports import free_port
 from slime_like.cluster.process import ServerProcess
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.transformer import CausalLM, hf_named_parameters
-from slime_like.reference_engine.tp import free_port
 
 
 @dataclass
