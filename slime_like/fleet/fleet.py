@@ -57,7 +57,7 @@ from slime_like.weights.fanout import each
 logger = logging.getLogger(__name__)
 
 S = EngineState
-# Re-adding an engine to a relaunched router: engines that served a moment ago register in
+# Re-adding an engine to a relaunched router: one that served a moment ago registers in
 # well under a second; one that takes longer is hung and resyncs instead.
 REROUTE_TIMEOUT_S = 10.0
 # push(update): put the weights of `update.version` into `update.targets` (the trainer).
@@ -154,14 +154,15 @@ class Fleet:
                 gen.resubmit_in_flight()
 
     def _reroute(self, model: str) -> int:
-        """After a router's relaunch: its engines are re-added (or resync); how many were.
-        All at once, each within REROUTE_TIMEOUT_S: they answered a moment ago, and a hung
-        one would otherwise hold the lock for the registration timeout, keeping the health
-        monitor from finding it."""
+        """After a router's relaunch: its engines re-added (or resync) at once, each within
+        REROUTE_TIMEOUT_S (a hung one would hide behind the lock from the health monitor).
+        Not those in a sync: paused, they fail health checks, and the router cannot cancel
+        a registration it probes (it lands at weights the sync may fail); settle routes them."""
         with self.lock:
             routed = [e for e in self.engines if e.model_name == model and e.routed]
             for e in routed:
                 self.routers.forget(e)
+            routed = [e for e in routed if e.state is not S.UPDATING]
             outcomes = each(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S), name="router-add")
             for e, (_, err) in zip(routed, outcomes, strict=True):
                 if err is not None:  # it resyncs or recovers instead

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime_like.cluster.ports import free_port
 from slime_like.errors import LaunchError
+from slime_like.protocol.weight_group import host_store
 from slime_like.reference_engine.args import EngineArgs, split_host_port
 from slime_like.reference_engine.rank_ops import RankOp
 
@@ -134,8 +134,12 @@ class TPGroup:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.size = args.tp_size
-        self.port = free_port()
-        self.init_method = default_group_init_method(args, self.port)
+        # One node: rank 0 serves the group's store on a port the kernel gives it at bind
+        # time, so no other process can take the port between a pick and the bind.
+        self._store = None if args.nnodes > 1 else host_store(
+            args.tp_size, timedelta(seconds=_READY_TIMEOUT_S), host="127.0.0.1")
+        self.init_method = default_group_init_method(
+            args, None if self._store is None else self._store.port)
         self._procs: list[mp.Process] = []  # ranks 1..k-1 on this node
         self._conns: list[Any] = []  # ranks 1..N-1, local pipes first, then remote ranks
         self._driver = None
@@ -181,8 +185,12 @@ class TPGroup:
                 self._conns.append(self._driver.wait_rank(rank, deadline))
         for rank, conn in enumerate(self._conns, start=1):
             self._expect(rank, conn, "loaded")
-        dist.init_process_group("gloo", init_method=self.init_method, rank=0,
-                                world_size=self.size, timeout=timedelta(seconds=_READY_TIMEOUT_S))
+        # The other ranks join through init_method, which prefixes their keys "default_pg"
+        # (torch's rendezvous): rank 0 on its own store must use the same prefix.
+        rendezvous = {"init_method": self.init_method} if self._store is None else {
+            "store": dist.PrefixStore("default_pg", self._store)}
+        dist.init_process_group("gloo", rank=0, world_size=self.size,
+                                timeout=timedelta(seconds=_READY_TIMEOUT_S), **rendezvous)
         for rank, conn in enumerate(self._conns, start=1):
             self._expect(rank, conn, "ready")
         if self._procs:

@@ -105,8 +105,11 @@ class RouterClient:
                    api_key: str | None = None, timeout: float = 60.0, post_retries: int = 3) -> WorkerInfo:
         """Register a worker and wait until `GET /workers` lists it healthy.
 
-        The POST is retried (bounded) when the router cannot be reached; a registration that
-        does not complete in time is withdrawn, so it cannot land later behind our back.
+        The POST is retried (bounded) when the router cannot be reached. A registration
+        that does not complete in time is asked to be removed, but sglang-router 0.3 cannot
+        cancel an add it is still probing: it lands once the worker answers its health
+        check. So do not register a worker that cannot answer now (e.g. one paused for a
+        weight update) unless it may serve whenever it answers.
         """
         if worker_type not in WORKER_TYPES:
             raise RouterError(f"worker_type {worker_type!r} for {url} is not one of {WORKER_TYPES}")
@@ -140,7 +143,8 @@ class RouterClient:
             time.sleep(0.2)
         self._withdraw(worker_id)
         raise RouterError(f"router {self.url}: worker {url} ({worker_type}) not listed healthy "
-                          f"after {timeout:.0f}s; registration withdrawn; last job status: {job}")
+                          f"after {timeout:.0f}s; removal requested (it may still land when the worker "
+                          f"answers); last job status: {job}")
 
     def _withdraw(self, worker_id: str) -> None:
         # Best effort: the caller is already failing with the more useful error.

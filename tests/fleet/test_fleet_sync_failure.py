@@ -194,3 +194,53 @@ def test_a_router_relaunched_while_an_engine_hangs_lets_go_of_it_without_holding
     wait_all_registered(fleet)
     assert routed_urls(fleet) == {e.url for e in fleet.engines}
     weights.close()
+
+
+def test_a_router_relaunched_during_a_sync_that_then_fails_routes_no_engine_at_its_weights(
+        fleet, tiny_model_dir):
+    """Found by the fully-async chaos short form: the router dies while a sync holds the
+    engines paused, and the sync fails after they took its weights. A paused engine answers
+    no health check, and sglang-router cannot cancel a registration it is still probing (a
+    DELETE does nothing; it lands once the engine answers): re-added then, the engines
+    entered the new router at the failed sync's weights when the sync continued them. Now
+    they are not re-added until their sync settles: never listed at those weights, then
+    resynced and routed at the fleet's version."""
+    from slime_like.chaos import kill_router
+
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed")
+    weights.push(model)
+    version = fleet.version.wire
+    restarts = len(fleet.routers.restarts)
+    listed_versions: list[set[str]] = []
+
+    def sample_router(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            listed = {e.url for e in fleet.engines} & routed_urls(fleet)
+            listed_versions.append({e.handle.weight_version() for e in fleet.engines
+                                    if e.url in listed})
+            time.sleep(0.2)
+
+    def sync_that_fails(update):
+        for h in update.targets:
+            h.pause_generation("retract")
+        kill_router(fleet)
+        deadline = time.monotonic() + 60
+        while len(fleet.routers.restarts) == restarts:  # relaunched, engines re-added
+            assert time.monotonic() < deadline, "the router was not relaunched"
+            time.sleep(0.1)
+        perturbed = {name: t + 1.0 for name, t in ModelWeights(model).tensors()}
+        weights.sync.update(perturbed, update.version.wire, engines=update.targets)  # continues
+        sample_router(3.0)  # a registration left probing would land now
+        raise WeightSyncError("end_weight_update", "the trainer failed after the transfer")
+
+    with pytest.raises(WeightSyncError, match="failed after the transfer"):
+        fleet.sync(sync_that_fails, retries=0)
+    sample_router(3.0)
+    assert fleet.version.wire == version
+    assert all(v <= {version} for v in listed_versions), listed_versions
+    wait_all_registered(fleet)
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    assert {e.handle.weight_version() for e in fleet.engines} == {version}
+    weights.close()

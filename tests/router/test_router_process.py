@@ -31,7 +31,7 @@ def test_wait_ready_without_workers_gives_up_saying_what_it_waited_for(router):
         router.client.wait_ready(timeout=1)
 
 
-def test_registering_an_unreachable_worker_fails_in_time_and_is_withdrawn(router):
+def test_registering_an_unreachable_worker_fails_in_time(router):
     with socket.socket() as s:  # a port nobody serves
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"

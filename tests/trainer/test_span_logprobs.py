@@ -43,14 +43,16 @@ def engine(models, tmp_path_factory):
 def _generate_across_an_update(engine, pause_mode: str, new_model, version: str) -> dict:
     """One long request; paused after it produced tokens, weights replaced, continued."""
     body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}}
+            # As long as the context allows: on a loaded machine a shorter request could end
+            # before the pause reaches the engine.
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 1.0}}
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(engine.generate, body, timeout=120)
         deadline = time.monotonic() + 30
         while engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
-        time.sleep(0.3)  # some tokens at version 1
+        time.sleep(0.1)  # some tokens at version 1
         assert engine.post("/pause_generation", {"mode": pause_mode}).status_code == 200
         try:  # no flush: a request paused in place still holds its KV
             r = engine.post("/update_weights_from_disk",
