@@ -116,10 +116,8 @@ class Fleet:
         self.events.emit(e.engine_id, dst, src, **details)
 
     def find(self, engine_id: str) -> ManagedEngine:
-        for e in self.engines:
-            if e.engine_id == engine_id:
-                return e
-        raise KeyError(engine_id)
+        """The engine of that id (KeyError if none)."""
+        return {e.engine_id: e for e in self.engines}[engine_id]
 
     # ---- routing ----------------------------------------------------------------------------
 
@@ -137,12 +135,13 @@ class Fleet:
         return next((r.model_name for r in self.placement.plan.routers
                      if not r.update_weights), None)
 
-    def route(self, e: ManagedEngine, timeout: float | None = None) -> None:
+    def route(self, e: ManagedEngine, timeout: float | None = None, *,
+              if_answering: bool = False) -> None:
         """Add an engine to its router; refused unless it serves the fleet's version."""
         if e.update_weights and e.verified_version != self.version:
             raise FleetError(f"engine {e.engine_id} serves version {e.verified_version}, the "
                              f"fleet is at {self.version}: not routed")
-        self.routers.add(e, timeout)
+        self.routers.add(e, timeout, if_answering=if_answering)
 
     def unroute(self, e: ManagedEngine) -> None:
         self.routers.remove(e)
@@ -155,15 +154,16 @@ class Fleet:
 
     def _reroute(self, model: str) -> int:
         """After a router's relaunch: its engines re-added (or resync) at once, each within
-        REROUTE_TIMEOUT_S (a hung one would hide behind the lock from the health monitor).
-        Not those in a sync: paused, they fail health checks, and the router cannot cancel
-        a registration it probes (it lands at weights the sync may fail); settle routes them."""
+        REROUTE_TIMEOUT_S (a hung one would hide behind the lock from the health monitor),
+        if they answer /health now. Not those in a sync (paused: no /health answer); its
+        settle routes them. The router cannot cancel a registration it still probes."""
         with self.lock:
             routed = [e for e in self.engines if e.model_name == model and e.routed]
             for e in routed:
                 self.routers.forget(e)
             routed = [e for e in routed if e.state is not S.UPDATING]
-            outcomes = each(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S), name="router-add")
+            outcomes = each(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S, if_answering=True),
+                            name="router-add")
             for e, (_, err) in zip(routed, outcomes, strict=True):
                 if err is not None:  # it resyncs or recovers instead
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from slime_like.config.layout import RouterPlan
 from slime_like.config.slices import FleetSettings
+from slime_like.errors import RouterError
 from slime_like.fleet.events import EventBus, RouterState
 from slime_like.fleet.lifecycle import ManagedEngine
 from slime_like.router.router import Router
@@ -114,9 +115,16 @@ class Routers(Mapping[str, Router]):
 
     # ---- membership ------------------------------------------------------------------------------
 
-    def add(self, e: ManagedEngine, timeout: float | None = None) -> None:
+    def add(self, e: ManagedEngine, timeout: float | None = None, *,
+            if_answering: bool = False) -> None:
         """Make the engine a worker of its model's router (waits until the router lists it,
-        up to `timeout`, by default the registration timeout)."""
+        up to `timeout`, by default the registration timeout).
+
+        `if_answering`: register only an engine that answers /health within `timeout` now,
+        for one that may have hung unseen. sglang-router cannot cancel a registration it is
+        still probing: given up on, it would land whenever the engine answered again, at
+        whatever weights it then had.
+        """
         if e.routed or e.handle is None:
             return
         h = e.handle
@@ -124,6 +132,12 @@ class Routers(Mapping[str, Router]):
             return
         wait = self.settings.register_timeout_s if timeout is None else \
             min(timeout, self.settings.register_timeout_s)
+        if if_answering:
+            try:
+                h.health_generate(timeout=wait)
+            except Exception as err:  # noqa: BLE001 - any failure: not registered
+                raise RouterError(f"{e.engine_id} ({h.url}) did not answer /health within "
+                                  f"{wait:.0f}s: not registered ({err})") from err
         info = self._routers[e.model_name].client.add_worker(
             h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
             api_key=h.api_key, timeout=wait)

@@ -161,7 +161,7 @@ def test_a_router_relaunched_while_an_engine_hangs_lets_go_of_it_without_holding
     both engines at once: the answering one is routed again; the hung one is given up after
     REROUTE_TIMEOUT_S, not the 60 s registration timeout (the fleet's lock is held during
     the re-add, which kept the health monitor from finding it), and goes STALE. Once it
-    answers again it resyncs and rejoins."""
+    answers again it resyncs and rejoins, never registered at its old version."""
     import os
     import signal
     import threading
@@ -189,8 +189,19 @@ def test_a_router_relaunched_while_an_engine_hangs_lets_go_of_it_without_holding
         assert given_up.wait(REROUTE_TIMEOUT_S + 20), "the hung engine held the re-add"
         assert reasons[0].startswith("router restart"), reasons
         assert routed_urls(fleet) == {other.url}
+        weights.push(model)  # the fleet moves on without it (its pause times out)
+        assert other.handle.weight_version() == fleet.version.wire == "2"
     finally:
         os.kill(pid, signal.SIGCONT)
+    # It was never registered while hung (a registration the router is left probing
+    # cannot be cancelled and would land now, at version 1): it is routed only once resynced.
+    served_while_listed = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if hung.url in routed_urls(fleet):
+            served_while_listed.append(hung.handle.weight_version())
+        time.sleep(0.1)
+    assert set(served_while_listed) <= {"2"}, served_while_listed
     wait_all_registered(fleet)
     assert routed_urls(fleet) == {e.url for e in fleet.engines}
     weights.close()
