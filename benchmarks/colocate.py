@@ -60,12 +60,14 @@ def layout(name: str):
 
     if name == "tiny0.75b":  # the job's --tiny-model-layers 16 --tiny-model-hidden 2048
         return tiny_config(layers=16, hidden=2048), torch.float32
+    if name == "tiny3b":  # the job's --tiny-model-layers 28 --tiny-model-hidden 3072
+        return tiny_config(layers=28, hidden=3072), torch.float32
     if name == "tiny":  # CPU smoke run
         return tiny_config(layers=2, hidden=64), torch.float32
     if name == "dense7b":  # Qwen2.5-7B shapes; trainer state in bf16 so that weights, grads,
         # two moments and the engine fit one GPU and the host
         return layout_config("dense7b"), torch.bfloat16
-    raise SystemExit(f"--layout: unknown layout {name!r} (tiny0.75b, dense7b, tiny)")
+    raise SystemExit(f"--layout: unknown layout {name!r} (tiny0.75b, tiny3b, dense7b, tiny)")
 
 
 def log(msg: str) -> None:
@@ -124,7 +126,8 @@ def d2d_tensors(cuda: bool, source) -> float:
 class Engine:
     """A reference engine process on this process's GPU (killed with its tree)."""
 
-    def __init__(self, model_dir: Path, cuda: bool, log_dir: Path, dtype: str):
+    def __init__(self, model_dir: Path, cuda: bool, log_dir: Path, dtype: str,
+                 log_level: str = "info"):
         from weight_sync import _healthy, free_port
 
         from slime_like.cluster.process import ServerProcess, server_env
@@ -135,10 +138,12 @@ class Engine:
                 str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--load-format",
                 "dummy", "--dtype", dtype, "--context-length", "256", "--max-running-requests",
                 str(SAMPLES), "--max-total-tokens", str(SAMPLES * 256), "--skip-server-warmup",
-                "--enable-weights-cpu-backup", "--device", "cuda" if cuda else "cpu"]
+                "--enable-weights-cpu-backup", "--device", "cuda" if cuda else "cpu",
+                "--log-level", log_level]
         env = server_env(extra={"PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)})
-        self.proc = ServerProcess(argv, log_path=log_dir / f"engine-{port}.log", env=env,
+        self.log_path = log_dir / f"engine-{port}.log"
+        self.proc = ServerProcess(argv, log_path=self.log_path, env=env,
                                   name="engine")
         self.proc.start()
         self.proc.wait_healthy(lambda: _healthy(self.url), timeout=900)
@@ -176,7 +181,7 @@ def run_layout(args, name: str, work: Path) -> dict:
     config, trainer_dtype = layout(name)
     model_dir = write_model_dir(config, work / name)
     engine_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[config.dtype]
-    engine = Engine(model_dir, cuda, work, engine_dtype)
+    engine = Engine(model_dir, cuda, work, engine_dtype, args.engine_log_level)
     trainer = sync = None
     try:
         trainer = PolicyTrainer(model_dir, device="cuda" if cuda else "cpu", load_format="dummy",
@@ -195,7 +200,7 @@ def run_layout(args, name: str, work: Path) -> dict:
         log(f"link: pinned D2H {rates['d2h'] / 1e9:.1f} GB/s, H2D {rates['h2d'] / 1e9:.1f} GB/s, "
             f"d2d {rates['d2d'] / 1e9:.0f} GB/s (one buffer of {args.copy_mb} MiB)")
 
-        def step(colocated: bool) -> dict[str, float]:
+        def step(colocated: bool, keep_weights: bool = False) -> dict[str, float]:
             """One step in the job's order. Offload and onload are enqueued and overlap the
             generation and the engine's release; their seconds are the copies' own (events).
             Only local GPU work is timed with a device synchronize."""
@@ -204,7 +209,7 @@ def run_layout(args, name: str, work: Path) -> dict:
             _sync(cuda)
             t_step = time.perf_counter()
             if colocated:
-                trainer.move_to("cpu", wait=False)
+                trainer.move_to("cpu", wait=False, keep_weights=keep_weights)
             t["generation_s"], samples = timed(lambda: engine.generate(rng), False)
             if colocated:
                 trainer.offloader.onload(wait=False)
@@ -244,8 +249,11 @@ def run_layout(args, name: str, work: Path) -> dict:
             "trainer_dtype": str(trainer_dtype).removeprefix("torch."),
             "engine_dtype": engine_dtype, "device": torch.cuda.get_device_name() if cuda else "cpu",
             "link_gbps": {k: round(v / 1e9, 2) for k, v in rates.items()}}
-        for mode, colocated in (("no_offload", False), ("colocated", True)):
-            runs = [step(colocated) for _ in range(args.warmup + args.steps)][args.warmup:]
+        modes = {"no_offload": (False, False), "colocated": (True, False),
+                 "keep_weights": (True, True)}
+        for mode in ["no_offload", "colocated"] + (["keep_weights"] if args.keep_weights else []):
+            colocated, keep = modes[mode]
+            runs = [step(colocated, keep) for _ in range(args.warmup + args.steps)][args.warmup:]
             result[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             if cuda and colocated:
                 result["gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
@@ -254,6 +262,10 @@ def run_layout(args, name: str, work: Path) -> dict:
             result[f"{mode}_sync_transfer"] = last_report.get("transfer")
         if cuda:
             result["pinned_host_gb"] = round(trainer.offloader.host_bytes() / 1e9, 2)
+        if args.engine_log_level == "debug":  # the engine's own breakdown of each update
+            lines = [x for x in engine.log_path.read_text().splitlines()
+                     if "flattened update" in x or "update_weights_from_tensor:" in x]
+            result["engine_update_log"] = lines[-4 * (args.steps + args.warmup):]
         return summarize(result, rates, d2d_tensors_s)
     finally:
         if sync is not None:
@@ -297,6 +309,13 @@ def summarize(result: dict, rates: dict[str, float], d2d_tensors_s: float) -> di
                       "ratio_to_d2d_tensors": round(c["sync_s"] / d2d_tensors_s, 2)
                       if d2d_tensors_s else None,
                       "target": 3.0}
+    kept = result.get("keep_weights")
+    if kept:
+        result["keep_weights_sync"] = {
+            "s": round(kept["sync_s"], 4), "gb": round(kept["sync_bytes"] / 1e9, 3),
+            "ratio_to_d2d": round(kept["sync_s"] / d2d_s, 2) if d2d_s else None,
+            "step_s": round(kept["step_s"], 4),
+            "step_ratio": round(kept["step_s"] / result["no_offload"]["step_s"], 2)}
     return result
 
 
@@ -324,6 +343,13 @@ def print_table(r: dict) -> None:
     print(f"colocated step / no-offload step = {st['ratio']} (target <= {st['target']})")
     print(f"sync, where the time went (last colocated step): {r.get('colocated_sync_seconds')}; "
           f"transfer {r.get('colocated_sync_transfer')}")
+    k = r.get("keep_weights_sync")
+    if k:
+        print(f"weights kept on the GPU: sync {k['s']} s ({k['gb']} GB) = {k['ratio_to_d2d']} x d2d; "
+              f"step {k['step_s']} s = {k['step_ratio']} x no-offload; where the sync's time went: "
+              f"{r.get('keep_weights_sync_seconds')}; transfer {r.get('keep_weights_sync_transfer')}")
+    for line in r.get("engine_update_log", []):
+        print("engine:", line.split("] ")[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--copy-mb", type=int, default=2048, help="the link probe's buffer")
     ap.add_argument("--cpu", action="store_true", help="run on CPU (a smoke run)")
+    ap.add_argument("--keep-weights", action="store_true",
+                    help="also run the colocated step with the trainer's weights kept on the GPU "
+                         "(the job's --no-offload-train-weights)")
+    ap.add_argument("--engine-log-level", default="info",
+                    help="debug: the engine logs each update's unpickle, plan and copy times")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="colocate-") as tmp:

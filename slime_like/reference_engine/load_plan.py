@@ -193,3 +193,21 @@ def distributed_entries(key: tuple) -> list[tuple[str, torch.dtype, tuple, int, 
     """Entries of a flattened distributed bucket (sglang's layout; raises if unaligned)."""
     return [(e.name, e.dtype, tuple(e.shape), e.start_idx, e.end_idx)
             for e in layout(metas_of_key(key))]
+
+
+def copy_planned(plan: LoadPlan, buffer: torch.Tensor) -> None:
+    """Copy a bucket's bytes (a uint8 buffer in the planned layout) into the parameters.
+
+    A few runs go one `copy_` each: a contiguous byte copy is a device memcpy, measured at
+    about twice the bandwidth of `_foreach_copy_` on an H200 (2.1 against 0.98 TB/s, also
+    out of CUDA IPC memory). Only a bucket scattered into many runs (an order other than
+    the parameters') takes one foreach launch instead of a Python loop.
+    """
+    if len(plan.runs) <= MANY_RUNS:
+        for dst, start, end in plan.runs:
+            dst.copy_(buffer[start:end], non_blocking=True)
+    else:
+        torch._foreach_copy_([d for d, _, _ in plan.runs],
+                             [buffer[s:e] for _, s, e in plan.runs], non_blocking=True)
+    for param, start, end, dtype, shape in plan.converts:
+        param.copy_(buffer[start:end].view(dtype).view(shape), non_blocking=True)

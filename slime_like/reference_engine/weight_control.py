@@ -195,14 +195,20 @@ class WeightControl:
                            f"tp_size {self.tp.size}: send one payload per TP rank")
         if req.abort_all_requests:
             await self.frontend.abort_request("", True)
+        t_lock = time.perf_counter()
         async with self.frontend.model_update():
             t0 = time.perf_counter()
             self._tensor_loads = self.session_open
             results = await self._fanout([op.LoadTensorPayload(payloads[r], req.load_format)
                                           for r in range(self.tp.size)])
             ok, message = self._merge(results)
-            self.metrics.weight_load(time.perf_counter() - t0)
-            return await self._after_update(ok, message, req.weight_version, req.flush_cache)
+            t1 = time.perf_counter()
+            self.metrics.weight_load(t1 - t0)
+            answer = await self._after_update(ok, message, req.weight_version, req.flush_cache)
+            logger.debug("update_weights_from_tensor: lock %.2f ms, ranks %.2f ms, version and "
+                         "flush %.2f ms", (t0 - t_lock) * 1e3, (t1 - t0) * 1e3,
+                         (time.perf_counter() - t1) * 1e3)
+            return answer
 
     async def update_from_disk(self, req: p.UpdateWeightsFromDiskRequest) -> tuple[bool, str]:
         """/update_weights_from_disk: every rank loads the checkpoint or rolls back."""

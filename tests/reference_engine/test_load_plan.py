@@ -9,10 +9,10 @@ from slime_like.protocol.buckets import dtype_name, flatten
 from slime_like.reference_engine.load_plan import (
     ParamArena,
     build_plan,
+    copy_planned,
     distributed_entries,
     request_key,
 )
-from slime_like.reference_engine.weight_receiver import copy_planned
 
 
 class _Model(nn.Module):
