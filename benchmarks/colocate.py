@@ -30,8 +30,10 @@ layout goes to --json-out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -235,8 +237,14 @@ def run_layout(args, name: str, work: Path) -> dict:
             # As in the job: a colocated engine is held out of the router from its resume to
             # the sync, so the sync does not pause it; a routed one is paused.
             quiet = {engine.url} if colocated else set()
-            t["sync_s"], report = timed(
-                lambda: sync.update(trainer.sync_source(), str(version), quiet=quiet), cuda)
+            def update():
+                return sync.update(trainer.sync_source(), str(version), quiet=quiet)
+            if keep_weights and args.profile_sync:  # the trainer's side, function by function
+                profile = cProfile.Profile()
+                t["sync_s"], report = timed(lambda: profile.runcall(update), cuda)
+                profiles.append(profile)
+            else:
+                t["sync_s"], report = timed(update, cuda)
             t["sync_bytes"] = (report.transfer or {}).get("bytes", weight_bytes)
             t["step_s"] = time.perf_counter() - t_step
             last_report.clear()
@@ -244,6 +252,7 @@ def run_layout(args, name: str, work: Path) -> dict:
             return t
 
         last_report: dict = {}
+        profiles: list[cProfile.Profile] = []
         result: dict = {"layout": name, "params_b": round(sum(
             p.numel() for p in trainer.model.parameters()) / 1e9, 3),
             "trainer_dtype": str(trainer_dtype).removeprefix("torch."),
@@ -262,6 +271,12 @@ def run_layout(args, name: str, work: Path) -> dict:
             result[f"{mode}_sync_transfer"] = last_report.get("transfer")
         if cuda:
             result["pinned_host_gb"] = round(trainer.offloader.host_bytes() / 1e9, 2)
+        if profiles:
+            stats = pstats.Stats(profiles[-1], stream=sys.stderr)
+            for p in profiles[-3:-1]:
+                stats.add(p)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(25)
         if args.engine_log_level == "debug":  # the engine's own breakdown of each update
             lines = [x for x in engine.log_path.read_text().splitlines()
                      if "flattened update" in x or "update_weights_from_tensor:" in x]
@@ -363,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-weights", action="store_true",
                     help="also run the colocated step with the trainer's weights kept on the GPU "
                          "(the job's --no-offload-train-weights)")
+    ap.add_argument("--profile-sync", action="store_true",
+                    help="cProfile the last three syncs with the weights kept (trainer side)")
     ap.add_argument("--engine-log-level", default="info",
                     help="debug: the engine logs each update's unpickle, plan and copy times")
     ap.add_argument("--json-out", type=Path)

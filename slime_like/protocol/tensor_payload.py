@@ -20,6 +20,7 @@ import base64
 import binascii
 import io
 import pickle
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,11 +77,19 @@ def _torch_rebuild_cuda_tensor() -> Callable:
     return getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
 
 
+#: seconds the CUDA IPC rebuilds of this process took (the engine's debug log reads it)
+cuda_rebuild_seconds = 0.0
+
+
 def rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     """Open a CUDA IPC tensor whose device is given by UUID (or, from old senders, index)."""
+    global cuda_rebuild_seconds
+    start = time.perf_counter()
     args = list(args)
     args[_CUDA_DEVICE_ARG] = _device_index(args[_CUDA_DEVICE_ARG])
-    return _torch_rebuild_cuda_tensor()(*args)
+    tensor = _torch_rebuild_cuda_tensor()(*args)
+    cuda_rebuild_seconds += time.perf_counter() - start
+    return tensor
 
 
 # ---- pickling -----------------------------------------------------------------------------
