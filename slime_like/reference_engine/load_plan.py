@@ -156,9 +156,17 @@ def build_plan(entries: Sequence[tuple[str, torch.dtype, tuple, int, int]],
                params: dict[str, torch.nn.Parameter], arena: ParamArena | None, *,
                tied: bool, architecture: str) -> LoadPlan:
     """A plan for (name, dtype, shape, start, end) entries against the named parameters."""
-    plan = LoadPlan(nbytes=max((e[4] for e in entries), default=0), tensors=len(entries))
+    plan = LoadPlan(nbytes=0, tensors=len(entries))
     pieces: list[tuple[int, int, int, int]] = []  # (segment, arena offset, src start, src end)
     for name, dtype, shape, start, end in entries:
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+            plan.problems.append(f"tensor {name!r}: byte range [{start!r}, {end!r}) is not a "
+                                 "pair of ordered non-negative integers")
+            continue
+        if not isinstance(dtype, torch.dtype):
+            plan.problems.append(f"tensor {name!r}: dtype {dtype!r} is not a torch dtype")
+            continue
+        plan.nbytes = max(plan.nbytes, end)
         if tied and name == "lm_head.weight":
             continue
         if start % dtype.itemsize:

@@ -32,7 +32,7 @@ from slime_like.trainer.grpo import (
 from slime_like.trainer.offload import MoveStats, TrainerOffload
 from slime_like.trainer.serve_dtype import serve_dtype
 from slime_like.trainer.sharding import BACKENDS, as_float, shard_model
-from slime_like.weights.packing import CastWeights
+from slime_like.weights.packing import CastWeights, ModelWeights
 from slime_like.weights.sharded import reshard
 
 
@@ -71,7 +71,10 @@ class PolicyTrainer:
         self.use_transformers = use_transformers
         served = serve_dtype(model_path, engine_dtype)
         self.serve_dtype = served
-        self._sync_source = self.model if served == dtype else CastWeights(self.model, served)
+        # One source for the whole run: the same metadata list every sync (checked once)
+        # and the same object, so the tensor transport can reuse its in-place requests.
+        self._sync_source = (ModelWeights(self.model) if served == dtype
+                             else CastWeights(self.model, served))
         self.group = group
         self.device = device
         self.steps = 0

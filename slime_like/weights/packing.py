@@ -61,6 +61,10 @@ class NamedTensors:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._items)
 
+    def resident(self) -> list[torch.Tensor]:
+        """The tensors, in send order (see `ModelWeights.resident`)."""
+        return [t for _, t in self._items]
+
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The model inside DistributedDataParallel-like wrappers (not a peft model's base)."""
@@ -106,6 +110,13 @@ class ModelWeights:
         with torch.no_grad():
             for name, param, lora in self._entries:
                 yield name, (param.detach() if lora is None else _merged(param, *lora))
+
+    def resident(self) -> list[torch.Tensor] | None:
+        """The parameters themselves, in send order, when a sync sends exactly their bytes
+        (no LoRA merge): where they live says whether last sync's requests still hold."""
+        if any(lora is not None for _, _, lora in self._entries):
+            return None
+        return [param for _, param, _ in self._entries]
 
 
 def _peft_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
@@ -259,6 +270,8 @@ class SendGroup:
     #: the bytes, back to back in the trainer's storage, of a bucket that `allow_direct`
     #: refused: packed with one copy instead of one per tensor
     contiguous: torch.Tensor | None = None
+    #: a hashable stand-in for `metas` (equal signatures, equal metas), or None
+    signature: Any = None
 
     def pack_sources(self) -> list[torch.Tensor]:
         """What a pack copies: the contiguous bytes if known, else the tensors."""

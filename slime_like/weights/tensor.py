@@ -31,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
 from slime_like.protocol.tensor_payload import FlattenedPayloads
+from slime_like.weights.direct import DirectRequests
 from slime_like.weights.packing import BucketPacker, send_groups
 from slime_like.weights.transport import TransferContext, Transport
 from slime_like.weights.watch import EngineCall
@@ -51,6 +52,7 @@ class TensorTransport(Transport):
         self.payloads = FlattenedPayloads()
         self._in_place = SentStorages()  # the storages the last sync could send as is
         self._first = True  # the first sync sends any storage in place
+        self.direct = DirectRequests()
 
     def transfer(self, ctx: TransferContext) -> None:
         packer, watch, stats = self.packer, ctx.watch, ctx.stats
@@ -67,8 +69,13 @@ class TensorTransport(Transport):
             seen.add(storage)
             return self._first or storage in self._in_place
 
-        groups = send_groups(iter(ctx.source.tensors()), ctx.buckets, self.device,
-                             merge_direct=cuda, allow_direct=stable)
+        cached = self.direct.reuse(ctx.source, ctx.buckets, self.device) if cuda else None
+        if cached is not None:  # the same storages at the same places: last sync's requests
+            groups, seen = cached, self._in_place
+        else:
+            groups = self.direct.record(ctx.source, ctx.buckets, self.device, send_groups(
+                iter(ctx.source.tensors()), ctx.buckets, self.device, merge_direct=cuda,
+                allow_direct=stable))
         t_prep = time.perf_counter()
         for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
@@ -89,7 +96,7 @@ class TensorTransport(Transport):
                 buf = packer.pack(slot, group.pack_sources(), group.nbytes)
                 if cuda:
                     packer.wait_packed()  # the engine reads it from another process, off our streams
-            key = tuple(group.metas)
+            key = group.signature or tuple(group.metas)
             metas = group.metas
             step = f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)"
             # Each request carries its own handles and layout, so requests may reach an
@@ -141,6 +148,7 @@ class TensorTransport(Transport):
             self.packer.reserve(max(packed), len(packed))
 
     def close(self, engines) -> None:
+        self.direct.clear()
         self.packer.release()
         if self.packer.is_cuda:
             torch.cuda.ipc_collect()  # give back buffers every engine has let go of

@@ -116,3 +116,19 @@ def test_ipc_storages_unused_for_a_whole_session_are_let_go(tiny_model_dir):
     receiver._keep_ipc_storage(reused)      # the sender replaced the other buffer
     receiver.end_session()
     assert list(receiver._ipc_storages) == [(reused.data_ptr(), 64)]
+
+
+def test_a_bucket_whose_offsets_or_dtype_are_not_what_they_claim_is_refused_by_name():
+    """Payload metadata comes from another process: a bad field names its tensor."""
+    model = _Model()
+    params = dict(model.named_parameters())
+    arena = ParamArena(list(params.values()))
+    entries = [("a", torch.bfloat16, (8, 16), 0.0, 256),           # a float offset
+               ("b", torch.bfloat16, (4, 32), 512, 256),           # end before start
+               ("d", "float32", (64,), 512, 768)]                  # not a torch dtype
+    plan = build_plan(entries, params, arena, tied=False, architecture="test")
+    assert len(plan.problems) == 3
+    assert "'a'" in plan.problems[0] and "byte range" in plan.problems[0]
+    assert "'b'" in plan.problems[1]
+    assert "'d'" in plan.problems[2] and "dtype" in plan.problems[2]
+    assert not plan.runs and not plan.converts
