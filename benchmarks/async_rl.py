@@ -193,11 +193,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "step): the schedules as on separate trainer and engine devices")
     p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
     p.add_argument("--json-out", default=None)
-    a = p.parse_args(argv)
+    a, job_flags = p.parse_known_args(argv)  # the rest: job flags for every run
     out = Path(a.out or tempfile.mkdtemp(prefix="async-rl-"))
     rows = []
     for name in a.modes.split(","):
-        flags = list(MODES[name])
+        flags = list(MODES[name]) + job_flags
         if a.reference_min_step_ms:
             flags += ["--reference-min-step-ms", str(a.reference_min_step_ms)]
         if name.startswith("fully-async") and a.max_weight_staleness is not None:
