@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
 DEFAULT_GROUP_TIMEOUT_S = 600.0
 MAX_BUCKETS_IN_FLIGHT = 2
-IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank (a sender reuses a few buffers)
+IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank within a session
 # A flattened bucket's signature, tensor by tensor (sglang's FlattenedTensorMetadata fields)
 _METADATA_KEY = operator.attrgetter("name", "dtype", "shape", "start_idx", "end_idx")
 
@@ -92,10 +92,10 @@ class WeightReceiver:
         # most MAX_BUCKETS_IN_FLIGHT stay outstanding (the oldest is waited for first).
         self._in_flight: collections.deque = collections.deque()
         self.plans = PlanCache()
-        # Storages opened from CUDA IPC handles, kept so a buffer the sender reuses is not
-        # reopened every sync (torch's rebuild finds a live storage in its cache).
+        # Storages opened from CUDA IPC handles, kept until the update session ends so a
+        # buffer the sender reuses bucket after bucket is opened once (torch's rebuild
+        # finds a live storage in its cache).
         self._ipc_storages: collections.OrderedDict = collections.OrderedDict()
-        self._ipc_used: set[tuple[int, int]] = set()  # opened or reused in this session
         self._refresh_params()
         self.arena: ParamArena | None = None
         self._rehome(copy=True)
@@ -379,23 +379,24 @@ class WeightReceiver:
         return len(plan.runs) + len(plan.converts), started
 
     def _keep_ipc_storage(self, flat: torch.Tensor) -> None:
+        """Keep a mapped buffer open for the rest of the update session: a sender rotating
+        two pack buffers over many buckets maps each once per sync, not once per bucket."""
         storage = flat.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         self._ipc_storages[key] = storage
         self._ipc_storages.move_to_end(key)
-        self._ipc_used.add(key)
         while len(self._ipc_storages) > IPC_STORAGES_KEPT:
             self._ipc_storages.popitem(last=False)
 
     def end_session(self) -> None:
-        """At end_weight_update: let go of IPC storages this session did not use.
+        """At end_weight_update: close every CUDA IPC mapping, as sglang does after each load.
 
-        A sender that replaced a buffer gets the old one back (torch keeps an exported block
-        until every importer released it); buffers it keeps reusing stay open.
+        Nothing mapped outlives the update, so a sender that frees a buffer it sent (an
+        offloading trainer's flat weights) frees the memory for real: torch keeps an exported
+        block until every importer let go of it. Opening a mapping again costs well under a
+        millisecond (a 12 GB buffer: 0.9 ms against 0.2 ms for one kept open, on an H200).
         """
-        for key in [k for k in self._ipc_storages if k not in self._ipc_used]:
-            del self._ipc_storages[key]
-        self._ipc_used.clear()
+        self._ipc_storages.clear()
 
     # ---- disk ------------------------------------------------------------------------------
 

@@ -8,13 +8,12 @@ to back in the trainer's storage (flat parameter buffers) are not packed, and co
 ones go as one request: no buffer bounds them, so splitting them would only add round trips.
 
 Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
-it opened (the reference engine does) maps each CUDA IPC handle once, not once per bucket.
-After the first sync, the trainer's own storage goes in place only if the last sync sent
-from the same storage (the same object, not merely the same address):
-an engine keeps the storages it mapped until the next sync ends, so a storage that is new
-every sync (a trainer that offloads between syncs frees and reallocates its flat buffers)
-would cost a fresh mapping each sync and stay held, a second copy of the trainer's state,
-until then; such buckets are packed into the rotating buffers instead.
+it opened for the rest of the update session (the reference engine does) maps each CUDA IPC
+handle once per sync, not once per bucket. The trainer's own storage goes in place whether
+or not it is the one the last sync sent: engines close every mapping when the update
+session ends (sglang closes each right after its load), so a trainer that frees its flat
+buffer between syncs (`--offload-train`) frees it for real, and its next buffer costs one
+new mapping, well under a millisecond, instead of a pack copy of every byte.
 
 A buffer is rewritten only after the engines answered the bucket it held: the reference
 engine finishes its copy before answering, and sglang frees the received storage before it
@@ -26,7 +25,6 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import layout
@@ -50,8 +48,6 @@ class TensorTransport(Transport):
         self._syncs = 0
         # The same requests come back every sync: their metadata is laid out and pickled once.
         self.payloads = FlattenedPayloads()
-        self._in_place = SentStorages()  # the storages the last sync could send as is
-        self._first = True  # the first sync sends any storage in place
         self.direct = DirectRequests()
 
     def transfer(self, ctx: TransferContext) -> None:
@@ -62,20 +58,10 @@ class TensorTransport(Transport):
         packer.begin()
         slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
         all_calls: list[EngineCall] = []
-        seen = SentStorages()
-
-        def stable(view: torch.Tensor) -> bool:
-            storage = view.untyped_storage()
-            seen.add(storage)
-            return self._first or storage in self._in_place
-
-        cached = self.direct.reuse(ctx.source, ctx.buckets, self.device) if cuda else None
-        if cached is not None:  # the same storages at the same places: last sync's requests
-            groups, seen = cached, self._in_place
-        else:
+        groups = self.direct.reuse(ctx.source, ctx.buckets, self.device) if cuda else None
+        if groups is None:  # else: the same storages at the same places, last sync's requests
             groups = self.direct.record(ctx.source, ctx.buckets, self.device, send_groups(
-                iter(ctx.source.tensors()), ctx.buckets, self.device, merge_direct=cuda,
-                allow_direct=stable))
+                iter(ctx.source.tensors()), ctx.buckets, self.device, merge_direct=cuda))
         t_prep = time.perf_counter()
         for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
@@ -125,7 +111,6 @@ class TensorTransport(Transport):
         stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
-        self._in_place, self._first = seen, False
 
     def _renew_buffers(self) -> None:
         """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.
@@ -152,26 +137,6 @@ class TensorTransport(Transport):
         self.packer.release()
         if self.packer.is_cuda:
             torch.cuda.ipc_collect()  # give back buffers every engine has let go of
-
-
-class SentStorages:
-    """Storages by identity, not by address.
-
-    A trainer that frees its flat buffer and allocates a new one of the same size often gets
-    the same address back; that is a new storage (a new CUDA IPC handle, a fresh mapping in
-    the engine), so it must not pass for the one the last sync sent. Weak references: a
-    storage listed here is still freed when its owner lets go of it.
-    """
-
-    def __init__(self) -> None:
-        self._refs: dict[tuple[int, int], StorageWeakRef] = {}
-
-    def add(self, storage: torch.UntypedStorage) -> None:
-        self._refs[(storage.data_ptr(), storage.nbytes())] = StorageWeakRef(storage)
-
-    def __contains__(self, storage: torch.UntypedStorage) -> bool:
-        ref = self._refs.get((storage.data_ptr(), storage.nbytes()))
-        return ref is not None and not ref.expired() and ref.cdata == storage._cdata
 
 
 def _always() -> bool:

@@ -165,41 +165,60 @@ def test_cuda_ipc_tensor_payload_loads_flattened_buckets(gpu_engine, trainer_sta
     assert body["ranks"][0]["checksums"] == {n: tensor_checksum(t) for n, t in state.items()}
 
 
-@pytest.mark.parametrize("params", ["separate", "flat"])
+@pytest.mark.parametrize("params", ["separate", "flat", "flat, new every sync"])
 def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
         gpu_engine, trainer_state, params):
     """WeightSync's `tensor` transport (CUDA IPC) from plain parameters (packed, memcpy per
-    tensor) and from one flat buffer (no pack; the planned buckets merge into one request)."""
+    tensor) and from one flat buffer (no pack; the planned buckets merge into one request),
+    also when the flat buffer is a new one every sync (an offloading trainer): it still goes
+    in place, and the engine lets go of the old one when its update session ends."""
     from slime_like.reference_engine.weight_receiver import tensor_checksum
     from slime_like.weights import NamedTensors, WeightSync
 
-    state = {n: t.detach() for n, t in trainer_state.hf_state_dict().items()}
-    if params == "flat":
-        assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    base = {n: t.detach() for n, t in trainer_state.hf_state_dict().items()}
+
+    def flat_views(state):
         flat = torch.cat([t.reshape(-1) for t in state.values()])
         views, offset = {}, 0
         for n, t in state.items():
             views[n] = flat[offset:offset + t.numel()].view(t.shape)
             offset += t.numel()
-        state = views
+        return views
+
+    if params.startswith("flat"):
+        assert {t.dtype for t in base.values()} == {torch.bfloat16}
+        state = flat_views(base)
     else:
-        state = {n: t.clone() for n, t in state.items()}
-    tensors = list(state.values())
+        state = {n: t.clone() for n, t in base.items()}
     source = NamedTensors(list(state.items()))
     sync = WeightSync([(gpu_engine.url, 1)], transport="tensor", device="cuda:0",
                       update_weight_buffer_size=64 << 20, master_address="127.0.0.1")
     try:
         sync.attach(source)
-        for _ in range(2):
+        for _ in range(3):
+            if params == "flat, new every sync":
+                old = next(iter(state.values())).untyped_storage()
+                state = flat_views(state)
+                source = NamedTensors(list(state.items()))
+            tensors = list(state.values())
             torch._foreach_add_(tensors, 0.25)
             report = sync.update(source).as_dict()
             planned = -(-sum(t.numel() * 2 for t in tensors) // (64 << 20))
-            if params == "flat":
+            if params.startswith("flat"):
                 assert report["transfer"]["buckets"] == 1
                 assert report["transfer"]["pack_s"] == 0.0
             else:
                 assert report["transfer"]["buckets"] >= planned
             body = gpu_engine.post("/weights_checker", {}, timeout=600).json()
             assert body["ranks"][0]["checksums"] == {n: tensor_checksum(t) for n, t in state.items()}
+            if params == "flat, new every sync":
+                # the engine closed its mapping at end_weight_update: dropping our last
+                # reference frees the old buffer (an importer still holding it would keep
+                # it in torch's IPC limbo, and memory_allocated would not fall)
+                before = torch.cuda.memory_allocated()
+                nbytes = old.nbytes()
+                del old
+                torch.cuda.ipc_collect()
+                assert torch.cuda.memory_allocated() <= before - nbytes
     finally:
         sync.close()

@@ -101,21 +101,26 @@ def test_engine_receiver_reuses_plans_and_rebuilds_them_after_release(tiny_model
         assert torch.equal(receiver.params[n], t), n
 
 
-def test_ipc_storages_unused_for_a_whole_session_are_let_go(tiny_model_dir):
+def test_ipc_storages_stay_open_within_a_session_and_close_at_its_end(tiny_model_dir):
+    """A rotating pack buffer is opened once per sync; nothing stays mapped after it, so a
+    sender that frees a buffer it sent gets the memory back."""
     from slime_like.models.loading import load_pretrained
-    from slime_like.reference_engine.weight_receiver import WeightReceiver
+    from slime_like.reference_engine.weight_receiver import IPC_STORAGES_KEPT, WeightReceiver
 
     receiver = WeightReceiver(load_pretrained(tiny_model_dir), tp_rank=0, tp_size=1,
                               device=torch.device("cpu"), model_path=str(tiny_model_dir),
                               load_format="dummy")
-    reused, replaced = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    receiver._keep_ipc_storage(reused)
-    receiver._keep_ipc_storage(replaced)
+    buffers = [torch.zeros(64, dtype=torch.uint8) for _ in range(IPC_STORAGES_KEPT + 1)]
+    receiver._keep_ipc_storage(buffers[0])
+    receiver._keep_ipc_storage(buffers[1])
+    receiver._keep_ipc_storage(buffers[0])  # reused bucket after bucket: one entry
+    assert len(receiver._ipc_storages) == 2
+    for b in buffers[2:]:
+        receiver._keep_ipc_storage(b)
+    assert len(receiver._ipc_storages) == IPC_STORAGES_KEPT  # bounded, oldest out first
+    assert (buffers[1].data_ptr(), 64) not in receiver._ipc_storages
     receiver.end_session()
-    assert len(receiver._ipc_storages) == 2  # both used in that session
-    receiver._keep_ipc_storage(reused)      # the sender replaced the other buffer
-    receiver.end_session()
-    assert list(receiver._ipc_storages) == [(reused.data_ptr(), 64)]
+    assert not receiver._ipc_storages
 
 
 def test_a_bucket_whose_offsets_or_dtype_are_not_what_they_claim_is_refused_by_name():

@@ -82,3 +82,27 @@ def test_a_source_that_needs_a_pack_is_not_cached():
     groups = _first_sync(source, buckets, cache)
     assert groups[0][0].view is None
     assert cache.reuse(source, buckets, CPU) is None
+
+
+def test_a_new_storage_at_the_old_address_is_not_taken_for_the_one_last_sync_sent():
+    """An offloading trainer frees its flat buffer and often gets the same address back: a
+    new storage there is a new CUDA IPC handle, so the requests are worked out again."""
+    memory = bytearray(4 * 64)  # the three parameters, 64 floats
+    model = _Flat()
+    source = ModelWeights(model)
+
+    def home(flat: torch.Tensor) -> None:
+        offset = 0
+        for p in model.parameters():
+            p.data = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+    home(torch.frombuffer(memory, dtype=torch.float32))
+    buckets = plan_buckets(source.metadata(), 1 << 20)
+    cache = DirectRequests()
+    _first_sync(source, buckets, cache)
+    assert cache.reuse(source, buckets, CPU) is not None
+    again = torch.frombuffer(memory, dtype=torch.float32)  # another storage, same address
+    home(again)
+    assert model.a.data_ptr() == again.data_ptr()
+    assert cache.reuse(source, buckets, CPU) is None

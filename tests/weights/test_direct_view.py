@@ -131,24 +131,3 @@ def test_a_refused_direct_bucket_is_packed_from_its_contiguous_bytes_in_one_copy
     (group, _), = send_groups(iter(scattered), _buckets(scattered, 1000), CPU,
                               merge_direct=True, allow_direct=lambda view: False)
     assert group.contiguous is None and group.pack_sources() == group.tensors
-
-
-def test_a_new_storage_at_the_last_syncs_address_is_not_taken_for_the_old_one():
-    """The colocated trainer frees its flat buffer every offload and often gets the same
-    address back: only the very storage the last sync sent goes in place again (a new one
-    would cost the engine a fresh CUDA IPC mapping and keep the old one held)."""
-    from slime_like.weights.tensor import SentStorages
-
-    memory = bytearray(4096)
-    sent = torch.frombuffer(memory, dtype=torch.uint8)
-    same_address = torch.frombuffer(memory, dtype=torch.uint8)  # another storage, same bytes
-    assert same_address.data_ptr() == sent.data_ptr()
-    last = SentStorages()
-    last.add(sent.untyped_storage())
-    assert sent[16:32].untyped_storage() in last  # any view of the storage that was sent
-    assert same_address.untyped_storage() not in last
-    kept = sent.untyped_storage()
-    del sent
-    assert kept in last  # still alive through another reference
-    del kept
-    assert same_address.untyped_storage() not in last  # and freed: never matches again
