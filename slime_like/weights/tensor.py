@@ -117,8 +117,8 @@ class TensorTransport(Transport):
 
         torch wraps a storage in one more reference-counting layer (an interprocess event
         and a counter slot) every time it is shared, released only with the storage; fresh
-        buffers now and then keep that chain short. The engines drop the old buffers at
-        the next end_weight_update (unused in that session), then torch frees them.
+        buffers now and then keep that chain short. The engines closed the old buffers at
+        the last end_weight_update, so torch frees them here.
         """
         torch.cuda.ipc_collect()
         self._syncs += 1
