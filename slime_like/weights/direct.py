@@ -19,7 +19,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from slime_like.protocol.buckets import Bucket, TensorMeta
-from slime_like.weights.packing import SendGroup
+from slime_like.weights.packing import SendGroup, storage_slice
 
 
 @dataclass(eq=False)
@@ -42,6 +42,8 @@ class DirectRequests:
         self._buckets: Sequence[Bucket] | None = None
         self._addresses: tuple[int, ...] | None = None
         self._requests: list[_Request] = []
+        # name -> source index, per metadata list (an offloading trainer misses every sync)
+        self._index: tuple[list[TensorMeta], dict[str, int]] | None = None
 
     def clear(self) -> None:
         self._source = self._buckets = self._addresses = None
@@ -60,9 +62,8 @@ class DirectRequests:
             storage = tensors[r.first].untyped_storage()
             if r.storage.expired() or r.storage.cdata != storage._cdata:
                 return None  # a new buffer at the old address: a new CUDA IPC handle
-            whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            out.append(SendGroup(r.metas, [], r.nbytes, whole[r.offset:r.offset + r.nbytes],
-                                 buckets=r.buckets, signature=r))
+            view = storage_slice(storage, r.offset, r.offset + r.nbytes, device)
+            out.append(SendGroup(r.metas, [], r.nbytes, view, buckets=r.buckets, signature=r))
         return [(g, k == len(out) - 1) for k, g in enumerate(out)]
 
     def record(self, source: object, buckets: Sequence[Bucket], device: torch.device,
@@ -70,8 +71,7 @@ class DirectRequests:
         """Pass `groups` through; keep them if every one went in place."""
         self.clear()
         tensors = _resident(source)
-        index = {m.name: i for i, m in enumerate(source.metadata())} if tensors is not None \
-            else None
+        index = self._name_index(source.metadata()) if tensors is not None else None
         requests: list[_Request] | None = [] if tensors is not None else None
         for group, last in groups:
             if requests is not None:
@@ -86,6 +86,11 @@ class DirectRequests:
         if requests:
             self._source, self._buckets, self._requests = source, buckets, requests
             self._addresses = tuple(t.data_ptr() for t in tensors)
+
+    def _name_index(self, metas: list[TensorMeta]) -> dict[str, int]:
+        if self._index is None or self._index[0] is not metas:
+            self._index = (metas, {m.name: i for i, m in enumerate(metas)})
+        return self._index[1]
 
 
 def _resident(source: object) -> list[torch.Tensor] | None:

@@ -233,6 +233,12 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def storage_slice(storage: torch.UntypedStorage, start: int, end: int,
+                  device: torch.device) -> torch.Tensor:
+    """Bytes [start, end) of a storage as a uint8 tensor viewing it (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)[start:end]
+
+
 def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """The bucket's bytes without packing, when they already lie back to back in one storage.
 
@@ -253,8 +259,7 @@ def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
         if t.data_ptr() != end or not t.is_contiguous() or t.untyped_storage().data_ptr() != base:
             return None
         end += t.numel() * t.element_size()
-    whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-    return whole[start - base:end - base]
+    return storage_slice(storage, start - base, end - base, device)
 
 
 @dataclass
@@ -294,10 +299,9 @@ class SendGroup:
 
     def join(self, view: torch.Tensor, metas: Sequence[TensorMeta],
              tensors: list[torch.Tensor], nbytes: int) -> None:
-        storage = torch.empty(0, dtype=torch.uint8, device=view.device).set_(
-            self.view.untyped_storage())
+        storage = self.view.untyped_storage()
         start = self.view.data_ptr() - storage.data_ptr()
-        self.view = storage[start:start + self.nbytes + nbytes]
+        self.view = storage_slice(storage, start, start + self.nbytes + nbytes, view.device)
         self.metas += metas
         self.tensors += tensors
         self.nbytes += nbytes
