@@ -27,6 +27,7 @@ end of its last), so engine start-up and the first sync do not count:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -231,10 +232,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['staleness_mean']:.2f}/{r['staleness_max']} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
               f"{r['logprob_diff_max']:.1e} | {r['mixed_samples']} | {_pct(r['cpu_busy'])} |")
-    if a.json_out:
+    if a.json_out:  # each row with what produced it, so a results file can be re-read
+        run = {"config": Path(a.config).name, "job_flags": job_flags,
+               "reference_min_step_ms": a.reference_min_step_ms,
+               "max_weight_staleness": a.max_weight_staleness,
+               "date": datetime.date.today().isoformat()}
         with open(a.json_out, "a") as f:
             for r in rows:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps({**r, **run}) + "\n")
     return rows
 
 
