@@ -1,7 +1,7 @@
 """Asynchronous RL side by side: one config, run as sync, one-step and fully-async (each
 pause mode), in one process, on one local Ray cluster.
 
-    python benchmarks/async_rl.py                      # configs/async_cpu.yaml, 12 steps
+    python benchmarks/async_rl.py                      # configs/async_cpu.yaml, 40 steps
     python benchmarks/async_rl.py --steps 20 --modes sync,fully-async:retract
 
 Each run is the real job (reference engines behind sglang-router, the trainer over gloo).
@@ -185,7 +185,8 @@ class SteadyCpu:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "async_cpu.yaml"))
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=40,
+                   help="steps per run (the first steps fill the producer's window)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-weight-staleness", type=int, default=None,
                    help="the fully-async runs' bound (default: the config's, else 1)")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run = {"config": Path(a.config).name, "job_flags": job_flags,
                "reference_min_step_ms": a.reference_min_step_ms,
                "max_weight_staleness": a.max_weight_staleness,
-               "date": datetime.date.today().isoformat()}
+               "cpu_count": psutil.cpu_count(), "date": datetime.date.today().isoformat()}
         with open(a.json_out, "a") as f:
             for r in rows:
                 f.write(json.dumps({**r, **run}) + "\n")
