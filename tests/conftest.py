@@ -50,6 +50,7 @@ def router(tmp_path_factory):
 # order (--dist loadscope --no-loadscope-reorder): starting the long ones first keeps one
 # long module from starting last and running alone, and a module's fixtures start once.
 HEAVY_MODULES = (
+    "tests/job/test_train_job.py",
     "tests/job/test_async_job.py",
     "tests/job/test_rl_job.py",
     "tests/chaos/test_chaos.py",
@@ -65,7 +66,7 @@ HEAVY_MODULES = (
     "tests/job/test_agentic_job.py",
     "tests/engine/test_engine_actors.py",
     "tests/topologies/test_colocate.py",
-    "tests/job/test_train_job.py",
+    "tests/job/test_logprob_rule_job.py",
     "tests/topologies/test_multinode.py",
     "tests/topologies/test_pd.py",
     "tests/weights/test_failed_group.py",

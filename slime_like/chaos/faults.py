@@ -16,6 +16,7 @@ from slime_like.engine.actor import crash_server
 from slime_like.errors import FleetError
 from slime_like.fleet.fleet import Fleet
 from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.protocol import io_struct as p
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +59,20 @@ def crash_at_sync_step(e: ManagedEngine) -> Callable[[], None]:
     """What the trainer runs when its sync reaches the armed step: SIGKILL the engine's
     server (through its actor, so it has landed before the sync goes on)."""
     return functools.partial(crash_server, e.actors[0])
+
+
+def revert_weights(fleet: Fleet, index: int = 0) -> str:
+    """Put engine `index`'s weights back to the checkpoint it was launched from while its
+    label keeps the fleet's version: an engine that claims weights it does not serve (a
+    receiver that moved the label without the weights). Done through the engine's own
+    `/update_weights_from_disk`; right after the first sync this is exactly one version
+    behind. The log-probability check must fail the step naming it."""
+    e = fleet.engines[index]
+    if e.handle is None:
+        raise FleetError(f"{e.engine_id} has no server to revert")
+    path = fleet.settings.model_paths.get(e.model_name) or e.placements[0].model_path
+    e.handle.update_weights_from_disk(p.UpdateWeightsFromDiskRequest(
+        model_path=str(path), weight_version=str(fleet.version)))
+    logger.warning("reverted %s (%s) to the weights of %s, label kept at version %s",
+                   e.engine_id, e.url, path, fleet.version)
+    return e.engine_id

@@ -275,8 +275,18 @@ def _ours(p: argparse.ArgumentParser) -> None:
                    metavar="RANK", help="The node of a multi-node engine whose server "
                                         "--simulate-engine-crash-at kills.")
     g.add_argument("--logprob-check-tolerance", type=t.positive_float, default=1e-4,
-                   help="Largest |engine - trainer| log-probability of a sampled token accepted "
-                        "by the per-step correctness check (fp32 on CPU agrees to ~1e-6).")
+                   help="Largest mean |engine - trainer| log-probability over one sample's "
+                        "tokens accepted by the per-step correctness check (fp32 on CPU agrees "
+                        "to ~1e-6 per token); one token never fails a step alone.")
+    g.add_argument("--logprob-check-probe-tokens", type=t.non_negative_int, default=256,
+                   metavar="N", help="Each step every serving engine scores a fixed probe of "
+                   "about N sampled tokens itself and answers by name for the version it "
+                   "claims (the neighbour test catches one a version behind). 0: off.")
+    g.add_argument("--simulate-stale-engine-at", type=t.non_negative_int, default=None,
+                   metavar="STEP", help="Right after the sync that follows this step, put "
+                   "engine 0's weights back to its launch checkpoint with its label kept (at "
+                   "step 0: one version behind); the log-probability check must fail the run "
+                   "naming it.")
     g.add_argument("--chaos-seed", type=int, default=None, metavar="SEED",
                    help="Chaos run: inject real faults (see --chaos-faults) at moments drawn "
                         "from this seed and check the routing invariant from outside; the run "

@@ -231,7 +231,8 @@ def prompt_settings(args: argparse.Namespace) -> PromptSettings:
 
 @dataclass(frozen=True)
 class ChaosSettings:
-    """`--chaos-seed` faults and the `--simulate-engine-crash-*` demo crash."""
+    """`--chaos-seed` faults, the `--simulate-engine-crash-*` demo crash and the
+    `--simulate-stale-engine-at` engine that claims weights it does not serve."""
 
     seed: int | None = None
     faults: tuple[str, ...] = ()
@@ -239,6 +240,7 @@ class ChaosSettings:
     crash_at: int | None = None
     crash_model: str | None = None
     crash_node_rank: int = 0
+    stale_at: int | None = None
 
 
 def chaos_settings(args: argparse.Namespace) -> ChaosSettings:
@@ -247,7 +249,8 @@ def chaos_settings(args: argparse.Namespace) -> ChaosSettings:
                          + args.rollout_health_check_timeout + 1.5,
                          crash_at=args.simulate_engine_crash_at,
                          crash_model=args.simulate_engine_crash_model,
-                         crash_node_rank=args.simulate_engine_crash_node_rank)
+                         crash_node_rank=args.simulate_engine_crash_node_rank,
+                         stale_at=args.simulate_stale_engine_at)
 
 
 @dataclass(frozen=True)
@@ -400,6 +403,7 @@ class JobSettings:
     offload_rollout: bool = False
     update_weights_interval: int = 1
     logprob_check_tolerance: float = 1e-4
+    logprob_probe_tokens: int = 256
     output_dir: str | None = None
     asynchrony: AsyncSettings = AsyncSettings()
     # Plug-ins (`--custom-rm-path`, `--rollout-function-path`, ...) get slime's `args`.
@@ -437,6 +441,7 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
         offload_rollout=bool(args.offload_rollout),
         update_weights_interval=args.update_weights_interval,
         logprob_check_tolerance=args.logprob_check_tolerance,
+        logprob_probe_tokens=args.logprob_check_probe_tokens,
         output_dir=args.output_dir, asynchrony=async_settings(args), plugin_args=args)
 
 

@@ -23,13 +23,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from slime_like.chaos import ChaosMonkey, InvariantSampler, plan_faults, simulated_crash
+from slime_like.chaos import (
+    ChaosMonkey,
+    InvariantSampler,
+    plan_faults,
+    revert_weights,
+    simulated_crash,
+)
 from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.slices import FleetSettings, JobSettings, SyncSettings
 from slime_like.errors import SlimeLikeError
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.checkpoints import save_checkpoint, save_due
-from slime_like.job.checks import LogprobCheck, check_logprobs, weight_versions
+from slime_like.job.checks import LogprobCheck, StepChecker, weight_versions
 from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
 from slime_like.job.samples import kept_batch, staleness_of, train_masks
@@ -81,6 +87,7 @@ class Job:
                  sync_settings: SyncSettings, plugins: Plugins, out_dir: Path,
                  group_filter: GroupFilter | None = None):
         self.settings = settings
+        self.checker = StepChecker(settings)
         self.out = out_dir
         self.plugins = plugins
         # --dynamic-sampling-filter-path: which prompt groups are trained on.
@@ -225,9 +232,12 @@ class Job:
         # With the sync right after the train step (nothing drains in between), the engines
         # stay out of the router from their memory resume until it: it need not pause them.
         hold = before_sync is None and self.syncs_after(step)
+        with busy("check"), self._phase("probe"):
+            answers = self.checker.ask_engines(self.fleet, rollout.samples)
         with self.engines_released(hold_for_sync=hold) as released:
             with busy("check"), self._phase("check"):
-                checked = self.check(rollout.samples, step)
+                checked = self.checker.check(rollout.samples, self.trainer,
+                                             int(self.fleet.version), step, answers)
             with busy("train"), self._phase("train"):
                 train_metrics = self.train(rollout.samples, scores)
         if before_sync is not None:
@@ -334,16 +344,6 @@ class Job:
         advantages = group_advantages(rewards, self.settings.rollout.n_samples_per_prompt)
         return Scores(rewards, advantages, ref_logprobs, kl_metrics)
 
-    def check(self, samples: list[Sample], step: int = 0) -> LogprobCheck:
-        """The engines served the trainer's weights: every token at its span's version."""
-        asynchrony = self.settings.asynchrony
-        return check_logprobs(samples, self.trainer, int(self.fleet.version),
-                              self.settings.logprob_check_tolerance,
-                              self.settings.rollout.temperature,
-                              staleness=asynchrony.max_staleness,
-                              kv_kept=asynchrony.pause_mode == "in_place",
-                              fraction=asynchrony.check_fraction, seed=step)
-
     @contextlib.contextmanager
     def engines_released(self, hold_for_sync: bool = False):
         """--offload-rollout: colocated engines release their memory for the body (the
@@ -406,7 +406,10 @@ class Job:
         if self.chaos is not None:
             self.chaos.arm_sync(step)
         with self.obs.progress.syncing():
-            return self.push_weights()
+            report = self.push_weights()
+        if self.settings.chaos.stale_at == step:
+            revert_weights(self.fleet, 0)
+        return report
 
     def push_weights(self, version: WeightVersion | None = None) -> dict:
         """One full update, retried for the living engines: the fleet opens each attempt
@@ -428,13 +431,10 @@ class Job:
             "rollout_s": round(rollout.seconds, 3),
             "sync_s": round(sync.get("total_s", 0.0), 4),
             "weight_version": int(fleet.version),
-            "logprob_max_abs_diff": checked.worst,
-            "logprob_checked_samples": checked.samples,
-            "logprob_checked_mixed_samples": checked.mixed_samples,
+            **checked.metrics(),
             "samples_requested": len(rollout.prompts) * settings.rollout.n_samples_per_prompt,
             "samples_returned": len(samples),
             "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
-            "logprob_checked_tokens": checked.tokens,
             "env_tokens": sum(len(s.output_ids) - sum(s.model_token_mask()) for s in samples),
             "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
             "retried_requests": sum(s.attempts > 1 for s in samples),

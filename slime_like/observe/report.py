@@ -125,11 +125,7 @@ def summary_lines(steps: list[dict], incidents: list[Incident]) -> list[str]:
         phases = phase_line(steps)
         if phases:
             lines.append(phases)
-        diffs = [r["logprob_max_abs_diff"] for r in steps
-                 if isinstance(r.get("logprob_max_abs_diff"), int | float)
-                 and r["logprob_max_abs_diff"] == r["logprob_max_abs_diff"]]
-        if diffs:
-            lines.append(f"- log-probability check: largest |engine - trainer| {max(diffs):.2g}")
+        lines += check_lines(steps)
     lines.append(f"- engine deaths: {len(incidents)}")
     for i in incidents:
         at = step_at(i.died_at, steps)
@@ -141,6 +137,43 @@ def summary_lines(steps: list[dict], incidents: list[Incident]) -> list[str]:
         else:
             outcome = f"NOT recovered ({i.failure})" if i.failure else "NOT recovered"
         lines.append(f"  - {i.engine} seen dead {where}(t {i.died_at:.1f} s{why}); {outcome}")
+    return lines
+
+
+def _numbers(steps: list[dict], key: str) -> list[float]:
+    """The step values of `key` that are numbers (NaN and missing left out)."""
+    return [float(r[key]) for r in steps
+            if isinstance(r.get(key), int | float) and r[key] == r[key]]
+
+
+def check_lines(steps: list[dict]) -> list[str]:
+    """The log-probability check over the run: the noise per token (the median and p99
+    steps, the largest token), tokens over the tolerance and where, the largest sample
+    mean (what decides), and how often the probe confirmed each engine's version."""
+    maxima = _numbers(steps, "logprob_max_abs_diff")
+    if not maxima:
+        return []
+    medians, p99s = _numbers(steps, "logprob_diff_median"), _numbers(steps, "logprob_diff_p99")
+    line = "- log-probability check: per token |engine - trainer|"
+    if medians and p99s:
+        line += (f" median {statistics.median(medians):.2g}, p99 {statistics.median(p99s):.2g}"
+                 " (median step),")
+    line += f" largest {max(maxima):.2g}"
+    means = _numbers(steps, "logprob_sample_mean_diff_max")
+    if means:
+        line += f"; largest sample mean {max(means):.2g} (the decision)"
+    lines = [line]
+    over = [(r["step"], r["logprob_diff_over_tolerance"]) for r in steps
+            if r.get("logprob_diff_over_tolerance")]
+    if over:
+        lines.append(f"  - {sum(n for _, n in over)} tokens over the tolerance in {len(over)} "
+                     f"steps (first at step {over[0][0]}), none deciding a step alone")
+    probed = [r for r in steps if r.get("logprob_probe_engines")]
+    if probed:
+        confirmed = sum(r.get("logprob_probe_confirmed", 0) for r in probed)
+        asked = sum(r["logprob_probe_engines"] for r in probed)
+        lines.append(f"  - probe: {confirmed} of {asked} engine answers confirmed at their "
+                     f"version against the previous one ({len(probed)} steps)")
     return lines
 
 

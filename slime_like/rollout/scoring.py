@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
+from slime_like.engine.handle import EngineHandle
 from slime_like.errors import SlimeLikeError
 from slime_like.rollout.generate import ROUTER_DOWN_S, RouterOutage, no_engine_routed
 
@@ -74,6 +76,84 @@ async def _score_all(url: str, pairs: Sequence[tuple[list[int], list[int]]], api
         return list(await asyncio.gather(*[_score_one(session, url, limit, p, o, attempts,
                                                       router_down_s)
                                            for p, o in pairs]))
+
+
+@dataclass(frozen=True)
+class EngineScores:
+    """One engine's log-probabilities of the given pairs, and the version it claimed."""
+
+    engine_id: str
+    url: str
+    version: str
+    logprobs: list[list[float]]
+
+
+def score_on_engines(engines: Sequence[EngineHandle], pairs: Sequence[tuple[list[int], list[int]]],
+                     *, timeout_s: float = 60.0, attempts: int = 2
+                     ) -> tuple[list[EngineScores], dict[str, str]]:
+    """Each engine scores `pairs` itself (not through a router), all engines at once: what
+    the log-probability check asks of every serving engine (`job/probe.py`). Returns the
+    engines that answered, and `{engine_id: why}` for those that did not (an engine dying
+    meanwhile is the health monitor's business, not the check's). An engine whose answers
+    name more than one weight version (an update landed between them) is left out too."""
+    if not engines or not pairs:
+        return [], {}
+    return asyncio.run(_score_engines(list(engines), list(pairs), timeout_s, attempts))
+
+
+async def _score_engines(engines: list[EngineHandle], pairs: list[tuple[list[int], list[int]]],
+                         timeout_s: float, attempts: int
+                         ) -> tuple[list[EngineScores], dict[str, str]]:
+    body = {"input_ids": [list(p) + list(o) for p, o in pairs], "return_logprob": True,
+            "logprob_start_len": [len(p) for p, _ in pairs],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+
+    async def one(engine: EngineHandle) -> EngineScores:
+        """The whole probe as one batched /generate (one prefill on the engine)."""
+        headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
+        last = ""
+        async with aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            for attempt in range(attempts):
+                try:
+                    async with session.post(f"{engine.url}/generate", json=body) as resp:
+                        if resp.status == 200:
+                            return _engine_scores(engine, pairs, await resp.json(content_type=None))
+                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    last = f"{type(e).__name__}: {e}"
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise ScoringError(f"{engine.url}/generate failed {attempts} times; last: {last}")
+
+    results = await asyncio.gather(*[one(e) for e in engines], return_exceptions=True)
+    answered, failed = [], {}
+    for engine, result in zip(engines, results, strict=True):
+        if isinstance(result, BaseException):
+            failed[str(engine.engine_id)] = f"{type(result).__name__}: {result}"
+        else:
+            answered.append(result)
+    return answered, failed
+
+
+def _engine_scores(engine: EngineHandle, pairs: list[tuple[list[int], list[int]]],
+                   answer: list | dict) -> EngineScores:
+    """A batched answer as one engine's scores; refused if it spans weight versions."""
+    items = answer if isinstance(answer, list) else [answer]
+    if len(items) != len(pairs):
+        raise ScoringError(f"{engine.url}/generate answered {len(items)} items for "
+                           f"{len(pairs)} sequences")
+    versions, logprobs = set(), []
+    for item, (_, output) in zip(items, pairs, strict=True):
+        window = item["meta_info"]["input_token_logprobs"]
+        lps = [lp for lp, _tok, *_ in window][-len(output):]
+        if len(lps) != len(output) or any(lp is None for lp in lps):
+            raise ScoringError(f"{engine.url}/generate: expected {len(output)} log-"
+                               f"probabilities, got {len(window)}")
+        logprobs.append([float(lp) for lp in lps])
+        versions.add(str(item["meta_info"].get("weight_version", "")))
+    if len(versions) != 1:
+        raise ScoringError(f"{engine.url}: answers at several weight versions {sorted(versions)}")
+    return EngineScores(str(engine.engine_id), engine.url, versions.pop(), logprobs)
 
 
 def token_logprobs(router_url: str, pairs: Sequence[tuple[list[int], list[int]]], *,

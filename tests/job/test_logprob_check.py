@@ -23,13 +23,28 @@ def _sample(lps, version="3"):
     return Sample(0, [1, 2], [3, 4], lps, version, "length")
 
 
-def test_tolerance_decides_what_fails():
+def test_tolerance_bounds_each_samples_mean_difference():
     trainer = _Trainer([[-1.0, -2.0]])
-    assert check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-2).worst == \
-        pytest.approx(1e-3)
-    with pytest.raises(LogprobMismatch, match="differ by 0.001"):
+    checked = check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-2)
+    assert checked.worst == pytest.approx(1e-3)           # the worst token, reported
+    assert checked.worst_sample == pytest.approx(5e-4)    # the sample's mean decides
+    with pytest.raises(LogprobMismatch, match="differ by 0.0005 per token on average"):
         check_logprobs([_sample([-1.0, -2.001])], trainer, 3, 1e-4)
     assert trainer.calls[-1] == ([[(3, 0, 2)]], 1.0)  # asked at the samples' version
+
+
+def test_one_token_over_the_tolerance_does_not_fail_the_step_and_is_reported():
+    """Rounding puts one token of a long sample over the tolerance now and then: reported
+    (count, position, both probabilities), never the step's verdict alone."""
+    lps = [-1.0] * 16
+    engine = list(lps)
+    engine[7] = -1.0 - 3e-4
+    checked = check_logprobs([Sample(0, [1, 2], list(range(16)), engine, "3", "length")],
+                             _Trainer([lps]), 3, 1e-4)
+    assert checked.noise.over_tolerance == 1 and checked.noise.max == pytest.approx(3e-4)
+    worst = checked.metrics()["logprob_diff_worst"][0]
+    assert worst["position"] == 7 and worst["p_trainer"] == pytest.approx(0.3679, rel=1e-3)
+    assert checked.worst_sample == pytest.approx(3e-4 / 16)
 
 
 def test_a_sample_from_another_version_is_a_stale_serve():
@@ -45,7 +60,7 @@ def _spanned(lps, spans, version="3"):
 def test_a_mixed_sample_is_asked_span_by_span_and_checked_token_by_token():
     sample = _spanned([-1.0, -2.0, -3.0], [("2", 0, 1), ("3", 1, 3)])
     trainer = _Trainer([[-1.0, -2.0, -3.5]])
-    with pytest.raises(LogprobMismatch, match=r"differ by 0.5 .*\['2', '3'\]"):
+    with pytest.raises(LogprobMismatch, match=r"differ by 0.167 per token.*\['2', '3'\]"):
         check_logprobs([sample], trainer, 3, 1e-4, staleness=1)
     assert trainer.calls[-1] == ([[(2, 0, 1), (3, 1, 3)]], 1.0)
     # two versions back is outside a staleness bound of 1: a stale serve
