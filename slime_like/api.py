@@ -8,6 +8,7 @@
     weights = FleetWeights(fleet, transport="distributed")
     weights.push(model)                       # engines serve version 1, verified
     samples = fleet.generate(prompt_ids, n=4, sampling_params={"temperature": 1.0})
+    LogprobChecker(fleet, my_score).check(samples)   # every engine by name, every sample
     fleet.subscribe(lambda event: print(event.subject, event.kind, event.details))
     with fleet.stream(prompts, n=4, sampling_params=..., batch_size=8) as stream:
         batch = stream.next_batch()           # generation never waits for your loop
@@ -31,12 +32,14 @@ from slime_like.fleet.events import EngineState, EventSink, FleetEvent, Happenin
 from slime_like.fleet.fleet import Fleet, Update
 from slime_like.fleet.push import FleetWeights
 from slime_like.fleet.stream import RolloutStream
+from slime_like.fleet.verify import LogprobChecker
 from slime_like.protocol.weight_version import WeightVersion
+from slime_like.rollout.logprob_check import LogprobCheck, LogprobMismatch
 from slime_like.rollout.producer import Batch, ProducerCounts
 
 __all__ = ["Batch", "EngineState", "Fleet", "FleetError", "FleetEvent", "FleetWeights",
-           "Happening", "ProducerCounts", "RolloutStream", "RouterState", "Update",
-           "WeightVersion", "launch_fleet"]
+           "Happening", "LogprobCheck", "LogprobChecker", "LogprobMismatch", "ProducerCounts",
+           "RolloutStream", "RouterState", "Update", "WeightVersion", "launch_fleet"]
 
 
 def launch_fleet(sglang_config: str | Path | None = None, *, model_path: str | Path,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slime_like.api import FleetWeights, launch_fleet
+from slime_like.api import FleetWeights, LogprobChecker, launch_fleet
 from slime_like.cluster.ports import free_port
 from slime_like.models import load_pretrained
 from slime_like.models.tiny import make_tiny_model
@@ -57,6 +57,22 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor)
     opt.zero_grad()
     loss.backward()
     opt.step()
+
+
+@torch.no_grad()
+def _score(model: torch.nn.Module, fleet, version: int,
+           pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """Per pair, the log-probability of each output token under `model`, which holds the
+    fleet's current version (older ones are not kept here: the checker keeps their
+    numbers)."""
+    if version != int(fleet.version):
+        raise LookupError(f"this loop holds only version {fleet.version}, not {version}")
+    out = []
+    for prompt, output in pairs:
+        ids = torch.tensor([prompt + output])
+        logprobs = torch.log_softmax(model(ids)[0].float(), dim=-1)
+        out.append([logprobs[len(prompt) + t - 1, tok].item() for t, tok in enumerate(output)])
+    return out
 
 
 def fsdp_peer(rank: int, world: int, port: int, model_path: str, steps: int) -> None:
@@ -119,11 +135,18 @@ def main(argv: list[str] | None = None) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         if a.fully_async:
             return {**fully_async(fleet, weights, model, opt, a.steps), "events": events}
-        served = []
+        served, checks = [], []
+        # The job's log-probability check with this model as the trainer's side (one
+        # process: with --fsdp the forward would be collective, so it is left out there).
+        checker = None if a.fsdp > 1 else LogprobChecker(
+            fleet, lambda version, pairs, temperature: _score(model, fleet, version, pairs))
         for step in range(a.steps):
-            samples = fleet.generate([[1, 72, 105], [1, 83, 97]], n=2,
-                                     sampling_params={"temperature": 1.0, "max_new_tokens": 8})
+            samples = fleet.generate([[1, 72, 105], [1, 83, 97], [1, 72, 97], [1, 83, 105]],
+                                     n=2, sampling_params={"temperature": 1.0,
+                                                           "max_new_tokens": 16})
             served.append(sorted({s.weight_version for s in samples}))
+            if checker is not None:  # the engines serve what `model` is now, by name
+                checks.append(checker.check(samples).metrics())
             ids = [[s.prompt_ids + s.output_ids for s in samples[:1]]]
             if a.fsdp > 1:
                 dist.broadcast_object_list(ids, src=0)  # every rank trains on the same batch
@@ -135,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         weights.close()
         for peer in peers:
             peer.join(timeout=120)
-        return {"served": served, "version": int(fleet.version), "events": events,
+        return {"served": served, "checks": checks, "version": int(fleet.version),
+                "events": events,
                 "states": fleet.states(), "peer_exit_codes": [p.exitcode for p in peers]}
     finally:
         for peer in peers:

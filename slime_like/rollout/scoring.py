@@ -92,7 +92,7 @@ def score_on_engines(engines: Sequence[EngineHandle], pairs: Sequence[tuple[list
                      *, timeout_s: float = 60.0, attempts: int = 2
                      ) -> tuple[list[EngineScores], dict[str, str]]:
     """Each engine scores `pairs` itself (not through a router), all engines at once: what
-    the log-probability check asks of every serving engine (`job/probe.py`). Returns the
+    the log-probability check asks of every serving engine (`rollout/probe.py`). Returns the
     engines that answered, and `{engine_id: why}` for those that did not (an engine dying
     meanwhile is the health monitor's business, not the check's). An engine whose answers
     name more than one weight version (an update landed between them) is left out too."""

@@ -34,6 +34,13 @@ def test_own_trainer_example_pushes_weights_and_serves_only_the_pushed_version(t
     # version pushed before it
     assert out["served"] == [["1"], ["2"]]
     assert out["version"] == 3
+    # The job's log-probability check with the loop's own model (LogprobChecker): every
+    # sample at its version, and from the second push on both engines confirmed by name
+    # at the version they claim against the one before it.
+    first, second = out["checks"]
+    assert first["logprob_sample_mean_diff_max"] < 1e-4 > second["logprob_sample_mean_diff_max"]
+    assert first["logprob_probe_engines"] == 2 and first["logprob_probe_confirmed"] == 0
+    assert second["logprob_probe_confirmed"] == 2, second
     engines = {e for e, _ in out["events"] if e.startswith("policy/")}
     assert engines == {"policy/g0/e0", "policy/g0/e1"}
     for engine in engines:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from slime_like.engine.handle import EngineHandle
 from slime_like.rollout.generate import Sample
@@ -27,6 +28,15 @@ from slime_like.rollout.scoring import EngineScores, score_on_engines
 logger = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 8  # the trainer's probe log-probabilities kept, newest first
+
+
+class SpanScorer(Protocol):
+    """The trainer's side of the check: each output token's log-probability at its span's
+    version (`TrainerGroup.span_logprobs`, or `slime_like.api.LogprobChecker`'s adapter of
+    your own scoring function)."""
+
+    def span_logprobs(self, samples: list, temperature: float = 1.0,
+                      kv_kept: bool = False) -> list[list[float]]: ...
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ class EngineProbe:
         engines = [h for h in handles if h.worker_type == "regular"]
         return score_on_engines(engines, self.pairs) if self.pairs else ([], {})
 
-    def trainer_logprobs(self, version: str, trainer) -> list[list[float]] | None:
+    def trainer_logprobs(self, version: str, trainer: SpanScorer) -> list[list[float]] | None:
         """The trainer's log-probabilities of the probe at `version` (temperature 1: what
         engines report for prompt tokens), kept; None if the trainer no longer has that
         version's weights."""
@@ -143,7 +153,7 @@ class EngineProbe:
             del self._trainer[old]
         return scored
 
-    def judge(self, answers: tuple[list[EngineScores], dict[str, str]], trainer,
+    def judge(self, answers: tuple[list[EngineScores], dict[str, str]], trainer: SpanScorer,
               fleet_version: int) -> ProbeReport:
         """Each engine's verdict. The fleet's version is scored first, so its numbers are
         kept for the next version's neighbour test even when no engine claims it."""
