@@ -263,11 +263,11 @@ class Job:
         settings = self.settings
         batch, n = settings.rollout.batch_size, settings.rollout.n_samples_per_prompt
         total = batch * n
-        hook = self.crash.rollout_hook(step, total) if self.crash is not None else None
+        # The demo crash and a chaos fault may share a step: both fire.
+        hooks = [h for m in (self.crash, self.chaos) if m and (h := m.rollout_hook(step, total))]
+        hook = (lambda done: [h(done) for h in hooks]) if hooks else None
         offloaded = (self.trainer.offload(keep_weights=not settings.trainer.offload_train_weights)
                      if settings.trainer.offload_train else {})
-        if self.chaos is not None:
-            hook = self.chaos.rollout_hook(step, total) or hook
         metrics: dict[str, Any] = {}
         t0 = time.perf_counter()
         if not self.group_filter.enabled:

@@ -56,4 +56,5 @@ def test_a_thousand_steps_end_whole(tmp_path, shared_ray, seed):
     ms = run_job(tmp_path, CONFIG, "--num-rollout", "1000", "--seed", str(seed))
     check_run(tmp_path, 1000, ENGINES)
     assert max(m["logprob_sample_mean_diff_max"] for m in ms) < 1e-4
-    assert sum(m["logprob_probe_confirmed"] for m in ms) >= 2 * 980
+    assert all(m["logprob_probe_confirmed"] == m["logprob_probe_engines"] for m in ms[1:])
+    assert ms[-1]["logprob_probe_confirmed"] == 2

@@ -56,7 +56,8 @@ def test_quickstart_job_survives_an_engine_crash_and_keeps_logprobs_exact(tmp_pa
     # From the second step on, every engine that answered the probe was confirmed at its
     # version against the previous one (far apart at this learning rate), by name.
     assert all(s["logprob_probe_confirmed"] == s["logprob_probe_engines"] for s in steps[1:])
-    assert sum(s["logprob_probe_confirmed"] for s in steps) >= 2 * (STEPS - 10)
+    assert all(s["logprob_probe_engines"] >= 1 for s in steps)  # e1 serves throughout
+    assert steps[-1]["logprob_probe_confirmed"] == 2  # the replacement too, once back
     assert steps[-1]["weight_version"] == STEPS + 1  # first sync + one per step
 
     events = [json.loads(line) for line in (tmp_path / "engine_timeline.jsonl").read_text().splitlines()]
