@@ -25,6 +25,7 @@ import traceback
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from urllib.parse import urlparse
 
 import torch
@@ -153,7 +154,8 @@ class DistributedTransport(Transport):
         self.pg: dist.ProcessGroup | None = None
         self.group_name: str | None = None
         self.members: tuple[tuple[str, int], ...] = ()
-        self.asked: dict[str, list[str]] = {}  # engine url -> group names it was asked to join
+        # engine url -> (the engine, with its keys; the group names it was asked to join)
+        self.asked: dict[str, tuple[EngineHandle, list[str]]] = {}
         self.dirty = False
         self.attempt = 0
         self._warned_per_tensor = False
@@ -201,7 +203,7 @@ class DistributedTransport(Transport):
             req = p.InitWeightsUpdateGroupRequest(
                 master_address=address, master_port=port, rank_offset=offset,
                 world_size=world_size, group_name=name, backend=self.backend)
-            self.asked.setdefault(engine.url, []).append(name)
+            self.asked.setdefault(engine.url, (engine, []))[1].append(name)
             future = calls.submit(engine, engine.init_weights_update_group, req,
                                   self.group_timeout_s + 5)
             _PENDING_JOINS[engine.url] = future
@@ -251,13 +253,15 @@ class DistributedTransport(Transport):
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members, self._store = None, None, (), None
         asked, self.asked = self.asked, {}
-        targets = [EngineHandle(url) for url in asked]
+        # Copies of the handles that asked them (keys included: the destroy is an admin
+        # call), with a short timeout of their own.
+        targets = [replace(engine) for engine, _ in asked.values()]
         if not targets:
             return
 
         def destroy(engine: EngineHandle) -> None:
             engine.timeout = 10.0
-            for name in asked[engine.url]:
+            for name in asked[engine.url][1]:
                 # 400 = the group is already gone; no answer = the engine is gone.
                 with contextlib.suppress(EngineError):
                     engine.destroy_weights_update_group(name)
