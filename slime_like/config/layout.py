@@ -141,11 +141,6 @@ class EnginePlacement:
         """Only node_rank 0 of an engine serves HTTP and registers with the router."""
         return self.node_rank == 0
 
-    @property
-    def registers_with_router(self) -> bool:
-        """Encoders serve prefill engines directly, not through the router."""
-        return self.serves_http and self.worker_type != "encoder"
-
 
 @dataclass(frozen=True)
 class RouterPlan:

@@ -184,10 +184,6 @@ class Scheduler:
                 r.version_events.append((self.weight_version, r.num_output))
         self.weight_version = new_version
 
-    def abort_everything(self) -> None:
-        """Abort every waiting and running request (scheduler thread)."""
-        self._abort("", True)
-
     def _add(self, reqs: list[Req]) -> None:
         for r in reqs:
             if r.spec.sampling_seed is not None:

@@ -284,9 +284,6 @@ class TrainerRank:
             self.version = version
             self._dirty = True  # engines serve other weights until the next full sync
 
-    def current_version(self) -> int:
-        return self.version
-
     def shutdown(self) -> None:
         if self.weight_sync is not None:
             try:

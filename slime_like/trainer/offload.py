@@ -24,6 +24,7 @@ reach the link's limit (docs/COLOCATE.md has the figures).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -212,7 +213,7 @@ class TrainerOffload:
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             events[0].record(stream)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for g in groups:
                 # Before the first train step only the weights move; room for the moments
                 # the optimizer is about to add, so the next offload reuses this buffer.
@@ -284,7 +285,7 @@ class TrainerOffload:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             stream.wait_stream(torch.cuda.current_stream(self.device))
             events[0].record(stream)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             ranges = [(g, 0, _weights_end(g)) for g in self._groups]
             ranges += [(g, end, g.numel) for g, _, end in list(ranges)]
             for i, (g, start, end) in enumerate(ranges):
@@ -354,11 +355,3 @@ def _weights_end(g: _Group) -> int:
     """Where the group's parameters end in its flat buffer (they come first)."""
     return max((off + s.tensor.numel() for s, off in zip(g.slots, g.offsets, strict=True)
                 if s.param is not None), default=0)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -139,8 +139,3 @@ def call_error(call: EngineCall, exc: BaseException) -> WeightSyncError:
         err.unresponsive = [call.engine.url]  # no answer (gone, or its control loop is stuck)
     err.__cause__ = exc
     return err
-
-
-def is_refusal(exc: BaseException) -> bool:
-    """An engine answered (4xx/5xx), as opposed to not answering at all."""
-    return isinstance(exc, EngineError) and exc.status is not None
