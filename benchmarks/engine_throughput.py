@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,32 +23,10 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from slime_like.cluster.ports import free_port  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
 
-
-def start_engine(model_dir: Path, cpu: int, max_running: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """The engine on one core: CPU affinity to `cpu`, one OpenMP (torch intra-op) thread."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "slime_like.reference_engine", "--model-path", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port), "--max-running-requests", str(max_running),
-             "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        time.sleep(0.2)
-    raise RuntimeError("engine not healthy in 120 s")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pinned_engine import start_pinned_engine  # noqa: E402
 
 
 def run_level(url: str, concurrency: int, tokens: int, rounds: int) -> tuple[float, int, float]:
@@ -87,7 +62,9 @@ def main() -> int:
     cpu = a.cpu if a.cpu is not None else max(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = a.model_dir or make_tiny_model(Path(tmp) / "tiny", seed=0)
-        proc, url = start_engine(model_dir, cpu, max(a.levels), Path(tmp) / "engine.log")
+        engine = start_pinned_engine(model_dir, cpu, Path(tmp) / "engine.log",
+                                     "--max-running-requests", str(max(a.levels)))
+        url = engine.url
         try:
             run_level(url, max(a.levels), 8, 1)  # warm the allocator and the threads
             rows = []
@@ -98,13 +75,7 @@ def main() -> int:
                            key=lambda r: r[0])
                 rows.append((level, *best))
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            engine.stop()
     base = rows[0][1]
     print(f"reference engine decode throughput (1 core, 1 torch thread, {a.tokens} new tokens/request)")
     print(f"{'concurrent':>10} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'vs 1':>6}")

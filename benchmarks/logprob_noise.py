@@ -51,13 +51,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +71,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from slime_like.cluster.ports import free_port  # noqa: E402
 from slime_like.models.loading import save_state_dict_atomic  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
 from slime_like.models.tokenizer import ByteTokenizer  # noqa: E402
@@ -92,6 +88,7 @@ from logprob_noise_tables import (  # noqa: E402
     print_pairs,
     print_worst,
 )
+from pinned_engine import PinnedEngine, start_pinned_engine  # noqa: E402
 
 Pair = tuple[list[int], list[int]]
 T = TypeVar("T")
@@ -146,51 +143,10 @@ def make_models(tmp: Path, which: Sequence[str], train_steps: int) -> dict[str, 
 
 # ---- the engine ----------------------------------------------------------------------------
 
-@dataclass
-class Engine:
-    """One reference-engine server process (its own process group, killed on exit)."""
-
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def start_engine(model_dir: Path, dtype: str, cpu: int, log: Path) -> Engine:
-    """`python -m slime_like.reference_engine --dtype <dtype>` on one core, one torch thread."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "slime_like.reference_engine", "--model-path", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-             "--max-running-requests", "64", "--random-seed", "0", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-    engine = Engine(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(engine.url + "/health", timeout=5).status_code == 200:
-                    return engine
-            time.sleep(0.2)
-        raise RuntimeError("engine not healthy in 120 s")
-    except BaseException:
-        engine.stop()
-        raise
+def start_engine(model_dir: Path, dtype: str, cpu: int, log: Path) -> PinnedEngine:
+    """The engine at `--dtype dtype` on one core, one torch thread, seeded sampling."""
+    return start_pinned_engine(model_dir, cpu, log, "--dtype", dtype,
+                               "--max-running-requests", "64", "--random-seed", "0")
 
 
 async def _post_all(url: str, bodies: list[dict], concurrency: int) -> list[dict]:
