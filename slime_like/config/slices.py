@@ -31,8 +31,9 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """How each model's sglang-router is started and called."""
+    """How each model's router is started and called; `kind` is "sglang-router" or "smg"."""
 
+    kind: str = "sglang-router"
     flags: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
     request_timeout_s: float = 300.0
@@ -119,7 +120,8 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
     router_flags["request_timeout_secs"] = args.sglang_router_request_timeout_secs
     return FleetSettings(
         engine=engine_settings(args, api_key=api, admin_api_key=admin),
-        router=RouterSettings(flags=router_flags,
+        router=RouterSettings(kind=getattr(args, "router", None) or "sglang-router",
+                              flags=router_flags,
                               api_key=router_key or args.router_flags.get("api_key"),
                               request_timeout_s=float(args.rollout_request_timeout)),
         health=HealthSettings(enabled=bool(args.use_fault_tolerance),
