@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from slime_like.errors import ConfigError, LaunchError
 from slime_like.flag_tables import ROUTER_ARGS, SMG_ARGS
@@ -39,6 +40,8 @@ class RouterKind:
     min_version: tuple[int, int, int]
     tested: str            # the version CI runs
     why_min: str           # what an older version lacks
+    # Extra fields of each `POST /workers` body.
+    worker_fields: dict[str, Any] = field(default_factory=dict)
 
     def installed_version(self) -> str:
         """The installed version, read from the distribution (never from a console script)."""
@@ -70,7 +73,11 @@ ROUTER_KINDS: dict[str, RouterKind] = {
     SMG: RouterKind(
         name=SMG, distribution="smg", module="smg.launch_router", import_name="smg",
         table=SMG_ARGS, min_version=(1, 13, 0), tested="1.13.0",
-        why_min="only 1.13 was run against slime_like (its flags are the shipped table)"),
+        why_min="only 1.13 was run against slime_like (its flags are the shipped table)",
+        # smg drains a removed worker for 5 s (out of selection, still listed) before it
+        # drops it. The fleet removes an engine that is dead, hung or stale: nothing of it
+        # is worth draining, and each removal would hold the fleet up 5 s.
+        worker_fields={"health": {"drain_settle_secs": 0}}),
 }
 
 

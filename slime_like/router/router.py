@@ -84,7 +84,7 @@ class Router:
 
     @property
     def client(self) -> RouterClient:
-        return RouterClient(self.url, api_key=self.api_key)
+        return RouterClient(self.url, api_key=self.api_key, worker_fields=self.kind.worker_fields)
 
     @property
     def log_path(self) -> Path:
