@@ -66,6 +66,7 @@ HEAVY_MODULES = (
     "tests/engine/test_engine_actors.py",
     "tests/topologies/test_colocate.py",
     "tests/job/test_train_job.py",
+    "tests/topologies/test_smg.py",
     "tests/topologies/test_multinode.py",
     "tests/topologies/test_pd.py",
     "tests/weights/test_failed_group.py",

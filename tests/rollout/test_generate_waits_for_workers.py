@@ -64,12 +64,11 @@ def test_requests_wait_for_an_engine_to_be_routed_again(any_router, engine):
     assert routing_at and done >= routing_at[0]  # answered only once an engine was back
 
 
-def test_a_router_without_engines_fails_the_requests_after_the_bound(any_router):
-    router = any_router
+def test_a_router_without_engines_fails_the_requests_after_the_bound(router):
     assert router.client.list_workers() == []
     gen = RouterGenerator(router.url, retry_backoff_s=0.2, router_down_s=1.0)
     t0 = time.monotonic()
-    with pytest.raises(GenerationError, match="no_available_workers|No worker available"):
+    with pytest.raises(GenerationError, match="no_available_workers"):
         gen.generate([[1, 2, 3]], 1, PARAMS)
     assert time.monotonic() - t0 < 30
 
