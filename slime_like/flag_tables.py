@@ -89,6 +89,19 @@ def load_arg_table(resource: str, skip: frozenset[str] = frozenset()) -> ArgTabl
     return ArgTable(version, specs)
 
 
+# The routers slime_like can start (`--router`), each with its flag table; the rest of what
+# launching one takes is in `slime_like/router/kinds.py`. sglang-router stays the default
+# (docs/COMPATIBILITY.md, "sglang-router and smg").
+ROUTER_TABLES = {"sglang-router": ROUTER_ARGS, "smg": SMG_ARGS}
+DEFAULT_ROUTER = "sglang-router"
+
+
+@cache
+def router_table(router: str) -> ArgTable:
+    """The launcher flags of router `router` (a key of ROUTER_TABLES), loaded once."""
+    return load_arg_table(ROUTER_TABLES[router])
+
+
 # Parser-only options that are not ServerArgs fields: a YAML `--config` would bypass our
 # composition, so it is never passed through.
 _NOT_SERVER_FIELDS = frozenset({"config"})

@@ -19,6 +19,10 @@ own table. Defaults that differ from sglang-router 0.3.2's and smg 1.13's own, a
   worker names (`tokenizer_path` of its `/model_info`), which for a Hugging Face id means a
   download from the router's node; in HTTP mode it forwards text and token ids as they
   come and never tokenizes, so the load buys nothing.
+- smg only, `load_monitor_interval=1` (smg: 10 s): its load-aware policies (`least_load`,
+  `power_of_two`) and overload protection read each worker's `/v1/loads` at this interval;
+  an RL rollout's load changes within a second, and one small GET per engine and second
+  costs nothing.
 - smg only, `shutdown_grace_period_secs=1` (smg: 180): smg waits for open connections on
   SIGTERM, 5 s even when idle; the job stops its routers only when nothing of it is in
   flight any more.
@@ -28,12 +32,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from functools import cache
 from typing import Any
 
 from slime_like.cluster.hosts import format_host
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import ArgTable, ComposedArgs, load_arg_table, render_flags
+from slime_like.flag_tables import ArgTable, ComposedArgs, render_flags, router_table
 from slime_like.router.kinds import SMG, RouterKind, router_kind
 
 ROUTER_DEFAULTS: dict[str, Any] = {
@@ -45,20 +48,16 @@ ROUTER_DEFAULTS: dict[str, Any] = {
 }
 PD_DEFAULTS: dict[str, Any] = {"disable_circuit_breaker": True}
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
-    SMG: {"disable_tokenizer_autoload": True, "shutdown_grace_period_secs": 1}}
+    SMG: {"disable_tokenizer_autoload": True, "load_monitor_interval": 1,
+          "shutdown_grace_period_secs": 1}}
 
 # Set by Router itself from the ports it reserved; a flag may not move them.
 _FORCED = ("host", "port", "prometheus_host", "prometheus_port", "pd_disaggregation")
 
 
-@cache
-def _table(resource: str) -> ArgTable:
-    return load_arg_table(resource)
-
-
 def router_arg_table(kind: str | RouterKind | None = None) -> ArgTable:
     """A router's launcher flags (default: sglang-router's), loaded once from its table."""
-    return _table(router_kind(kind).table)
+    return router_table(router_kind(kind).name)
 
 
 def compose_router_args(

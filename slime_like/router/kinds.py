@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_like.errors import ConfigError, LaunchError
-from slime_like.flag_tables import ROUTER_ARGS, SMG_ARGS
+from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_ARGS, ROUTER_TABLES, SMG_ARGS
 from slime_like.protocol.compat import parse_version
 
 SGLANG_ROUTER = "sglang-router"
 SMG = "smg"
-# sglang-router stays the default: it is what slime users run (slime pins a fork of 0.3.2),
-# and the whole suite runs against it; smg runs the quickstart, PD and router-fault jobs
-# in CI (docs/COMPATIBILITY.md, "sglang-router and smg").
-DEFAULT_ROUTER = SGLANG_ROUTER
+# DEFAULT_ROUTER (flag_tables): sglang-router, what slime users run (slime pins a fork of
+# 0.3.2) and what the whole suite runs against; smg runs the quickstart, PD and
+# router-fault jobs in CI (docs/COMPATIBILITY.md, "sglang-router and smg").
+__all__ = ["DEFAULT_ROUTER", "ROUTER_KINDS", "SGLANG_ROUTER", "SMG", "RouterKind", "router_kind"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ ROUTER_KINDS: dict[str, RouterKind] = {
         # is worth draining, and each removal would hold the fleet up 5 s.
         worker_fields={"health": {"drain_settle_secs": 0}}),
 }
+
+
+assert {k: v.table for k, v in ROUTER_KINDS.items()} == ROUTER_TABLES, "kinds and tables differ"
 
 
 def router_kind(name: str | RouterKind | None) -> RouterKind:
