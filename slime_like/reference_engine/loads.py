@@ -6,7 +6,7 @@ utilization sampler. sglang returns every core key of its snapshot, then the sec
 asked for in `include` (`None` or `all`: every section it has; `core` alone: none);
 `memory`, `disaggregation` and `queues` are always there to give (speculative and LoRA
 sections only with those features, which the reference engine does not have).
-`tests/contract/test_loads_shape.py` checks these keys and types against sglang's own
+`tests/reference_engine/test_info_endpoints.py` checks these keys and types against sglang's own
 `LoadSnapshot`.
 
 Reference-engine additions (read by `observe/utilization.py` and the tests; sglang has no
