@@ -176,6 +176,11 @@ def _check_router_flags(args: argparse.Namespace) -> None:
                               + (f"; it is a flag of {others[0]} (--router {others[0]})"
                                  if others else ""))
         spec = table[name]
+        if name == "policy" and value == "power_of_two":
+            raise ConfigError(flag, "power_of_two: both routers refuse to start with it and "
+                                    "fewer than 2 workers, and slime_like starts its routers "
+                                    "empty (engines are added as they become healthy); use "
+                                    "least_load (--router smg), cache_aware or round_robin")
         if spec.choices and value not in spec.choices:
             others = [k for k in ROUTER_TABLES if k != kind and name in router_arg_table(k)
                       and value in (router_arg_table(k)[name].choices or ())]

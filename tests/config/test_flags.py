@@ -128,6 +128,10 @@ def test_every_smg_flag_passes_through_and_the_router_is_chosen_by_flag():
     (["--router-policy", "least_load"],
      "--router-policy: 'least_load' is not one of sglang-router's ['random', 'round_robin', "
      "'cache_aware', 'power_of_two', 'manual']; smg has it (--router smg)"),
+    (["--router", "smg", "--router-policy", "power_of_two"],
+     "--router-policy: power_of_two: both routers refuse to start with it and fewer than 2 "
+     "workers, and slime_like starts its routers empty (engines are added as they become "
+     "healthy); use least_load (--router smg), cache_aware or round_robin"),
     (["--router-enable-rl"], "--router-enable-rl: sglang-router 0.3.2 has no such flag; it is "
                              "a flag of smg (--router smg)"),
     (["--router", "smg", "--router-mini-lb"], "--router-mini-lb: smg 1.13.0 has no such flag; "
