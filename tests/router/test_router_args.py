@@ -72,6 +72,7 @@ def test_smg_runs_from_its_own_module_with_its_own_flags_and_defaults():
     args = composed.args
     assert args["policy"] == "least_load"
     assert args["disable_tokenizer_autoload"] is True and args["disable_health_check"] is True
+    assert args["disable_worker_overload_protection"] is True and args["load_monitor_interval"] == 1
     # sglang-router's own flag is not one of smg's: dropped, and the warning says by whom
     assert composed.dropped == ["mini_lb"] and "smg 1.13.0" in composed.warnings[0]
     argv = render_router_argv(args, python="py", kind="smg")
