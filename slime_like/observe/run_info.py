@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slime_like.router.kinds import router_kind
+
 PACKAGES = ("torch", "ray", "sglang-router", "smg", "slime_like")
 UNKNOWN = "unknown"
 
@@ -98,8 +100,6 @@ def router_in_use(args: argparse.Namespace | Mapping[str, Any] | None) -> dict[s
     """
     if args is None:
         return None
-    from slime_like.router.kinds import router_kind
-
     name = (vars(args) if isinstance(args, argparse.Namespace) else args).get("router")
     kind = router_kind(name)
     return {"name": kind.name, "version": package_version(kind.distribution)}
