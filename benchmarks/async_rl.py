@@ -3,8 +3,13 @@ pause mode), in one process, on one local Ray cluster.
 
     python benchmarks/async_rl.py                      # configs/async_cpu.yaml, 40 steps
     python benchmarks/async_rl.py --steps 20 --modes sync,fully-async:retract
+    # dispatch side by side, 4 engines: each mode once per router:policy
+    python benchmarks/async_rl.py --engines 4 --modes fully-async:retract \
+        --dispatch sglang-router:round_robin,sglang-router:cache_aware,smg:least_load
 
-Each run is the real job (reference engines behind sglang-router, the trainer over gloo).
+Each run is the real job (reference engines behind the router, the trainer over gloo); job
+flags the benchmark does not know (`--router smg --router-policy least_load`, ...) go to
+every run.
 Figures are taken over the steady part of each run (from the end of its first step to the
 end of its last), so engine start-up and the first sync do not count:
 
@@ -13,7 +18,8 @@ end of its last), so engine start-up and the first sync do not count:
   schedule can reach (the fully-async target is <= 1.15x of it); each run's own median
   train + sync (score, check, train and sync: longer where generation shares the cores);
 - engine idle: share of engine time with no request running (sampled from /v1/loads every
-  50 ms), trainer idle: share of the window outside score/check/train/sync, trainer
+  50 ms), and the same without the syncs' own pauses (paused time left out of both the
+  idle time and the engine time: what dispatch can still win), trainer idle: share of the window outside score/check/train/sync, trainer
   alone: share of the window when the trainer works and no engine has a request running
   (on shared cores, one core then has nothing to run);
 - staleness: versions between a sample's oldest token and the trained version;
@@ -55,13 +61,16 @@ MODES = {
 }
 
 
-def engine_idle(run_dir: Path, start: float, end: float) -> float | None:
-    """Share of engine time in [start, end] with no request running (down time left out)."""
+def engine_idle(run_dir: Path, start: float, end: float,
+                with_pauses: bool = True) -> float | None:
+    """Share of engine time in [start, end] with no request running (down time left out;
+    without `with_pauses`, the syncs' paused time left out too)."""
     rows = read_utilization(run_dir / "utilization.jsonl")["engine"]
+    skip = {"down"} if with_pauses else {"down", "paused"}
     seen = idle = 0.0
     for r in rows:
         a, b = max(start, r["start_s"]), min(end, r["end_s"])
-        if b <= a or r.get("state") == "down":
+        if b <= a or r.get("state") in skip:
             continue
         seen += b - a
         if r.get("state") != "busy":
@@ -116,6 +125,7 @@ def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> 
         "train_sync_s": statistics.median(m["score_s"] + m["check_s"] + m["train_s"]
                                           + m["sync_s"] for m in ms[1:]),
         "engine_idle": engine_idle(run_dir, start, end),
+        "engine_idle_unpaused": engine_idle(run_dir, start, end, with_pauses=False),
         "trainer_idle": trainer_idle(run_dir, start, end),
         "trainer_alone": trainer_alone(run_dir, start, end),
         "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages),
@@ -193,24 +203,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--reference-min-step-ms", type=float, default=0.0,
                    help="a floor on each engine step, waited off the CPU (a GPU's decode "
                         "step): the schedules as on separate trainer and engine devices")
+    p.add_argument("--engines", type=int, default=None,
+                   help="rollout engines (one GPU slot each; default: the config's)")
+    p.add_argument("--dispatch", default=None, metavar="ROUTER:POLICY,...",
+                   help="run every mode once per router:policy (e.g. sglang-router:round_robin,"
+                        "smg:least_load); default: the config's router and policy")
     p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     a, job_flags = p.parse_known_args(argv)  # the rest: job flags for every run
     out = Path(a.out or tempfile.mkdtemp(prefix="async-rl-"))
+    if a.engines:
+        job_flags = ["--rollout-num-gpus", str(a.engines), "--num-gpus-per-node",
+                     str(a.engines + 1), *job_flags]
+    dispatches = [d.split(":", 1) for d in a.dispatch.split(",")] if a.dispatch else [None]
     rows = []
-    for name in a.modes.split(","):
+    for name, dispatch in [(m, d) for m in a.modes.split(",") for d in dispatches]:
         flags = list(MODES[name]) + job_flags
+        label = name
+        if dispatch is not None:
+            flags += ["--router", dispatch[0], "--router-policy", dispatch[1]]
+            label = f"{name} {dispatch[0]}:{dispatch[1]}"
         if a.reference_min_step_ms:
             flags += ["--reference-min-step-ms", str(a.reference_min_step_ms)]
         if name.startswith("fully-async") and a.max_weight_staleness is not None:
             flags += ["--max-weight-staleness", str(a.max_weight_staleness)]
-        metrics = out / name.replace(":", "-") / "metrics.jsonl"
-        with SteadyCpu(metrics, last_row=a.steps) as cpu:
-            row = run_one(name, flags, a.config, a.steps, out)
-        row["cpu_busy"] = cpu.busy()
+        folder = label.replace(":", "-").replace(" ", "_")
+        with SteadyCpu(out / folder / "metrics.jsonl", last_row=a.steps) as cpu:
+            row = run_one(folder, flags, a.config, a.steps, out)
+        row["mode"], row["cpu_busy"] = label, cpu.busy()
         rows.append(row)
-        print(f"[async_rl] {name}: {row['samples_per_s']:.1f} samples/s", flush=True)
-    base = next((r for r in rows if r["mode"] == "sync"), rows[0])
+        print(f"[async_rl] {label}: {row['samples_per_s']:.1f} samples/s", flush=True)
+    base = next((r for r in rows if r["mode"].split()[0] == "sync"), rows[0])
     bound = max(base["rollout_s"], base["train_sync_s"])
     floor = (f", engine steps of at least {a.reference_min_step_ms:g} ms"
              if a.reference_min_step_ms else "")
@@ -218,23 +241,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{base['rollout_s']:.3f}"
           f" s, train + sync {base['train_sync_s']:.3f} s -> overlap bound {bound:.3f} s/step\n")
     head = ("| mode | samples/s | vs sync | step s | vs bound | train + sync s | engine idle | "
-            "trainer idle | trainer alone | "
+            "engine idle w/o pauses | trainer idle | trainer alone | "
             "staleness mean/max | reward first -> last | max logprob diff | mixed samples | "
             "CPU busy |")
     print(head)
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 15)
     for r in rows:
         r["vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["vs_bound"] = r["step_s"] / bound
         print(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['vs_sync']:.2f}x | "
               f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {r['train_sync_s']:.3f} | "
-              f"{_pct(r['engine_idle'])} | "
+              f"{_pct(r['engine_idle'])} | {_pct(r['engine_idle_unpaused'])} | "
               f"{_pct(r['trainer_idle'])} | {_pct(r['trainer_alone'])} | "
               f"{r['staleness_mean']:.2f}/{r['staleness_max']} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
               f"{r['logprob_diff_max']:.1e} | {r['mixed_samples']} | {_pct(r['cpu_busy'])} |")
     if a.json_out:  # each row with what produced it, so a results file can be re-read
-        run = {"config": Path(a.config).name, "job_flags": job_flags,
+        run = {"config": Path(a.config).name, "job_flags": job_flags, "engines": a.engines,
                "reference_min_step_ms": a.reference_min_step_ms,
                "max_weight_staleness": a.max_weight_staleness,
                "cpu_count": psutil.cpu_count(), "date": datetime.date.today().isoformat()}

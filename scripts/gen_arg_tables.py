@@ -1,8 +1,9 @@
-"""Regenerates the flag tables of sglang's ServerArgs and sglang-router's launcher.
+"""Regenerates the flag tables of sglang's ServerArgs and the routers' launchers.
 
 slime_like renders argv for engines and routers without importing sglang (it is absent on
-CPU machines and in the trainer's environment), so the flags sglang 0.5.23 and
-sglang-router 0.3.2 accept are kept as data. Run with both packages importable:
+CPU machines and in the trainer's environment), so the flags sglang 0.5.23, sglang-router
+0.3.2 and smg 1.13.0 accept are kept as data. Each table is written when its package is
+importable (the others are left as they are):
 
     python scripts/gen_arg_tables.py
 """
@@ -10,7 +11,9 @@ sglang-router 0.3.2 accept are kept as data. Run with both packages importable:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+from importlib.metadata import version as pkg_version
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "slime_like" / "engine" / "data"
@@ -43,25 +46,47 @@ def describe(parser: argparse.ArgumentParser) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def _write(name: str, version_key: str, version: str, parser: argparse.ArgumentParser) -> None:
+    (OUT / name).write_text(json.dumps({version_key: version, "args": describe(parser)},
+                                       indent=1) + "\n")
+    print(f"wrote {name} ({version})")
+
+
+def sglang_table() -> None:
     import sglang
-    import sglang_router
     from sglang.srt.server_args import ServerArgs
-    from sglang_router.launch_router import RouterArgs
 
     p = argparse.ArgumentParser()
     ServerArgs.add_cli_args(p)
-    (OUT / "sglang_server_args.json").write_text(json.dumps(
-        {"sglang_version": sglang.__version__, "args": describe(p)}, indent=1) + "\n")
+    _write("sglang_server_args.json", "sglang_version", sglang.__version__, p)
+
+
+def sglang_router_table() -> None:
+    from sglang_router.launch_router import RouterArgs
 
     r = argparse.ArgumentParser()
     RouterArgs.add_cli_args(r, use_router_prefix=False)
-    version = getattr(sglang_router, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as pkg_version
-        version = pkg_version("sglang-router")
-    (OUT / "sglang_router_args.json").write_text(json.dumps(
-        {"sglang_router_version": version, "args": describe(r)}, indent=1) + "\n")
+    _write("sglang_router_args.json", "sglang_router_version", pkg_version("sglang-router"), r)
+
+
+def smg_table() -> None:
+    from smg.router_args import RouterArgs
+
+    r = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(r, use_router_prefix=False)
+    # The distribution's version: smg 1.13.0's own `smg.__version__` still says 1.1.0.
+    _write("smg_args.json", "smg_version", pkg_version("smg"), r)
+
+
+TABLES = {"sglang": sglang_table, "sglang_router": sglang_router_table, "smg": smg_table}
+
+
+def main() -> None:
+    for module, write in TABLES.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"skipped: {module} is not installed")
+            continue
+        write()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The flag tables of sglang's ServerArgs and sglang-router's launcher, read once.
+"""The flag tables of sglang's ServerArgs and the routers' launchers, read once.
 
 slime_like renders, parses and checks sglang/router command lines without importing
-either package (absent on CPU machines and in trainer images), so the flags sglang 0.5.23
-and sglang-router 0.3.2 accept are shipped as data in `slime_like/engine/data/`
+those packages (absent on CPU machines and in trainer images), so the flags sglang 0.5.23,
+sglang-router 0.3.2 and smg 1.13.0 accept are shipped as data in `slime_like/engine/data/`
 (regenerate with `scripts/gen_arg_tables.py`). Every layer that needs them (flags, launch,
 the reference engine, the router) reads them through this module, and renders composed
 args back into flags (`render_flags`) the same way for both tools.
@@ -19,6 +19,7 @@ from typing import Any
 
 SERVER_ARGS = "sglang_server_args.json"
 ROUTER_ARGS = "sglang_router_args.json"
+SMG_ARGS = "smg_args.json"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class ArgSpec:
 def read_rows(resource: str) -> tuple[str, tuple[ArgSpec, ...]]:
     """(tool version, every row in declaration order, aliases and deprecated spellings too)."""
     raw = json.loads(resources.files("slime_like.engine").joinpath("data", resource).read_text())
-    version = raw.get("sglang_version") or raw.get("sglang_router_version") or "?"
+    version = (raw.get("sglang_version") or raw.get("sglang_router_version")
+               or raw.get("smg_version") or "?")
     rows = tuple(ArgSpec(r["dest"], tuple(r["flags"]), r["kind"], r["type"], r["nargs"],
                          r["default"], tuple(r["choices"]) if r["choices"] else None)
                  for r in raw["args"])
@@ -85,6 +87,19 @@ def load_arg_table(resource: str, skip: frozenset[str] = frozenset()) -> ArgTabl
         if spec.dest not in specs or specs[spec.dest].deprecated:
             specs[spec.dest] = spec
     return ArgTable(version, specs)
+
+
+# The routers slime_like can start (`--router`), each with its flag table; the rest of what
+# launching one takes is in `slime_like/router/kinds.py`. sglang-router stays the default
+# (docs/COMPATIBILITY.md, "sglang-router and smg").
+ROUTER_TABLES = {"sglang-router": ROUTER_ARGS, "smg": SMG_ARGS}
+DEFAULT_ROUTER = "sglang-router"
+
+
+@cache
+def router_table(router: str) -> ArgTable:
+    """The launcher flags of router `router` (a key of ROUTER_TABLES), loaded once."""
+    return load_arg_table(ROUTER_TABLES[router])
 
 
 # Parser-only options that are not ServerArgs fields: a YAML `--config` would bypass our

@@ -66,6 +66,7 @@ HEAVY_MODULES = (
     "tests/job/test_agentic_job.py",
     "tests/engine/test_engine_actors.py",
     "tests/topologies/test_colocate.py",
+    "tests/topologies/test_smg.py",
     "tests/job/test_logprob_rule_job.py",
     "tests/topologies/test_multinode.py",
     "tests/topologies/test_pd.py",

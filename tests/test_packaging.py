@@ -44,7 +44,7 @@ def test_every_constraint_satisfies_the_packages_own_requirements():
     for req in reqs:
         if req.name.lower() in pins:
             assert req.specifier.contains(pins[req.name.lower()]), (req, pins[req.name.lower()])
-    assert {"sglang", "torch", "ray", "sglang-router"} <= set(pins)
+    assert {"sglang", "torch", "ray", "sglang-router", "smg"} <= set(pins)
 
 
 def test_the_ray_floor_is_the_one_the_compatibility_page_states():

@@ -17,6 +17,7 @@ from slime_like.config.passthrough import (
     reserved_flag_hints,
 )
 from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
+from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
@@ -191,7 +192,13 @@ def _topology(p: argparse.ArgumentParser) -> None:
 
 
 def _router(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("router", "The sglang-router in front of each model's engines.")
+    g = p.add_argument_group("router", "The router in front of each model's engines.")
+    g.add_argument("--router", choices=list(ROUTER_TABLES), default=DEFAULT_ROUTER,
+                   help="Which router slime_like starts in front of each model's engines: "
+                        "sglang-router (0.3.2, what slime runs) or smg (the Shepherd Model "
+                        "Gateway 1.13, its successor; load-aware policies such as "
+                        "--router-policy least_load). Each is launched from its own Python "
+                        "package; docs/COMPATIBILITY.md says what differs.")
     g.add_argument("--sglang-router-ip", default=None,
                    help="Refused: the job starts and owns its routers (the fleet alone adds "
                         "and removes workers); use --sglang-router-port to fix the port.")

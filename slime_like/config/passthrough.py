@@ -1,21 +1,26 @@
-"""`--sglang-<field>` and `--router-<flag>`: sglang's and sglang-router's flags, re-exported.
+"""`--sglang-<field>` and `--router-<flag>`: sglang's and the routers' flags, re-exported.
 
-Built from the flag tables in `slime_like/engine/data/` (generated from sglang 0.5.23 and
-sglang-router 0.3.2), so the trainer side never imports sglang. Pass-through flags default
-to `argparse.SUPPRESS`: only what the user set reaches `args.sglang_flags` /
+Built from the flag tables in `slime_like/engine/data/` (generated from sglang 0.5.23,
+sglang-router 0.3.2 and smg 1.13.0), so the trainer side never imports sglang. Pass-through
+flags default to `argparse.SUPPRESS`: only what the user set reaches `args.sglang_flags` /
 `args.router_flags`, and sglang's own defaults stay sglang's business.
+
+`--router-<flag>` exists for every flag of either router (a flag both have takes the
+choices of both); `validate.py` then refuses a flag or choice the router picked with
+`--router` does not have, naming the router that has it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
 from slime_like.config.argtypes import integer, number
-from slime_like.flag_tables import ROUTER_ARGS, SERVER_ARGS, ArgSpec, read_rows
+from slime_like.flag_tables import ROUTER_ARGS, SERVER_ARGS, SMG_ARGS, ArgSpec, read_rows
 
 # ServerArgs fields slime sets per engine itself (its `skipped_args`); YAML `overrides` may
 # still set the ones that are not placement-owned (see topology.PLACEMENT_OWNED_FIELDS).
@@ -76,6 +81,34 @@ def server_arg_table() -> tuple[str, tuple[ArgSpec, ...]]:
 def router_arg_table() -> tuple[str, tuple[ArgSpec, ...]]:
     """(sglang-router version, every launch_router flag row)."""
     return read_rows(ROUTER_ARGS)
+
+
+@cache
+def smg_arg_table() -> tuple[str, tuple[ArgSpec, ...]]:
+    """(smg version, every smg launch_router flag row)."""
+    return read_rows(SMG_ARGS)
+
+
+@cache
+def any_router_rows() -> tuple[tuple[ArgSpec, str], ...]:
+    """Every router flag row with the routers that have it ("sglang-router", "smg" or
+    both): sglang-router's rows (choices widened by smg's), then smg's own fields."""
+    smg_rows: dict[str, ArgSpec] = {}
+    for spec in smg_arg_table()[1]:
+        smg_rows.setdefault(spec.dest, spec)
+    out: list[tuple[ArgSpec, str]] = []
+    for spec in router_arg_table()[1]:
+        other = smg_rows.get(spec.dest)
+        if other is None:
+            out.append((spec, "sglang-router"))
+            continue
+        if spec.choices and other.choices:
+            merged = spec.choices + tuple(c for c in other.choices if c not in spec.choices)
+            spec = dataclasses.replace(spec, choices=merged)
+        out.append((spec, "both"))
+    seen = {spec.dest for spec, _ in out}
+    out += [(spec, "smg") for spec in smg_arg_table()[1] if spec.dest not in seen]
+    return tuple(out)
 
 
 def _value_type(spec: ArgSpec) -> Callable[[str], Any]:
@@ -140,22 +173,31 @@ def add_sglang_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
-    """Add `--router-<flag>` for every sglang-router flag except host/port."""
-    version, specs = router_arg_table()
+    """Add `--router-<flag>` for every flag of either router except host/port."""
+    version, _ = router_arg_table()
+    smg_version, _ = smg_arg_table()
     group = parser.add_argument_group(
         "router args (--router-*)",
-        f"sglang-router {version} flags with the prefix --router-, passed to every router "
-        "slime_like starts (one per model).")
-    for spec in specs:
-        if spec.dest in EXCLUDED_ROUTER_FIELDS:
+        f"sglang-router {version} and smg {smg_version} flags with the prefix --router-, "
+        "passed to every router slime_like starts (one per model). A flag only one of them "
+        "has is refused with the other --router.")
+    seen: set[str] = set()
+    for spec, owner in any_router_rows():
+        if spec.dest in EXCLUDED_ROUTER_FIELDS or spec.dest in seen:
             continue
+        seen.add(spec.dest)
         note = ""
         if spec.dest in SLIME_ROUTER_DEFAULTS:
             note = f"slime_like default: {json.dumps(SLIME_ROUTER_DEFAULTS[spec.dest])}"
         elif spec.dest in OWNED_ROUTER_FIELDS:
             note = "not settable: " + OWNED_ROUTER_FIELDS[spec.dest]
-        _add(group, spec, "router-", ROUTER_PREFIX + spec.dest,
-             _help(spec, "sglang-router", version, note))
+        if owner == "smg":
+            help_ = _help(spec, "smg", smg_version, note) + "; smg only"
+        else:
+            help_ = _help(spec, "sglang-router", version, note)
+            if owner == "sglang-router":
+                help_ += "; sglang-router only"
+        _add(group, spec, "router-", ROUTER_PREFIX + spec.dest, help_)
 
 
 def reserved_flag_hints() -> dict[str, str]:
@@ -187,5 +229,8 @@ def sglang_dests() -> dict[str, ArgSpec]:
 
 def router_dests() -> dict[str, ArgSpec]:
     """Namespace dest -> row for the `--router-*` flags actually added to the parser."""
-    return {ROUTER_PREFIX + s.dest: s for s in router_arg_table()[1]
-            if s.dest not in EXCLUDED_ROUTER_FIELDS}
+    out: dict[str, ArgSpec] = {}
+    for spec, _ in any_router_rows():
+        if spec.dest not in EXCLUDED_ROUTER_FIELDS:
+            out.setdefault(ROUTER_PREFIX + spec.dest, spec)
+    return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_like.config.async_flags import staleness_bound
+from slime_like.flag_tables import DEFAULT_ROUTER
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """How each model's sglang-router is started and called."""
+    """How each model's router is started and called; `kind` is "sglang-router" or "smg"."""
 
+    kind: str = DEFAULT_ROUTER
     flags: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
     request_timeout_s: float = 300.0
@@ -119,7 +121,8 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
     router_flags["request_timeout_secs"] = args.sglang_router_request_timeout_secs
     return FleetSettings(
         engine=engine_settings(args, api_key=api, admin_api_key=admin),
-        router=RouterSettings(flags=router_flags,
+        router=RouterSettings(kind=getattr(args, "router", None) or DEFAULT_ROUTER,
+                              flags=router_flags,
                               api_key=router_key or args.router_flags.get("api_key"),
                               request_timeout_s=float(args.rollout_request_timeout)),
         health=HealthSettings(enabled=bool(args.use_fault_tolerance),

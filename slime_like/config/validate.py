@@ -17,6 +17,8 @@ from slime_like.config.rl_flags import check_dynamic_sampling, resolve_off_polic
 from slime_like.config.slices import RolloutSettings
 from slime_like.config.topology import resolve_topology
 from slime_like.errors import ConfigError
+from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
+from slime_like.flag_tables import router_table as router_arg_table
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +162,31 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
 
 
 def _check_router_flags(args: argparse.Namespace) -> None:
+    """Owned fields are refused; so is a flag or choice the chosen router does not have."""
     for name, why in OWNED_ROUTER_FIELDS.items():
         if name in args.router_flags:
             raise ConfigError("--router-" + name.replace("_", "-"), f"not settable: {why}")
+    kind = getattr(args, "router", None) or DEFAULT_ROUTER
+    table = router_arg_table(kind)
+    for name, value in args.router_flags.items():
+        flag = "--router-" + name.replace("_", "-")
+        if name not in table:
+            others = [k for k in ROUTER_TABLES if k != kind and name in router_arg_table(k)]
+            raise ConfigError(flag, f"{kind} {table.version} has no such flag"
+                              + (f"; it is a flag of {others[0]} (--router {others[0]})"
+                                 if others else ""))
+        spec = table[name]
+        if name == "policy" and value == "power_of_two":
+            raise ConfigError(flag, "power_of_two: both routers refuse to start with it and "
+                                    "fewer than 2 workers, and slime_like starts its routers "
+                                    "empty (engines are added as they become healthy); use "
+                                    "least_load (--router smg), cache_aware or round_robin")
+        if spec.choices and value not in spec.choices:
+            others = [k for k in ROUTER_TABLES if k != kind and name in router_arg_table(k)
+                      and value in (router_arg_table(k)[name].choices or ())]
+            raise ConfigError(flag, f"{value!r} is not one of {kind}'s {list(spec.choices)}"
+                              + (f"; {others[0]} has it (--router {others[0]})"
+                                 if others else ""))
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:

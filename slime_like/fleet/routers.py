@@ -1,4 +1,4 @@
-"""Every model's sglang-router: started, supervised, restarted on its port; membership.
+"""Every model's router (sglang-router or smg): started, supervised, restarted on its port; membership.
 
 `Routers` is the fleet's only way into a router: `add` and `remove` are the only calls
 that change which engines a router sends traffic to (the fleet decides when). A router
@@ -65,7 +65,8 @@ class Routers(Mapping[str, Router]):
     def start(self) -> None:
         """One router per model (the updatable model's on `--sglang-router-port` if set)."""
         for plan in self.plans:
-            router = Router(pd_disaggregation=plan.pd_disaggregation,
+            router = Router(kind=self.settings.router.kind,
+                            pd_disaggregation=plan.pd_disaggregation,
                             router_flags=self.settings.router.flags, log_dir=self.log_dir,
                             api_key=self.settings.router.api_key,
                             name=f"router-{plan.model_name}",
@@ -73,7 +74,8 @@ class Routers(Mapping[str, Router]):
                             if plan.model_name == self.updatable_model else None).start()
             self._routers[plan.model_name] = router
             self._moved(plan.model_name, RouterState.READY, url=router.url,
-                        metrics=router.prometheus_url, pid=router.process.pid)
+                        metrics=router.prometheus_url, pid=router.process.pid,
+                        router=f"{router.kind.name} {router.version}")
             self._supervise(plan.model_name, router)
 
     def _moved(self, model: str, state: RouterState, **details) -> None:

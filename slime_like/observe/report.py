@@ -283,10 +283,12 @@ class RunReport:
         lines += [f"- {note}" for note in notes or []]
         files = [n for n in ("config.json", "versions.json") if (self.out_dir / n).is_file()]
         if files:
-            revision = ""
+            revision, router = "", None
             if "versions.json" in files:
-                revision = json.loads((self.out_dir / "versions.json").read_text()).get(
-                    "git_revision", "")
+                info = json.loads((self.out_dir / "versions.json").read_text())
+                revision, router = info.get("git_revision", ""), info.get("router")
+            if router:
+                lines.append(f"- router: {router['name']} {router['version']}")
             lines.append(f"- run info: {', '.join(files)}"
                          + (f" (git revision {revision})" if revision else ""))
         if self.endpoints:

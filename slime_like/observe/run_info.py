@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("torch", "ray", "sglang-router", "slime_like")
+from slime_like.router.kinds import router_kind
+
+PACKAGES = ("torch", "ray", "sglang-router", "smg", "slime_like")
 UNKNOWN = "unknown"
 
 
@@ -90,10 +92,26 @@ def git_revision(path: Path | None = None) -> str:
     return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def router_in_use(args: argparse.Namespace | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """{"name", "version"} of the router the run starts (`--router`), or None without args.
+
+    Both router wheels install an `smg` console script, so the version is read from the
+    chosen router's own distribution, never from that script.
+    """
+    if args is None:
+        return None
+    name = (vars(args) if isinstance(args, argparse.Namespace) else args).get("router")
+    kind = router_kind(name)
+    return {"name": kind.name, "version": package_version(kind.distribution)}
+
+
 def write_run_info(out_dir: Path, args: argparse.Namespace | Mapping[str, Any] | None) -> None:
-    """config.json (the resolved flags) and versions.json (with the git revision)."""
+    """config.json (the resolved flags) and versions.json (with the git revision and, for a
+    job, the router it runs)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    info: dict[str, Any] = versions()
     if args is not None:
         (out_dir / "config.json").write_text(json.dumps(json_safe(args), indent=2) + "\n")
-    (out_dir / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
+        info["router"] = router_in_use(args)
+    (out_dir / "versions.json").write_text(json.dumps(info, indent=2) + "\n")

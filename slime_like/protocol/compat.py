@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from slime_like.errors import ConfigError
 
 SUPPORTED_SGLANG = "0.5.23"
-SUPPORTED_ROUTER = "0.3.2"
-MIN_ROUTER = (0, 3, 0)  # worker ids (UUIDs) in /workers/{id}; older routers key workers by URL
+# The routers' versions: slime_like/router/kinds.py.
 
 # Weight-sync gates (the sender reads them from each engine's /server_info version).
 BEGIN_END_SINCE = (0, 5, 21)  # begin/end_weight_update exist, and are required around updates

@@ -13,6 +13,7 @@ from slime_like.models.config import ModelConfig
 from slime_like.models.hf_tokenizer import load_tokenizer
 from slime_like.models.loading import load_pretrained
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.reference_engine import loads
 from slime_like.reference_engine.args import SGLANG_VERSION, EngineArgs
 from slime_like.reference_engine.disaggregation import (
     BOOTSTRAP_TIMEOUT_ENV,
@@ -65,6 +66,8 @@ class ReferenceEngine:
         self.model = load_pretrained(args.model_path, device=self.device, dtype=self.dtype,
                                      load_format="dummy" if args.load_format == "dummy" else "auto",
                                      seed=args.random_seed)
+        self.weight_bytes = sum(t.numel() * t.element_size()
+                                for t in self.model.state_dict().values())
         self.context_len = min(args.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
         # The checkpoint's own tokenizer for `text` inputs and output text (byte-level for
@@ -169,22 +172,16 @@ class ReferenceEngine:
                 "last_gen_throughput": load["gen_throughput"], **load}
 
     def load_entry(self) -> dict:
-        """One entry of /v1/loads' `loads` (this engine is dp_rank 0)."""
-        load = self.scheduler.load()
-        return {"timestamp": _iso_now(), "dp_rank": 0, **load,
-                "utilization": load["token_usage"],
-                "memory": {"kv_cache_bytes": 0 if self.scheduler.pool.released else self.scheduler.pool.nbytes},
-                "queues": {"waiting": load["num_waiting_reqs"], "grammar": 0,
-                           "paused": load["num_waiting_reqs"] if self.frontend.paused else 0,
-                           "retracted": load["num_retracted_reqs"], "prealloc_ready": 0}}
+        """One entry of /v1/loads' `loads`, every section (this engine is dp_rank 0)."""
+        return loads.load_entry(
+            self.scheduler.load(), disaggregation_mode=self.args.disaggregation_mode,
+            weight_bytes=self.weight_bytes,
+            kv_cache_bytes=0 if self.scheduler.pool.released else self.scheduler.pool.nbytes,
+            paused=self.frontend.paused)
 
     def model_dir(self) -> Path:
         """The checkpoint directory currently served."""
         return Path(self.model_path)
-
-
-def _iso_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z"
 
 
 def _jsonable(v):

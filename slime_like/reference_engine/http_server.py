@@ -10,6 +10,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
+from slime_like.reference_engine import loads as load_shape
 from slime_like.reference_engine.client_watch import ClientGone, unless_client_gone
 from slime_like.reference_engine.disaggregation import HandoffError
 from slime_like.reference_engine.engine import ReferenceEngine
@@ -233,21 +235,21 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
         return engine.server_info()
 
     @app.get(paths.V1_LOADS)
-    async def loads(include: str = "core", format: str = "json", dp_rank: int | None = None):
-        allowed = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
-        parts = {x.strip() for x in include.split(",") if x.strip()}
-        bad = sorted(parts - allowed)
-        if bad:
-            raise HTTPException(400, f"invalid include {bad}; expected a subset of {sorted(allowed)}")
+    async def v1_loads(include: str | None = None, format: str = "json",
+                       dp_rank: int | None = None):
+        try:
+            wanted = load_shape.parse_include(include)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
         if dp_rank not in (None, 0):
             raise HTTPException(400, f"dp_rank {dp_rank} out of range [0, 1)")
-        entry = engine.load_entry()
+        entry = load_shape.select(engine.load_entry(), wanted)
         if format == "prometheus":
-            lines = [f'sglang:{k}{{dp_rank="0"}} {v}' for k, v in entry.items()
-                     if isinstance(v, int | float) and not isinstance(v, bool)]
-            return Response("\n".join(lines) + "\n", media_type="text/plain")
-        return {"timestamp": entry["timestamp"], "version": "0.5.23", "accelerator": engine.args.device,
-                "num_accelerators": engine.args.tp_size, "loads": [entry]}
+            return Response(load_shape.prometheus_text([entry]),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
+        return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": "0.5.23",
+                "accelerator": engine.args.device, "num_accelerators": engine.args.tp_size,
+                "loads": [entry]}
 
     @app.get("/get_load")
     async def get_load():

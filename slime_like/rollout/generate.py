@@ -109,15 +109,20 @@ def continue_sample(partial: Sample, more: Sample) -> Sample:
                   weight_spans=spans, partial_resubmits=partial.partial_resubmits + 1)
 
 
-# sglang-router's error code when no worker is routed (or every one is unhealthy).
+# sglang-router's error code when no worker is routed (or every one is unhealthy); smg
+# answers it only while it has workers and none can take the request.
 NO_WORKERS = "no_available_workers"
+# smg's answer when it has no worker at all (its pool for the request's model is empty).
+SMG_NO_WORKER = ("model_not_found", "No worker available for model")
 ROUTER_DOWN_S = 120.0  # how long a router that is down, or has no engine routed, is waited for
 
 
 def no_engine_routed(status: int | None, body: Any) -> bool:
     """The router's answer while every engine is out of it (recovering, or being resynced):
     not the request's failure, so callers wait (bounded) instead of spending a retry."""
-    return status == 503 and NO_WORKERS in str(body)
+    text = str(body)
+    return (status == 503 and NO_WORKERS in text) or \
+        (status == 404 and all(part in text for part in SMG_NO_WORKER))
 
 
 class RouterOutage:

@@ -1,6 +1,7 @@
-"""sglang-router launch arguments: our defaults, `--router-*` pass-through, the argv.
+"""Router launch arguments: our defaults, `--router-*` pass-through, the argv.
 
-Defaults that differ from sglang-router 0.3.2's own, and why:
+The same composition serves both routers (`kinds.py`); each checks the flags against its
+own table. Defaults that differ from sglang-router 0.3.2's and smg 1.13's own, and why:
 
 - `disable_health_check`: the router's checker GETs each worker's `/health`, which on a
   paused sglang queues a generation behind the pause and answers 503 after ~20 s; the
@@ -14,18 +15,34 @@ Defaults that differ from sglang-router 0.3.2's own, and why:
   pause, while a crashed engine stops getting traffic before our monitor removes it.
 - slime's tuning: `log_level=warn`, `balance_abs_threshold=10`, `balance_rel_threshold=1.2`,
   `request_timeout_secs=14400` (long RL rollouts).
+- smg only, `disable_tokenizer_autoload`: at each registration smg loads the tokenizer the
+  worker names (`tokenizer_path` of its `/model_info`), which for a Hugging Face id means a
+  download from the router's node; in HTTP mode it forwards text and token ids as they
+  come and never tokenizes, so the load buys nothing.
+- smg only, `load_monitor_interval=1` (smg: 10 s): its load-aware policies (`least_load`,
+  `power_of_two`) and overload protection read each worker's `/v1/loads` at this interval;
+  an RL rollout's load changes within a second, and one small GET per engine and second
+  costs nothing.
+- smg only, `disable_worker_overload_protection` (smg: on, at 8 waiting requests or 0.8 KV
+  usage): it leaves an engine out of routing on a load read up to a poll old, so a
+  rollout's burst goes to the others while that engine drains its queue and idles. The
+  engines queue requests themselves. Measured with 4 reference engines, fully-async, on 2
+  cores: `least_load` 16 samples/s with it, 42 without (docs/COMPATIBILITY.md).
+- smg only, `shutdown_grace_period_secs=1` (smg: 180): smg waits for open connections on
+  SIGTERM, 5 s even when idle; the job stops its routers only when nothing of it is in
+  flight any more.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from functools import cache
 from typing import Any
 
 from slime_like.cluster.hosts import format_host
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import ROUTER_ARGS, ArgTable, ComposedArgs, load_arg_table, render_flags
+from slime_like.flag_tables import ArgTable, ComposedArgs, render_flags, router_table
+from slime_like.router.kinds import SMG, RouterKind, router_kind
 
 ROUTER_DEFAULTS: dict[str, Any] = {
     "log_level": "warn",
@@ -35,15 +52,17 @@ ROUTER_DEFAULTS: dict[str, Any] = {
     "disable_health_check": True,
 }
 PD_DEFAULTS: dict[str, Any] = {"disable_circuit_breaker": True}
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    SMG: {"disable_tokenizer_autoload": True, "load_monitor_interval": 1,
+          "disable_worker_overload_protection": True, "shutdown_grace_period_secs": 1}}
 
 # Set by Router itself from the ports it reserved; a flag may not move them.
 _FORCED = ("host", "port", "prometheus_host", "prometheus_port", "pd_disaggregation")
 
 
-@cache
-def router_arg_table() -> ArgTable:
-    """sglang-router's launcher flags, loaded once from the packaged table."""
-    return load_arg_table(ROUTER_ARGS)
+def router_arg_table(kind: str | RouterKind | None = None) -> ArgTable:
+    """A router's launcher flags (default: sglang-router's), loaded once from its table."""
+    return router_table(router_kind(kind).name)
 
 
 def compose_router_args(
@@ -54,11 +73,14 @@ def compose_router_args(
     pd_disaggregation: bool = False,
     router_flags: Mapping[str, Any] | None = None,
     prometheus_host: str | None = None,
+    kind: str | RouterKind | None = None,
 ) -> ComposedArgs:
     """Our defaults < `--router-<flag>` values (by field name, `router_` prefix optional);
-    host/ports/PD mode are ours. Unknown fields are dropped with one warning."""
-    table = router_arg_table()
-    args: dict[str, Any] = dict(ROUTER_DEFAULTS)
+    host/ports/PD mode are ours. Fields the router does not have are dropped with one
+    warning."""
+    kind = router_kind(kind)
+    table = router_arg_table(kind)
+    args: dict[str, Any] = {**ROUTER_DEFAULTS, **KIND_DEFAULTS.get(kind.name, {})}
     if pd_disaggregation:
         args.update(PD_DEFAULTS)
     warnings: list[str] = []
@@ -81,9 +103,9 @@ def compose_router_args(
                               f"{value!r} is not one of {list(spec.choices)}")
         args[name] = value
     if dropped:
-        warnings.append(f"dropped {len(dropped)} router flag(s) that sglang-router "
+        warnings.append(f"dropped {len(dropped)} router flag(s) that {kind.name} "
                         f"{table.version} does not have: {', '.join(dropped)}")
-    # sglang-router 0.3.2 parses its bind addresses as socket addresses: an IPv6 host must
+    # sglang-router 0.3.2 (and smg) parses its bind addresses as socket addresses: an IPv6 host must
     # come bracketed ("[::1]"); bare "::1" makes it exit with "invalid socket address syntax".
     args.update(host=format_host(host), port=int(port),
                 prometheus_host=format_host(prometheus_host or host),
@@ -91,11 +113,14 @@ def compose_router_args(
     return ComposedArgs(args=args, dropped=dropped, warnings=warnings)
 
 
-def render_router_argv(args: Mapping[str, Any], python: str = sys.executable) -> list[str]:
-    """`python -m slime_like.router.launch ...` (sglang-router's launcher without importing
-    sglang) for composed router args."""
-    table = router_arg_table()
+def render_router_argv(args: Mapping[str, Any], python: str = sys.executable,
+                       kind: str | RouterKind | None = None) -> list[str]:
+    """`python -m <the router's own launcher> ...` for composed router args:
+    `slime_like.router.launch` (sglang-router's launcher without importing sglang) or
+    `smg.launch_router`; never the shared `smg` console script."""
+    kind = router_kind(kind)
+    table = router_arg_table(kind)
     unknown = [k for k in args if k not in table]
     if unknown:
-        raise ConfigError(unknown[0], f"not a flag of sglang-router {table.version}")
-    return [python, "-m", "slime_like.router.launch", *render_flags(table, args)]
+        raise ConfigError(unknown[0], f"not a flag of {kind.name} {table.version}")
+    return [python, "-m", kind.module, *render_flags(table, args)]

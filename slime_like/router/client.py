@@ -1,4 +1,5 @@
-"""RouterClient: sglang-router 0.3.x's control plane (readiness, add/list/remove workers).
+"""RouterClient: the routers' control plane (readiness, add/list/remove workers); the same
+API in sglang-router 0.3.x and smg.
 
 Worker management in 0.3.x is asynchronous: `POST /workers` answers 202 with a worker id
 before the worker is live, and `DELETE /workers/{id}` (a UUID, not the URL) answers 202
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +47,12 @@ def _same_url(a: str, b: str) -> bool:
 class RouterClient:
     """Typed calls to one sglang-router; errors are RouterError naming the router and call."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 10.0):
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 10.0,
+                 worker_fields: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        # Extra fields of every `POST /workers` body this router kind needs (kinds.py).
+        self.worker_fields = dict(worker_fields or {})
         self._session = requests.Session()
         self._session.trust_env = False  # a proxy between us and our own router only breaks things
         if api_key:
@@ -118,7 +123,7 @@ class RouterClient:
         existing = self.find_worker(url)
         if existing is not None and existing.is_healthy:
             return existing
-        body: dict[str, Any] = {"url": url, "worker_type": worker_type}
+        body: dict[str, Any] = {**self.worker_fields, "url": url, "worker_type": worker_type}
         if bootstrap_port is not None:
             body["bootstrap_port"] = int(bootstrap_port)
         if api_key:

@@ -1,5 +1,5 @@
-"""Router: one sglang-router process (`python -m slime_like.router.launch`, its own
-launcher), started and stopped cleanly.
+"""Router: one router process (sglang-router or smg, each from its own Python package;
+`kinds.py`), started and stopped cleanly.
 
 Its HTTP and Prometheus ports are reserved on this node until the router binds them; the
 start waits on `/liveness` with a deadline (no fixed sleep) while watching the process, and
@@ -9,7 +9,6 @@ with new ports a bounded number of times.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import sys
 import tempfile
@@ -22,39 +21,38 @@ from slime_like.cluster.hosts import node_ip, server_url
 from slime_like.cluster.ports import reserve_ports
 from slime_like.cluster.process import ServerProcess, server_env
 from slime_like.errors import LaunchError
-from slime_like.protocol.compat import MIN_ROUTER, SUPPORTED_ROUTER, parse_version
 from slime_like.router.args import compose_router_args, render_router_argv
 from slime_like.router.client import RouterClient
+from slime_like.router.kinds import RouterKind, router_kind
 
 logger = logging.getLogger(__name__)
 
 
-def installed_router_version() -> str:
-    """The sglang-router installed for this Python (the one `launch_router` will run)."""
-    try:
-        return importlib.metadata.version("sglang-router")
-    except importlib.metadata.PackageNotFoundError as e:
-        raise LaunchError("sglang-router is not installed (pip install 'sglang-router>=0.3.2')") from e
+def installed_router_version(kind: str | RouterKind | None = None) -> str:
+    """The installed version of a router (default: sglang-router), from its distribution."""
+    return router_kind(kind).installed_version()
 
 
-def check_router_version() -> str:
-    """Refuse a router whose worker API we do not speak (UUID worker ids came in 0.3.0)."""
-    version = installed_router_version()
-    if parse_version(version) < MIN_ROUTER:
-        raise LaunchError(f"sglang-router {version} is installed; slime_like needs >= "
-                          f"{'.'.join(map(str, MIN_ROUTER))} (tested with {SUPPORTED_ROUTER}): "
-                          "older routers add workers by URL, not by worker id")
-    return version
+def check_router_version(kind: str | RouterKind | None = None) -> str:
+    """Refuse a router whose worker API we do not speak (sglang-router: UUID worker ids came
+    in 0.3.0)."""
+    return router_kind(kind).check_version()
 
 
 class Router:
-    """A sglang-router process we own (see `RouterClient` for one we only talk to)."""
+    """A router process we own (see `RouterClient` for one we only talk to).
+
+    `kind`: "sglang-router" (the default) or "smg"; `version` is read from its distribution
+    when it starts.
+    """
 
     def __init__(self, *, host: str | None = None, pd_disaggregation: bool = False,
                  router_flags: Mapping[str, Any] | None = None, log_dir: str | Path | None = None,
                  api_key: str | None = None, startup_timeout: float = 60.0,
                  port_attempts: int = 3, python: str = sys.executable, name: str = "router",
-                 port: int | None = None):
+                 port: int | None = None, kind: str | RouterKind | None = None):
+        self.kind = router_kind(kind)
+        self.version: str | None = None
         self.host = host or node_ip()
         self.fixed_port = port  # --sglang-router-port: bind exactly there (no other attempt)
         self.pd_disaggregation = pd_disaggregation
@@ -86,7 +84,7 @@ class Router:
 
     @property
     def client(self) -> RouterClient:
-        return RouterClient(self.url, api_key=self.api_key)
+        return RouterClient(self.url, api_key=self.api_key, worker_fields=self.kind.worker_fields)
 
     @property
     def log_path(self) -> Path:
@@ -96,7 +94,7 @@ class Router:
         """Launch and wait until the router answers `/liveness`; LaunchError with its log if not."""
         if self.process is not None and self.process.is_alive():
             return self
-        check_router_version()
+        self.version = self.kind.check_version()
         last: LaunchError | None = None
         for attempt in range(1, self.port_attempts + 1):
             try:
@@ -152,11 +150,11 @@ class Router:
         composed = compose_router_args(host=self.host, port=self.port,
                                        prometheus_port=self.prometheus_port,
                                        pd_disaggregation=self.pd_disaggregation,
-                                       router_flags=self.router_flags)
+                                       router_flags=self.router_flags, kind=self.kind)
         self.warnings = composed.warnings
         for w in composed.warnings:
             logger.warning("%s: %s", self.name, w)
-        self.process = ServerProcess(render_router_argv(composed.args, self.python),
+        self.process = ServerProcess(render_router_argv(composed.args, self.python, self.kind),
                                      log_path=self.log_path, name=self.name,
                                      env=server_env(local_hosts=[self.host]))
         self.process.start()

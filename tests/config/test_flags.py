@@ -12,6 +12,7 @@ from slime_like.config.passthrough import (
     SLIME_ROUTER_DEFAULTS,
     router_arg_table,
     server_arg_table,
+    smg_arg_table,
 )
 from slime_like.errors import ConfigError
 
@@ -106,6 +107,39 @@ def test_every_router_flag_passes_through_except_host_and_port():
     for spec in specs:
         for flag in spec.flags:
             assert (("--router-" + flag[2:]) in options) == (spec.dest not in ("host", "port"))
+
+
+def test_every_smg_flag_passes_through_and_the_router_is_chosen_by_flag():
+    _, specs = smg_arg_table()
+    parser = build_parser()
+    options = {o for action in parser._actions for o in action.option_strings}
+    for spec in specs:
+        if spec.dest not in ("host", "port"):
+            assert "--router-" + spec.flags[0][2:] in options, spec.dest
+    a = parse_args([*BASE, "--rollout-num-gpus", "2", "--router", "smg", "--router-policy",
+                    "least_load", "--router-least-load-kv-pressure-weight", "0.3"])
+    assert a.router == "smg"
+    assert a.router_flags["policy"] == "least_load"
+    assert a.router_flags["least_load_kv_pressure_weight"] == 0.3
+    assert parse_args([*BASE, "--rollout-num-gpus", "2"]).router == "sglang-router"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--router-policy", "least_load"],
+     "--router-policy: 'least_load' is not one of sglang-router's ['random', 'round_robin', "
+     "'cache_aware', 'power_of_two', 'manual']; smg has it (--router smg)"),
+    (["--router", "smg", "--router-policy", "power_of_two"],
+     "--router-policy: power_of_two: both routers refuse to start with it and fewer than 2 "
+     "workers, and slime_like starts its routers empty (engines are added as they become "
+     "healthy); use least_load (--router smg), cache_aware or round_robin"),
+    (["--router-enable-rl"], "--router-enable-rl: sglang-router 0.3.2 has no such flag; it is "
+                             "a flag of smg (--router smg)"),
+    (["--router", "smg", "--router-mini-lb"], "--router-mini-lb: smg 1.13.0 has no such flag; "
+                                              "it is a flag of sglang-router (--router "
+                                              "sglang-router)"),
+])
+def test_a_router_flag_the_chosen_router_lacks_is_refused_naming_the_other(argv, expected):
+    assert str(_error([*BASE, "--rollout-num-gpus", "2", *argv])) == expected
 
 
 def test_router_flags_carry_slime_defaults_and_user_values():

@@ -198,7 +198,9 @@ def test_run_info_saves_resolved_flags_versions_and_git_revision(tmp_path):
     assert config == {"output_dir": "/runs/x", "lr": 1e-6, "plan": "Plan(2 engines)",
                       "sglang_flags": {"tp_size": 2}, "choices": ["a", "b"]}
     versions = json.loads((tmp_path / "run" / "versions.json").read_text())
-    assert {"python", "torch", "ray", "sglang-router", "slime_like"} <= set(versions)
+    assert {"python", "torch", "ray", "sglang-router", "smg", "slime_like"} <= set(versions)
+    # the router the run starts, read from its own distribution (default: sglang-router)
+    assert versions["router"] == {"name": "sglang-router", "version": versions["sglang-router"]}
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", versions["git_revision"])
     assert git_revision(tmp_path) == "unknown"  # not a git checkout
     other = tmp_path / "other-project"
@@ -211,6 +213,10 @@ def test_run_info_saves_resolved_flags_versions_and_git_revision(tmp_path):
     assert git_revision(other / "venv" / "slime_like") == "unknown"  # someone else's repo
     report.log_step(0, {"reward_mean": 0.5})
     assert "- run info: config.json, versions.json (git revision " in report.render().read_text()
+    report.save_run_info(argparse.Namespace(router="smg"))
+    versions = json.loads((tmp_path / "run" / "versions.json").read_text())
+    assert versions["router"] == {"name": "smg", "version": "1.13.0"}
+    assert "- router: smg 1.13.0" in report.render().read_text()
 
 
 def test_json_safe_keeps_plain_values_and_names_the_rest():

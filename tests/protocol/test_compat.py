@@ -44,5 +44,6 @@ def test_server_info_without_a_version_is_treated_as_pre_0_5_9():
     assert not EngineFeatures.from_server_info({}).model_info
 
 
-def test_installed_router_speaks_worker_ids():
+def test_installed_routers_speak_worker_ids():
     assert parse_version(check_router_version()) >= (0, 3, 0)
+    assert check_router_version("smg") == "1.13.0"

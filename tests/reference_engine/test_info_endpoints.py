@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
+import pytest
 import requests
+
+from slime_like.reference_engine.loads import EXTENSIONS, MEMORY_EXTENSIONS
+from tests.contract.sglang_loads import json_type, sglang_load_shapes
 
 
 def test_model_info_and_its_deprecated_alias(engine):
@@ -41,6 +46,34 @@ def test_v1_models_v1_loads_and_legacy_get_load(engine):
     assert engine.get("/v1/loads?include=bogus").status_code == 400
     legacy = engine.get("/get_load").json()
     assert isinstance(legacy, list) and legacy[0]["dp_rank"] == 0 and "num_tokens" in legacy[0]
+
+
+# No include (everything), core alone, what smg polls, one section, all, and a bad section.
+INCLUDES = [None, "core", "core,disagg,queues,memory", "memory", "all", "bogus"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="sglang is not installed (pip install --no-deps sglang==0.5.23; "
+                           "scripts/env.sh does it with SLIME_LIKE_SGLANG=1)")
+def test_v1_loads_entries_have_sglangs_own_keys_and_types(engine):
+    """Each `/v1/loads` entry is sglang 0.5.23's `LoadSnapshot.to_dict(include)` (its keys,
+    sections and JSON types, from sglang's own code), plus the reference engine's declared
+    extensions; routers (smg's load-aware policies) parse these entries."""
+    expected = sglang_load_shapes(INCLUDES)
+    for include in INCLUDES:
+        want = expected[include or "-"]
+        resp = engine.get("/v1/loads", params={"include": include} if include else None)
+        if "error" in want:
+            assert resp.status_code == 400 and "Invalid include sections" in resp.text, include
+            continue
+        got = json_type(resp.json()["loads"][0])
+        # sections of features the reference engine does not have (speculative decoding, LoRA)
+        want = {k: v for k, v in want.items() if k not in ("speculative", "lora")}
+        extra = {k: got.pop(k) for k in EXTENSIONS}
+        assert extra == {"num_cached_tokens": "int", "paused": "bool", "num_retracted_reqs": "int"}
+        if "memory" in got:
+            assert {k: got["memory"].pop(k) for k in MEMORY_EXTENSIONS} == {"kv_cache_bytes": "int"}
+        assert got == want, include
 
 
 def test_metrics_use_sglang_names_and_count_requests(engine):

@@ -1,13 +1,16 @@
-"""The official `openai` client against a reference engine, and through the real sglang-router.
+"""The official `openai` client against a reference engine, and through the real routers.
 
-Every test runs twice: straight at the engine and through sglang-router 0.3.2 in front of
-it. Answers are checked against the engine's native /generate for the same prompt tokens
+Every test runs three times: straight at the engine, through sglang-router 0.3.2 and
+through smg 1.13.0 in front of it. Answers are checked against the engine's native /generate for the same prompt tokens
 (greedy or seeded), so "the chat template rendered the messages" and "the logprobs are the
 engine's" are facts, not shapes. Where the router changes a request (it drops chat keys
 its schema lacks, refuses token-id prompts, answers /v1/models itself) the test says so.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from slime_like.models.chat_template import TINY_CHAT_TEMPLATE, render_chat
 from slime_like.models.loading import load_pretrained
 from slime_like.models.tokenizer import VOCAB_SIZE as VOCAB
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.router.router import Router
 
 openai = pytest.importorskip("openai")
 
@@ -24,16 +28,47 @@ MESSAGES = [{"role": "system", "content": "You add."}, {"role": "user", "content
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["engine", "router"])
+@pytest.fixture(scope="module")
+def smg(engine, tmp_path_factory):
+    """A real smg (round robin) with the shared engine added."""
+    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"}, kind="smg",
+               log_dir=tmp_path_factory.mktemp("smg")).start()
+    r.client.add_worker(engine.url)
+    yield r
+    r.stop()
+
+
+class ServedName:
+    """The client with every request's `model` set to the served name: smg routes OpenAI
+    requests by `model` (a name no worker serves is a 404, see the test below), where
+    sglang and sglang-router 0.3.2 take any name."""
+
+    def __init__(self, client, name: str = "tiny"):
+        self._client, self._name = client, name
+        self.chat = SimpleNamespace(completions=SimpleNamespace(
+            create=partial(self._create, client.chat.completions.create)))
+        self.completions = SimpleNamespace(create=partial(self._create,
+                                                          client.completions.create))
+
+    def _create(self, create, **kw):
+        return create(**{**kw, "model": self._name})
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.fixture(scope="module", params=["engine", "router", "smg"])
 def api(request, engine, router):
-    """(openai client, which) for the shared engine, or the router with that engine added."""
+    """(openai client, which) for the shared engine, or a router with that engine added."""
     if request.param == "router":
         router.client.add_worker(engine.url)
         url = router.url
+    elif request.param == "smg":
+        url = request.getfixturevalue("smg").url
     else:
         url = engine.url
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    return client, request.param
+    return (ServedName(client) if request.param == "smg" else client), request.param
 
 
 def _chat_prompt(messages=MESSAGES) -> list[int]:
@@ -54,7 +89,8 @@ def test_chat_renders_the_checkpoint_template_and_answers_as_generate_does(api, 
                                        max_completion_tokens=6, logprobs=True, top_logprobs=3,
                                        temperature=0.0, extra_body={"ignore_eos": True})
     choice = r.choices[0]
-    assert r.object == "chat.completion" and r.model == "any-name-at-all"
+    assert r.object == "chat.completion"
+    assert r.model == ("tiny" if which == "smg" else "any-name-at-all")
     assert choice.message.role == "assistant" and choice.message.content == native["text"]
     assert choice.finish_reason == "length"
     rows = choice.logprobs.content
@@ -209,10 +245,18 @@ def test_models_list_and_retrieve(api, engine):
         with pytest.raises(openai.NotFoundError) as e:
             client.models.retrieve("nope")
         assert e.value.body["code"] == "model_not_found"
-    else:  # router 0.3.2 lists its own registry and does not forward /v1/models/{model}
+    elif which == "router":  # 0.3.2 lists its own registry, does not forward /v1/models/{model}
         assert names
         with pytest.raises(openai.NotFoundError):
             client.models.retrieve("tiny")
+    else:  # smg lists and retrieves the served names, and routes by them
+        assert names == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+        for call in (lambda: client.models.retrieve("nope"),
+                     lambda: client._client.chat.completions.create(
+                         model="nope", messages=MESSAGES, max_tokens=2)):
+            with pytest.raises(openai.NotFoundError) as e:
+                call()
+            assert e.value.body["code"] == "model_not_found"
 
 
 def test_custom_params_are_accepted_and_change_nothing(engine, router):
@@ -271,22 +315,30 @@ def _aborted_total(engine) -> float:
     return 0.0
 
 
-def test_a_client_that_goes_away_has_its_request_aborted(engine):
-    """As sglang: a non-streamed chat whose client closed the connection stops generating."""
+@pytest.mark.parametrize("via", ["engine", "smg"])
+def test_a_client_that_goes_away_has_its_request_aborted(engine, request, via):
+    """As sglang: a non-streamed chat whose client closed the connection stops generating;
+    through smg too (it drops its upstream request, and the engine sees that client go)."""
     import json
     import socket
     import time
 
-    body = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 900, "n": 64,
+    url = engine.url if via == "engine" else request.getfixturevalue("smg").url
+    n = 64 if via == "engine" else 10  # smg refuses n > 10 (400 integer_above_max_value)
+    body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "n": n,
                        "ignore_eos": True}).encode()
-    host, port = engine.url.rsplit("//", 1)[1].split(":")
+    host, port = url.rsplit("//", 1)[1].split(":")
     before = _aborted_total(engine)
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(0.5)  # 64 x 900 tokens take several seconds on a CPU
+        # the client goes once the engine generates (64 x 900 tokens take seconds on a CPU)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and \
+                engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+            time.sleep(0.05)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _aborted_total(engine) < before + 64:
+    while time.monotonic() < deadline and _aborted_total(engine) < before + n:
         time.sleep(0.2)
-    assert _aborted_total(engine) == before + 64  # every sequence, running or waiting
+    assert _aborted_total(engine) == before + n  # every sequence, running or waiting
     assert engine.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0

@@ -1,7 +1,8 @@
 """A rollout waits (bounded) while no engine is routed, instead of failing its requests.
 
 After a failed sync every engine may be out of the router for a moment (unrouted, then
-resynced); the real sglang-router answers 503 `no_available_workers` meanwhile. The same
+resynced); the real sglang-router answers 503 `no_available_workers` meanwhile, smg 404
+`model_not_found` ("No worker available"): both routers are run. The same
 holds for scoring through a frozen reference model's router while its only engine is
 being recovered (seen failing a CI run: the recovery took 10.7 s, scoring gave up at 7.5).
 """
@@ -15,9 +16,21 @@ import pytest
 
 from slime_like.rollout.generate import GenerationError, RouterGenerator
 from slime_like.rollout.scoring import token_logprobs
+from slime_like.router.kinds import ROUTER_KINDS
+from slime_like.router.router import Router
 from tests.reference_engine.conftest import start_engine, stop_engine
 
 PARAMS = {"max_new_tokens": 3, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module", params=list(ROUTER_KINDS))
+def any_router(request, tmp_path_factory):
+    """A real router of each kind (round robin), one per kind for the module."""
+    r = Router(host="127.0.0.1", router_flags={"policy": "round_robin"}, kind=request.param,
+               log_dir=tmp_path_factory.mktemp(f"router-{request.param}"))
+    r.start()
+    yield r
+    r.stop()
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +40,8 @@ def engine(tiny_model_dir, tmp_path_factory):
     stop_engine(e)
 
 
-def test_requests_wait_for_an_engine_to_be_routed_again(router, engine):
+def test_requests_wait_for_an_engine_to_be_routed_again(any_router, engine):
+    router = any_router
     assert router.client.list_workers() == []
     # 3 attempts (about 2 s in all) would give up long before the engine is back (4 s)
     gen = RouterGenerator(router.url, max_attempts=3, retry_backoff_s=0.1, router_down_s=60.0)

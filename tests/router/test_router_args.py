@@ -63,3 +63,28 @@ def test_argv_runs_the_launcher_with_our_ports():
 def test_ipv6_bind_addresses_are_bracketed_as_the_router_requires():
     args = compose_router_args(host="::1", port=15000, prometheus_port=15001).args
     assert (args["host"], args["prometheus_host"]) == ("[::1]", "[::1]")
+
+
+def test_smg_runs_from_its_own_module_with_its_own_flags_and_defaults():
+    composed = compose_router_args(host="127.0.0.1", port=15000, prometheus_port=15001,
+                                   router_flags={"policy": "least_load", "mini_lb": True},
+                                   kind="smg")
+    args = composed.args
+    assert args["policy"] == "least_load"
+    assert args["disable_tokenizer_autoload"] is True and args["disable_health_check"] is True
+    assert args["disable_worker_overload_protection"] is True and args["load_monitor_interval"] == 1
+    # sglang-router's own flag is not one of smg's: dropped, and the warning says by whom
+    assert composed.dropped == ["mini_lb"] and "smg 1.13.0" in composed.warnings[0]
+    argv = render_router_argv(args, python="py", kind="smg")
+    assert argv[:3] == ["py", "-m", "smg.launch_router"]
+    assert argv[argv.index("--policy") + 1] == "least_load"
+
+
+def test_a_choice_only_the_other_router_has_names_the_flag():
+    with pytest.raises(ConfigError, match="--router-policy"):
+        _compose({"policy": "least_load"})  # sglang-router 0.3.2 has no least_load
+
+
+def test_an_unknown_router_kind_names_the_flag():
+    with pytest.raises(ConfigError, match=r"--router: 'nginx' is not one of"):
+        compose_router_args(host="127.0.0.1", port=1, prometheus_port=2, kind="nginx")

@@ -12,6 +12,11 @@ PREFILL, DECODE = "actor/g0/e0", "actor/g1/e1"
 
 def test_pd_job_generates_through_the_pd_router_and_syncs_both_sides(tmp_path, fresh_ray):
     run_job(tmp_path, "configs/pd_cpu.yaml", "--num-rollout", str(STEPS))
+    check_pd_job(tmp_path)
+
+
+def check_pd_job(tmp_path) -> None:
+    """The PD run's checks, whichever router ran it (tests/topologies/test_smg.py: smg)."""
     ms = check_run(tmp_path, STEPS, [PREFILL, DECODE])
     events = timeline(tmp_path)
     router = [e for e in events if e["engine"] == "router/actor" and e["state"] == "READY"]
