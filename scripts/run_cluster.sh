@@ -121,8 +121,8 @@ if [ ! -f "$token_file" ]; then
   fi
 fi
 
-for i in "${!hosts[@]}"; do
-  host="${hosts[$i]}"
+start_node() {  # start_node I: copy the token to node I and start Ray there
+  local i="$1" host="${hosts[$1]}" words cmd
   on "$host" 'mkdir -p "$HOME/.slime_like" && chmod 700 "$HOME/.slime_like"'
   run scp -q "${ssh_opts[@]}" "$token_file" "$host:.slime_like/ray_token"
   mapfile -t words < <(env_words)
@@ -139,7 +139,21 @@ for i in "${!hosts[@]}"; do
   cmd="$(printf '%q ' "${words[@]}" | sed 's/ $//')"
   cmd="${cmd//\\\$HOME/\$HOME}"
   on "$host" "$cmd"
+}
+
+start_node 0  # the head first; then the workers all at once (a dry run prints them in order)
+pids=(); failed=()
+for ((i = 1; i < ${#hosts[@]}; i++)); do
+  if [ "$dry_run" = 1 ]; then start_node "$i"; else start_node "$i" & pids+=("$!"); fi
 done
+for j in "${!pids[@]}"; do
+  wait "${pids[$j]}" || failed+=("${hosts[$((j + 1))]}")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "run_cluster.sh: error: ray start failed on: ${failed[*]} (the head and the other" \
+    "nodes are up; stop them with: bash scripts/run_cluster.sh stop --hostfile $hostfile)" >&2
+  exit 1
+fi
 
 cat <<EOF
 # Cluster of ${#hosts[@]} node(s); head $head_addr. Submit jobs from this machine with:

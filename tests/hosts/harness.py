@@ -146,10 +146,11 @@ LogLevel ERROR
 """
 
 # Runs as the host's PID 1 (after `unshare --pid --fork --mount-proc --uts`): its own
-# home, hostname and /etc/hosts (as a node of a real cluster has), then sshd.
+# home (root's, in its /etc/passwd: /root itself holds the machine's Python), hostname and
+# /etc/hosts, as a node of a real cluster has; then sshd.
 _INIT = """\
 set -e
-mount --bind "$HOST_HOME" /root
+mount --bind "$HOST_PASSWD" /etc/passwd
 mount --bind "$HOST_ETC_HOSTS" /etc/hosts
 hostname "$HOST_NAME"
 mkdir -p /run/sshd
@@ -242,10 +243,14 @@ class Hosts:
             _ip("-n", ns, *cmd)
         hdir = self.root / f"h{i}"
         (hdir / "home").mkdir(parents=True, exist_ok=True)
+        passwd = hdir / "passwd"
+        passwd.write_text("".join(
+            re.sub(r"^(root:[^:]*:0:0:[^:]*:)[^:]*:", rf"\g<1>{hdir / 'home'}:", line)
+            for line in Path("/etc/passwd").read_text().splitlines(keepends=True)))
         config = hdir / "sshd_config"
         config.write_text(_SSHD_CONFIG.format(ip=ip, keys=self.keys))
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-               "HOST_HOME": str(hdir / "home"), "HOST_ETC_HOSTS": str(etc_hosts),
+               "HOST_PASSWD": str(passwd), "HOST_ETC_HOSTS": str(etc_hosts),
                "HOST_NAME": f"slmn-h{i}", "HOST_SSHD_CONFIG": str(config)}
         log = open(hdir / "sshd.log", "ab")  # noqa: SIM115 - the child holds it
         try:
@@ -301,8 +306,12 @@ class Hosts:
         init = psutil.Process(host.init.pid).children()
         if not init:
             return []
-        return [" ".join(p.cmdline()) for p in init[0].children(recursive=True)
-                if _alive(p.pid)]
+        out = []
+        for p in init[0].children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(" ".join(p.cmdline()))
+        return out
 
     def addresses(self, host: Host) -> dict[str, list[str]]:
         """Interface -> IPv4 addresses inside `host`."""

@@ -1,0 +1,70 @@
+"""Multi-node for real: hosts with their own network stacks (tests/hosts/harness.py), Ray
+started on them by scripts/run_cluster.sh over ssh, and the job submitted from outside
+with the cluster's token, the trainer on one host and an engine on each of the others.
+
+The commands are the README's (Multi-node). Every host has a cluster interface (`clu0`)
+and a decoy (`decoy0`) no other host reaches: what each part advertised must be on the
+cluster interface, and the weight group must form over it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import urlparse
+
+from tests.hosts.cluster import RayOnHosts
+from tests.hosts.harness import CLUSTER_IF, Hosts
+from tests.topologies.job_checks import check_run
+
+ENGINES = ["default/g0/e0", "default/g0/e1"]
+# configs/multinode_cpu.yaml with an engine per node: one declared GPU per host, the
+# trainer's bundle on the first host (bundles sort by IP), an engine on each of the others.
+JOB = ("--config", "configs/multinode_cpu.yaml", "--rollout-num-gpus-per-engine", "1")
+
+
+def advertised(run_dir: Path) -> dict[str, str]:
+    """Engine or router name -> the URL it advertised (the fleet's timeline)."""
+    out: dict[str, str] = {}
+    for line in (run_dir / "engine_timeline.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if "url" in event:
+            out.setdefault(event["engine"], event["url"])
+    return out
+
+
+def check_on_cluster_interface(hosts: Hosts, run_dir: Path) -> dict[str, str]:
+    """Every advertised address is a host's cluster address; name -> that host's IP."""
+    where = {}
+    for name, url in advertised(run_dir).items():
+        ip = urlparse(url).hostname
+        host = hosts.host_of(ip)
+        assert host is not None and ip == host.ip, \
+            f"{name} advertised {url}, not on a host's {CLUSTER_IF} ({[h.ip for h in hosts.hosts]})"
+        where[name] = ip
+    return where
+
+
+def test_run_cluster_starts_every_host_and_a_job_spans_them(hosts, tmp_path):
+    ray = RayOnHosts(hosts, tmp_path)
+    run_dir = tmp_path / "run"
+    try:
+        r = ray.start(GLOO_SOCKET_IFNAME=CLUSTER_IF)
+        assert r.returncode == 0, r.stderr[-3000:]
+        token = ray.token.read_text()
+        for h in hosts.hosts:  # scp put the one token in each host's own home
+            assert (h.home / ".slime_like" / "ray_token").read_text() == token, h.hostname
+        ray.wait_nodes(len(hosts.hosts))
+
+        job = ray.run_job(run_dir, *JOB, "--num-rollout", "4")
+        assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
+        check_run(run_dir, 4, ENGINES)  # the log-probability check held at every step
+        where = check_on_cluster_interface(hosts, run_dir)
+        trainer_host, *engine_hosts = (h.ip for h in hosts.hosts)
+        assert sorted(where[e] for e in ENGINES) == engine_hosts, where
+        assert where["router/default"] in (trainer_host, *engine_hosts)
+    finally:
+        stop = ray.stop()
+        left = ray.wait_no_processes()
+    assert stop.returncode == 0, stop.stderr[-2000:]
+    assert left == [[]] * len(hosts.hosts), f"processes outlived run_cluster.sh stop: {left}"
