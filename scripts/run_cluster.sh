@@ -106,9 +106,15 @@ env_words() {  # the env(1) words for a node's `ray start`
 remote_token='$HOME/.slime_like/ray_token'
 
 if [ "$command" = stop ]; then
-  for ((i = ${#hosts[@]} - 1; i >= 0; i--)); do  # workers first, the head last
-    on "${hosts[$i]}" "$(printf '%q' "$ray_bin") stop" || echo "run_cluster.sh: ray stop failed on ${hosts[$i]}" >&2
+  stop_node() {
+    on "${hosts[$1]}" "$(printf '%q' "$ray_bin") stop" || echo "run_cluster.sh: ray stop failed on ${hosts[$1]}" >&2
+  }
+  # Workers first (all at once; a dry run prints them in order), the head last.
+  for ((i = ${#hosts[@]} - 1; i >= 1; i--)); do
+    if [ "$dry_run" = 1 ]; then stop_node "$i"; else stop_node "$i" & fi
   done
+  wait
+  stop_node 0
   exit 0
 fi
 

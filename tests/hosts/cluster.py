@@ -50,8 +50,12 @@ class RayOnHosts:
 
     def start(self, **node_env: str) -> subprocess.CompletedProcess:
         """`run_cluster.sh start`; `node_env` (e.g. GLOO_SOCKET_IFNAME) as a user exports it."""
+        import matplotlib  # the run's plots: reuse this machine's font cache, as a shared home would
+
         return self._script("start", "--token-file", str(self.token), "--env",
-                            f"PATH={NODE_PATH}", env=submitter_env(**node_env))
+                            f"PATH={NODE_PATH}", "--env",
+                            f"MPLCONFIGDIR={matplotlib.get_cachedir()}",
+                            env=submitter_env(**node_env))
 
     def stop(self) -> subprocess.CompletedProcess:
         return self._script("stop")

@@ -147,11 +147,13 @@ LogLevel ERROR
 
 # Runs as the host's PID 1 (after `unshare --pid --fork --mount-proc --uts`): its own
 # home (root's, in its /etc/passwd: /root itself holds the machine's Python), hostname and
-# /etc/hosts, as a node of a real cluster has; then sshd.
+# /etc/hosts, as a node of a real cluster has, and no DNS server (a lookup of a name it does
+# not list fails at once instead of waiting for a server it cannot reach); then sshd.
 _INIT = """\
 set -e
 mount --bind "$HOST_PASSWD" /etc/passwd
 mount --bind "$HOST_ETC_HOSTS" /etc/hosts
+mount --bind "$HOST_RESOLV_CONF" /etc/resolv.conf
 hostname "$HOST_NAME"
 mkdir -p /run/sshd
 exec {sshd} -D -e -f "$HOST_SSHD_CONFIG"
@@ -219,7 +221,8 @@ class Hosts:
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         etc_hosts = self.root / "etc_hosts"
-        etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(
+        (self.root / "resolv.conf").write_text("# no DNS on the test hosts\n")
+        etc_hosts.write_text(f"127.0.0.1 localhost\n{self.gateway} slmn-gw\n" + "".join(
             f"198.18.{self.k}.{10 + i} slmn-h{i}\n" for i in range(self.n)))
         for i in range(self.n):
             self.hosts.append(self._make_host(i, etc_hosts))
@@ -251,6 +254,7 @@ class Hosts:
         config.write_text(_SSHD_CONFIG.format(ip=ip, keys=self.keys))
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
                "HOST_PASSWD": str(passwd), "HOST_ETC_HOSTS": str(etc_hosts),
+               "HOST_RESOLV_CONF": str(self.root / "resolv.conf"),
                "HOST_NAME": f"slmn-h{i}", "HOST_SSHD_CONFIG": str(config)}
         log = open(hdir / "sshd.log", "ab")  # noqa: SIM115 - the child holds it
         try:
