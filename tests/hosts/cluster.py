@@ -4,12 +4,15 @@ start/stop over ssh, `ray status` on a node, run_job.sh from the submitting mach
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.hosts.harness import Hosts
+import requests
+
+from tests.hosts.harness import Host, Hosts
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -95,3 +98,26 @@ class RayOnHosts:
             if not any(left) or time.monotonic() > deadline:
                 return left
             time.sleep(0.5)
+
+
+def start_engine(hosts: Hosts, host: Host, model_dir: Path, log: Path, port: int = 30000,
+                 **env: str) -> str:
+    """A reference engine on `host` (started over ssh, `env` in its environment); its URL once
+    healthy from this machine."""
+    words = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    # The subshell's own stdout is ssh's: only the engine's, redirected, may outlive it.
+    hosts.ssh(host, f"cd {shlex.quote(str(REPO))} && ({words} nohup {VENV_BIN / 'python'} -m "
+                    f"slime_like.reference_engine --model-path {shlex.quote(str(model_dir))} "
+                    f"--host {host.ip} --port {port} > {shlex.quote(str(log))} 2>&1 "
+                    "< /dev/null &)")
+    url = f"http://{host.ip}:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return url
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"engine on {host.hostname} never healthy: " \
+                                            f"{log.read_text(errors='replace')[-2000:]}"
+        time.sleep(0.5)

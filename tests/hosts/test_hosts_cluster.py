@@ -10,11 +10,14 @@ cluster interface, and the weight group must form over it.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tests.hosts.cluster import RayOnHosts
-from tests.hosts.harness import CLUSTER_IF, Hosts
+import pytest
+
+from tests.hosts.cluster import REPO, VENV_BIN, RayOnHosts, start_engine
+from tests.hosts.harness import CLUSTER_IF, DECOY_IF, Hosts
 from tests.topologies.job_checks import check_run
 
 ENGINES = ["default/g0/e0", "default/g0/e1"]
@@ -68,3 +71,51 @@ def test_run_cluster_starts_every_host_and_a_job_spans_them(hosts, tmp_path):
         left = ray.wait_no_processes()
     assert stop.returncode == 0, stop.stderr[-2000:]
     assert left == [[]] * len(hosts.hosts), f"processes outlived run_cluster.sh stop: {left}"
+
+
+def push(hosts: Hosts, model_dir: Path, engines: list[str], *cases: str) -> dict[str, dict]:
+    """tests/hosts/push_weights.py on the first host: case name -> its outcome."""
+    argv = [str(VENV_BIN / "python"), "-m", "tests.hosts.push_weights", "--model",
+            str(model_dir), *(x for e in engines for x in ("--engine", e)),
+            *(x for c in cases for x in ("--case", c))]
+    r = hosts.ssh(hosts.hosts[0], f"cd {shlex.quote(str(REPO))} && {shlex.join(argv)}",
+                  check=False, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {o["case"]: o for o in map(json.loads, r.stdout.splitlines())}
+
+
+@pytest.mark.slow
+def test_a_weight_group_on_the_wrong_interface_fails_in_seconds_naming_it(
+        hosts, tiny_model_dir, tmp_path):
+    h0, h1, h2 = hosts.hosts
+    try:
+        right = start_engine(hosts, h1, tiny_model_dir, tmp_path / "h1.log",
+                             GLOO_SOCKET_IFNAME=CLUSTER_IF)
+        wrong = start_engine(hosts, h2, tiny_model_dir, tmp_path / "h2.log",
+                             GLOO_SOCKET_IFNAME=DECOY_IF)
+        out = push(hosts, tiny_model_dir, [right], "unset=", f"decoy={DECOY_IF}",
+                   "missing=eth9", f"cluster={CLUSTER_IF}")
+        # Unset, gloo binds what the host's name resolves to: the cluster address.
+        assert out["unset"]["ok"] and out["cluster"]["ok"], out
+        log = (tmp_path / "h1.log").read_text()
+        assert f"binds {h1.ip} on {CLUSTER_IF} (GLOO_SOCKET_IFNAME={CLUSTER_IF})" in log, log
+        # The trainer on the decoy: named in seconds, with what was tried and what to set.
+        decoy = out["decoy"]
+        assert not decoy["ok"] and decoy["seconds"] < 30, decoy
+        for text in (f"bind {h0.decoy_ip} on {DECOY_IF} (GLOO_SOCKET_IFNAME={DECOY_IF})",
+                     f"tried {h0.decoy_ip} -> {h1.ip}:30000: no answer in 5 s",
+                     f"Set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on "
+                     f"(the route to {h1.ip} leaves by {CLUSTER_IF} ({h0.ip}))"):
+            assert text in decoy["error"], decoy["error"]
+        missing = out["missing"]
+        assert not missing["ok"] and "GLOO_SOCKET_IFNAME=eth9 names no interface" in \
+            missing["error"] and f"{CLUSTER_IF} ({h0.ip})" in missing["error"], missing
+        # An engine on the decoy: its join fails in seconds, and the error names it.
+        out = push(hosts, tiny_model_dir, [right, wrong], f"engine_decoy={CLUSTER_IF}")
+        bad = out["engine_decoy"]
+        assert not bad["ok"] and bad["seconds"] < 30, bad
+        assert wrong in bad["error"] and f"bind {h2.decoy_ip} on {DECOY_IF}" in bad["error"] \
+            and f"tried {h2.decoy_ip} -> {h0.ip}:" in bad["error"], bad["error"]
+    finally:
+        for h in (h1, h2):
+            hosts.ssh(h, "pkill -f slime_like.reference_engine || true", check=False)
