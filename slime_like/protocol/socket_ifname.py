@@ -66,7 +66,7 @@ def _named(value: str, backend: str, local: dict[str, list[str]]) -> list[str]:
         items = [x for x in value.lstrip("=").lstrip("^").split(",") if x]
         def hit(name: str) -> bool:
             return any(name == x if exact else name.startswith(x) for x in items)
-        return sorted(n for n in local if hit(n) != exclude and not n.startswith("lo"))
+        return sorted(n for n in local if hit(n) != exclude)
     return [x for x in value.split(",") if x and x in local]
 
 

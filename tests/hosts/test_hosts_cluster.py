@@ -60,12 +60,19 @@ def test_run_cluster_starts_every_host_and_a_job_spans_them(hosts, tmp_path):
         ray.wait_nodes(len(hosts.hosts))
 
         job = ray.run_job(run_dir, *JOB, "--num-rollout", "4")
+        (tmp_path / "job.log").write_text(job.stdout + job.stderr)
         assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
         check_run(run_dir, 4, ENGINES)  # the log-probability check held at every step
         where = check_on_cluster_interface(hosts, run_dir)
         trainer_host, *engine_hosts = (h.ip for h in hosts.hosts)
         assert sorted(where[e] for e in ENGINES) == engine_hosts, where
         assert where["router/default"] in (trainer_host, *engine_hosts)
+        # Each engine's rank of the weight group bound its host's cluster address and
+        # reached the trainer's store from it (its own log says so).
+        for engine in ENGINES:
+            log = (run_dir / "logs" / f"{engine.replace('/', '-')}.log").read_text()
+            assert f"binds {where[engine]} on {CLUSTER_IF} (GLOO_SOCKET_IFNAME={CLUSTER_IF}); " \
+                   f"the trainer's store {trainer_host}:" in log, log[-2000:]
     finally:
         stop = ray.stop()
         left = ray.wait_no_processes()
