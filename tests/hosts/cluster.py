@@ -82,13 +82,29 @@ class RayOnHosts:
             assert time.monotonic() < deadline, f"ray status never listed {n} nodes:\n{out}"
             time.sleep(1)
 
-    def run_job(self, run_dir: Path, *flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        """scripts/run_job.sh from this machine with the cluster's token (README: Multi-node)."""
+    def start_job(self, run_dir: Path, *flags: str) -> subprocess.Popen:
+        """scripts/run_job.sh from this machine with the cluster's token (README: Multi-node);
+        its output goes to run_dir's sibling `<name>.out`."""
         env = submitter_env(RAY_ADDRESS=self.address, RAY_AUTH_MODE="token",
                             RAY_AUTH_TOKEN_PATH=str(self.token))
-        return subprocess.run(["bash", str(REPO / "scripts" / "run_job.sh"), *flags,
-                               "--output-dir", str(run_dir)], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=REPO)
+        out = open(run_dir.with_suffix(".out"), "w")  # noqa: SIM115 - the child holds it
+        try:
+            return subprocess.Popen(["bash", str(REPO / "scripts" / "run_job.sh"), *flags,
+                                     "--output-dir", str(run_dir)], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True)
+        finally:
+            out.close()
+
+    def run_job(self, run_dir: Path, *flags: str, timeout: float = 600) -> tuple[int, str]:
+        """The job's exit status and output, once it ended (killed at `timeout`)."""
+        job = self.start_job(run_dir, *flags)
+        try:
+            rc = job.wait(timeout=timeout)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        return rc, run_dir.with_suffix(".out").read_text(errors="replace")
 
     def wait_no_processes(self, timeout_s: float = 20) -> list[list[str]]:
         """Every host's processes once none is left, or what is left at the deadline."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -59,25 +60,75 @@ def test_run_cluster_starts_every_host_and_a_job_spans_them(hosts, tmp_path):
             assert (h.home / ".slime_like" / "ray_token").read_text() == token, h.hostname
         ray.wait_nodes(len(hosts.hosts))
 
-        job = ray.run_job(run_dir, *JOB, "--num-rollout", "4")
-        (tmp_path / "job.log").write_text(job.stdout + job.stderr)
-        assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
+        rc, out = ray.run_job(run_dir, *JOB, "--num-rollout", "4")
+        assert rc == 0, out[-5000:]
         check_run(run_dir, 4, ENGINES)  # the log-probability check held at every step
         where = check_on_cluster_interface(hosts, run_dir)
         trainer_host, *engine_hosts = (h.ip for h in hosts.hosts)
         assert sorted(where[e] for e in ENGINES) == engine_hosts, where
         assert where["router/default"] in (trainer_host, *engine_hosts)
-        # Each engine's rank of the weight group bound its host's cluster address and
-        # reached the trainer's store from it (its own log says so).
-        for engine in ENGINES:
-            log = (run_dir / "logs" / f"{engine.replace('/', '-')}.log").read_text()
-            assert f"binds {where[engine]} on {CLUSTER_IF} (GLOO_SOCKET_IFNAME={CLUSTER_IF}); " \
-                   f"the trainer's store {trainer_host}:" in log, log[-2000:]
+        check_weight_group_on_cluster_interface(run_dir, where, trainer_host)
     finally:
         stop = ray.stop()
         left = ray.wait_no_processes()
     assert stop.returncode == 0, stop.stderr[-2000:]
     assert left == [[]] * len(hosts.hosts), f"processes outlived run_cluster.sh stop: {left}"
+
+
+def check_weight_group_on_cluster_interface(run_dir: Path, where: dict[str, str],
+                                            trainer_host: str) -> None:
+    """Each engine's rank of the weight group bound its host's cluster address and reached
+    the trainer's store from it (its own log says so, at every join)."""
+    for engine in ENGINES:
+        log = (run_dir / "logs" / f"{engine.replace('/', '-')}.log").read_text()
+        assert f"binds {where[engine]} on {CLUSTER_IF} (GLOO_SOCKET_IFNAME={CLUSTER_IF}); " \
+               f"the trainer's store {trainer_host}:" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_an_engine_killed_on_its_host_is_relaunched_there_and_the_job_goes_on(hosts, tmp_path):
+    ray = RayOnHosts(hosts, tmp_path)
+    run_dir = tmp_path / "run"
+    h2 = hosts.hosts[2]
+    try:
+        assert ray.start(GLOO_SOCKET_IFNAME=CLUSTER_IF).returncode == 0
+        ray.wait_nodes(len(hosts.hosts))
+        job = ray.start_job(run_dir, *JOB, "--num-rollout", "20")
+        try:
+            wait_for_step(run_dir, 3, job)
+            # a real SIGKILL of the engine's server, on its own host
+            killed = hosts.ssh(h2, "pkill -9 -f -e 'slime_like.reference_engine'", check=False)
+            assert killed.returncode == 0, killed
+            rc = job.wait(timeout=600)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert rc == 0, run_dir.with_suffix(".out").read_text()[-5000:]
+        check_run(run_dir, 20, ENGINES)
+        where = check_on_cluster_interface(hosts, run_dir)
+        states = [e["state"] for e in map(json.loads, (run_dir / "engine_timeline.jsonl")
+                                          .read_text().splitlines())
+                  if e["engine"] == "default/g0/e1"]
+        assert "DEAD" in states and "RECOVERED" in states, states
+        relaunched = [e["url"] for e in map(json.loads, (run_dir / "engine_timeline.jsonl")
+                                            .read_text().splitlines())
+                      if e["engine"] == "default/g0/e1" and "url" in e]
+        assert {urlparse(u).hostname for u in relaunched} == {h2.ip}, relaunched
+        check_weight_group_on_cluster_interface(run_dir, where, hosts.hosts[0].ip)
+    finally:
+        stop = ray.stop()
+        left = ray.wait_no_processes()
+    assert stop.returncode == 0 and left == [[]] * len(hosts.hosts), (stop.stderr, left)
+
+
+def wait_for_step(run_dir: Path, step: int, job, timeout_s: float = 300) -> None:
+    """Until the run's metrics record `step`; fails at once if the job ended first."""
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) > step):
+        assert job.poll() is None, run_dir.with_suffix(".out").read_text()[-4000:]
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s:.0f} s"
+        time.sleep(0.5)
 
 
 def push(hosts: Hosts, model_dir: Path, engines: list[str], *cases: str) -> dict[str, dict]:
