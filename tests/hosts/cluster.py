@@ -118,22 +118,26 @@ class RayOnHosts:
 
 def start_engine(hosts: Hosts, host: Host, model_dir: Path, log: Path, port: int = 30000,
                  **env: str) -> str:
-    """A reference engine on `host` (started over ssh, `env` in its environment); its URL once
-    healthy from this machine."""
+    """A reference engine on `host` (started over ssh, `env` in its environment); its URL
+    (`wait_healthy` waits for it)."""
     words = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     # The subshell's own stdout is ssh's: only the engine's, redirected, may outlive it.
     hosts.ssh(host, f"cd {shlex.quote(str(REPO))} && ({words} nohup {VENV_BIN / 'python'} -m "
                     f"slime_like.reference_engine --model-path {shlex.quote(str(model_dir))} "
                     f"--host {host.ip} --port {port} > {shlex.quote(str(log))} 2>&1 "
                     "< /dev/null &)")
-    url = f"http://{host.ip}:{port}"
+    return f"http://{host.ip}:{port}"
+
+
+def wait_healthy(url: str, log: Path) -> None:
+    """Until the engine at `url` answers /health from this machine (180 s)."""
     deadline = time.monotonic() + 180
     while True:
         try:
             if requests.get(url + "/health", timeout=5).status_code == 200:
-                return url
+                return
         except requests.RequestException:
             pass
-        assert time.monotonic() < deadline, f"engine on {host.hostname} never healthy: " \
+        assert time.monotonic() < deadline, f"engine {url} never healthy: " \
                                             f"{log.read_text(errors='replace')[-2000:]}"
         time.sleep(0.5)

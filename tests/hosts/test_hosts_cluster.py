@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.hosts.cluster import REPO, VENV_BIN, RayOnHosts, start_engine
+from tests.hosts.cluster import REPO, VENV_BIN, RayOnHosts, start_engine, wait_healthy
 from tests.hosts.harness import CLUSTER_IF, DECOY_IF, Hosts
 from tests.topologies.job_checks import check_run
 
@@ -121,6 +121,52 @@ def test_an_engine_killed_on_its_host_is_relaunched_there_and_the_job_goes_on(ho
     assert stop.returncode == 0 and left == [[]] * len(hosts.hosts), (stop.stderr, left)
 
 
+@pytest.mark.slow
+def test_a_short_partition_of_an_engine_host_is_survived(hosts, tmp_path):
+    ray = RayOnHosts(hosts, tmp_path)
+    run_dir = tmp_path / "run"
+    h2 = hosts.hosts[2]
+    try:
+        assert ray.start(GLOO_SOCKET_IFNAME=CLUSTER_IF).returncode == 0
+        ray.wait_nodes(len(hosts.hosts))
+        job = ray.start_job(run_dir, *JOB, "--num-rollout", "20")
+        try:
+            wait_for_step(run_dir, 3, job)
+            hosts.set_link(h2, up=False)  # its processes live on, cut off
+            try:
+                time.sleep(PARTITION_S)
+            finally:
+                hosts.set_link(h2, up=True)
+            rc = job.wait(timeout=600)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        out = run_dir.with_suffix(".out").read_text()
+        assert rc == 0, out[-5000:]
+        check_run(run_dir, 20, ENGINES)  # no sample lost or doubled; every check held
+        events = [json.loads(x) for x in (run_dir / "engine_timeline.jsonl").read_text()
+                  .splitlines()]
+        mine = [e for e in events if e["engine"] == "default/g0/e1"]
+        # Shorter than the probes' verdict and Ray's node-death timeout: resynced, not replaced.
+        assert not {"DEAD", "RELAUNCHING"} & {e["state"] for e in mine}, mine
+        # Routed again only at the fleet's version of that moment.
+        version = None
+        for e in events:
+            if e["engine"] == "fleet" and e["state"] == "VERSION":
+                version = e["version"]
+            elif e["engine"] == "default/g0/e1" and e["state"] == "REGISTERED" \
+                    and "version" in e:
+                assert str(e["version"]) == str(version), (e, version)
+        print([(e["state"], e.get("reason", "")) for e in mine if e["state"] != "UPDATING"])
+    finally:
+        stop = ray.stop()
+        left = ray.wait_no_processes()
+    assert stop.returncode == 0 and left == [[]] * len(hosts.hosts), (stop.stderr, left)
+
+
+PARTITION_S = 12.0
+
+
 def wait_for_step(run_dir: Path, step: int, job, timeout_s: float = 300) -> None:
     """Until the run's metrics record `step`; fails at once if the job ended first."""
     deadline = time.monotonic() + timeout_s
@@ -151,6 +197,8 @@ def test_a_weight_group_on_the_wrong_interface_fails_in_seconds_naming_it(
                              GLOO_SOCKET_IFNAME=CLUSTER_IF)
         wrong = start_engine(hosts, h2, tiny_model_dir, tmp_path / "h2.log",
                              GLOO_SOCKET_IFNAME=DECOY_IF)
+        wait_healthy(right, tmp_path / "h1.log")
+        wait_healthy(wrong, tmp_path / "h2.log")
         out = push(hosts, tiny_model_dir, [right], "unset=", f"decoy={DECOY_IF}",
                    "missing=eth9", f"cluster={CLUSTER_IF}")
         # Unset, gloo binds what the host's name resolves to: the cluster address.
