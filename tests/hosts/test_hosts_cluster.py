@@ -157,13 +157,56 @@ def test_a_short_partition_of_an_engine_host_is_survived(hosts, tmp_path):
             elif e["engine"] == "default/g0/e1" and e["state"] == "REGISTERED" \
                     and "version" in e:
                 assert str(e["version"]) == str(version), (e, version)
-        print([(e["state"], e.get("reason", "")) for e in mine if e["state"] != "UPDATING"])
     finally:
         stop = ray.stop()
         left = ray.wait_no_processes()
     assert stop.returncode == 0 and left == [[]] * len(hosts.hosts), (stop.stderr, left)
 
 
+@pytest.mark.slow
+def test_a_long_partition_becomes_a_node_loss_and_leaves_nothing_on_the_healed_host(
+        hosts, tmp_path):
+    ray = RayOnHosts(hosts, tmp_path)
+    run_dir = tmp_path / "run"
+    h2 = hosts.hosts[2]
+    try:
+        assert ray.start(GLOO_SOCKET_IFNAME=CLUSTER_IF).returncode == 0
+        ray.wait_nodes(len(hosts.hosts))
+        job = ray.start_job(run_dir, *JOB, "--num-rollout", "40")
+        try:
+            wait_for_step(run_dir, 3, job)
+            hosts.set_link(h2, up=False)
+            try:
+                time.sleep(LONG_PARTITION_S)
+            finally:
+                hosts.set_link(h2, up=True)
+            # Ray declared the node dead meanwhile: its raylet exits once it hears so, and
+            # takes every process of the job on that host with it (Ray's log monitor stays
+            # until `run_cluster.sh stop`, which the end of this test checks).
+            t0 = time.monotonic()
+            while any(x in c for c in hosts.processes(h2)
+                      for x in ("slime_like", "ray::", "raylet", "default_worker")):
+                assert time.monotonic() - t0 < 90, hosts.processes(h2)
+                time.sleep(1)
+            rc = job.wait(timeout=600)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        out = run_dir.with_suffix(".out").read_text()
+        assert rc == 0, out[-5000:]
+        check_run(run_dir, 40, ENGINES[:1])  # trained on with the engine it could reach
+        assert "engine default/g0/e1 is dead: 2 consecutive failed probes" in out
+        mine = [json.loads(x)["state"] for x in (run_dir / "engine_timeline.jsonl")
+                .read_text().splitlines() if json.loads(x)["engine"] == "default/g0/e1"]
+        # out of the router at its first failed probe, and never routed again
+        assert "SUSPECT" in mine and "REGISTERED" not in mine[mine.index("SUSPECT"):], mine
+    finally:
+        stop = ray.stop()
+        left = ray.wait_no_processes()
+    assert stop.returncode == 0 and left == [[]] * len(hosts.hosts), (stop.stderr, left)
+
+
+LONG_PARTITION_S = 60.0
 PARTITION_S = 12.0
 
 
