@@ -2,10 +2,12 @@
 its own sshd, PID and mount namespaces, home and hostname, sharing the filesystem.
 
 Each host has a cluster interface (`clu0`, 198.18.K.(10+i)/24 on a bridge whose root-side
-address, 198.18.K.1, is the machine jobs are submitted from) and a decoy (`decoy0`, a dummy
-link with 198.19.K.(10+i)/24 that no other host can reach): the wrong NIC to name. Its
-init process is the host's sshd; killing it ends every process the host started (its PID
-namespace goes with it), so a test that fails leaves nothing behind. Every namespace and
+address, 198.18.K.1, is the machine jobs are submitted from; it forwards nothing) and a
+decoy (`decoy0`, a bridge without ports holding 198.19.K.(10+i)/24, which no other host
+can reach): the wrong NIC to name. Its init process is the host's sshd; killing it ends
+every process the host started (its PID namespace goes with it), so a test that fails
+leaves nothing behind, and `ray stop` on one host sees only that host's processes (not
+another host's, nor the local clusters other tests run meanwhile). Every namespace and
 link is named after the creating process (`slmn-<pid>-hI`, `slm<pid>...`): a leftover of a
 process that is gone is found by name and removed, and live ones of another run are kept.
 """
@@ -20,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,10 @@ def cleanup_leftovers(owner: int | None = None) -> list[str]:
         if m and stale(int(m.group(1))):
             _kill_netns(name)
             removed.append(name)
+    for path in Path("/tmp").glob("slmn*h*"):  # the hosts' Ray temp dirs
+        m = re.match(r"^slmn(\d+)h\d+$", path.name)
+        if m and stale(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         m = _LINK_RE.match(name)
@@ -335,12 +340,3 @@ class Hosts:
         _ip("link", "set", f"slm{self.owner}h{host.index}", "up" if up else "down")
 
 
-@contextlib.contextmanager
-def hosts(n: int, root: Path) -> Iterator[Hosts]:
-    """`n` hosts for the body of the `with`; nothing of them left after it."""
-    with Hosts(n, root) as h:
-        yield h
-
-
-def ips(hs: Sequence[Host]) -> list[str]:
-    return [h.ip for h in hs]

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
 import pytest
 
 from tests.hosts.cluster import REPO, VENV_BIN, RayOnHosts, start_engine, wait_healthy
-from tests.hosts.harness import CLUSTER_IF, DECOY_IF, Hosts
+from tests.hosts.conftest import require_hosts
+from tests.hosts.harness import CLUSTER_IF, DECOY_IF, Hosts, leftovers
 from tests.topologies.job_checks import check_run
 
 ENGINES = ["default/g0/e0", "default/g0/e1"]
@@ -47,6 +49,22 @@ def check_on_cluster_interface(hosts: Hosts, run_dir: Path) -> dict[str, str]:
             f"{name} advertised {url}, not on a host's {CLUSTER_IF} ({[h.ip for h in hosts.hosts]})"
         where[name] = ip
     return where
+
+
+def test_a_host_sees_only_its_own_processes_and_a_failed_test_leaves_nothing(tmp_path):
+    require_hosts()
+    h = Hosts(2, tmp_path)
+    with pytest.raises(RuntimeError, match="the test failed"), h:
+        a, b = h.hosts
+        h.ssh(a, "(sleep 600 > /dev/null 2>&1 < /dev/null &)")
+        assert any(c.startswith("sleep 600") for c in h.processes(a))
+        assert h.ssh(b, "pgrep -x sleep || true").stdout == ""  # its own PID namespace
+        assert h.addresses(a) == {"lo": ["127.0.0.1"], CLUSTER_IF: [a.ip], DECOY_IF: [a.decoy_ip]}
+        sleeper = [p for p in psutil.process_iter(["cmdline"])
+                   if (p.info["cmdline"] or [])[:2] == ["sleep", "600"]]
+        raise RuntimeError("the test failed")
+    assert leftovers(h.owner) == []
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in sleeper)
 
 
 def test_run_cluster_starts_every_host_and_a_job_spans_them(hosts, tmp_path):
