@@ -16,6 +16,20 @@ fi
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 
+# sshd for the multi-node tests (tests/hosts/): each simulated host runs its own, as a real
+# node would. A no-op where it is installed; without root or apt those tests skip, saying so.
+if [ ! -x /usr/sbin/sshd ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[slime_like] installing openssh-server (the multi-node tests run an sshd per host)"
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+        --no-install-recommends openssh-server; } >/dev/null \
+      || echo "[slime_like] apt-get could not install openssh-server; the multi-node tests will skip"
+  else
+    echo "[slime_like] /usr/sbin/sshd is missing and this is not root with apt-get:" \
+      "install openssh-server for the multi-node tests (tests/hosts/)"
+  fi
+fi
+
 stamp="$venv/.slime_like_stamp"
 want="$(cat "$repo/pyproject.toml" "$repo/scripts/env.sh" | sha256sum | cut -c1-16)-sglang${SLIME_LIKE_SGLANG:-0}-ray${SLIME_LIKE_RAY_VERSION:-}"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

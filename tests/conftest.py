@@ -50,6 +50,7 @@ def router(tmp_path_factory):
 # order (--dist loadscope --no-loadscope-reorder): starting the long ones first keeps one
 # long module from starting last and running alone, and a module's fixtures start once.
 HEAVY_MODULES = (
+    "tests/hosts/test_hosts_cluster.py",
     "tests/job/test_train_job.py",
     "tests/job/test_async_job.py",
     "tests/job/test_rl_job.py",

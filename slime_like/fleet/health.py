@@ -188,7 +188,7 @@ class FleetHealth:
         self.monitor: HealthMonitor | None = None
         self.closing = False
         # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
-        self._exit_refs: dict[Any, tuple[ManagedEngine, int]] = {}
+        self._exit_refs: dict[Any, tuple[ManagedEngine, int, Any]] = {}
         self._exit_lock = threading.Lock()
         self._exit_thread: threading.Thread | None = None
 
@@ -227,7 +227,7 @@ class FleetHealth:
         """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
         with self._exit_lock:
             for a in e.actors:
-                self._exit_refs[a.wait_exit.remote(None)] = (e, e.restarts)
+                self._exit_refs[a.wait_exit.remote(None)] = (e, e.restarts, a)
         if self._exit_thread is None:
             self._exit_thread = threading.Thread(target=self._exit_watcher, name="engine-exits",
                                                  daemon=True)
@@ -243,10 +243,18 @@ class FleetHealth:
             ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
             for ref in ready:
                 with self._exit_lock:
-                    e, generation = self._exit_refs.pop(ref)
+                    e, generation, actor = self._exit_refs.pop(ref)
                 try:
                     code = ray.get(ref)
                     why = f"server process exited with code {code}"
+                except ray.exceptions.ActorUnavailableError:
+                    # Its node is cut off, not dead (Ray says which once it decides): park
+                    # the wait again; the probes judge the engine meanwhile.
+                    time.sleep(0.5)
+                    if e.restarts == generation and not self.closing:
+                        with self._exit_lock:
+                            self._exit_refs[actor.wait_exit.remote(None)] = (e, generation, actor)
+                    continue
                 except Exception as err:  # noqa: BLE001 - the actor died with its node
                     why = f"engine actor lost: {type(err).__name__}"
                 if e.restarts == generation and not self.closing:

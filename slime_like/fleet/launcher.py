@@ -114,7 +114,13 @@ class Launcher:
             return e.handle is not None and e.handle.ping(timeout=2.0)
         try:
             return all(ray.get([a.is_alive.remote() for a in e.actors], timeout=10))
-        except Exception:  # noqa: BLE001 - an actor that cannot answer is not alive
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            # No answer is not an exit: a node cut off from the network keeps its processes
+            # and answers again when its link returns. The probes decide, as for a hang
+            # (SUSPECT at once, DEAD after --rollout-health-check-failures); a node Ray
+            # declares dead fails the call with ActorDiedError.
+            return True
+        except Exception:  # noqa: BLE001 - an actor that died (or cannot be asked) is not alive
             return False
 
     def answers(self, e: ManagedEngine, timeout: float = 1.0) -> bool:

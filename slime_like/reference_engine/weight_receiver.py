@@ -34,6 +34,7 @@ from slime_like.models.transformer import hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.protocol.io_struct import FLATTENED_BUCKET
+from slime_like.protocol.socket_ifname import check_reachable
 from slime_like.protocol.weight_group import (
     abort_process_group,
     check_store_listening,
@@ -145,6 +146,13 @@ class WeightReceiver:
                 raise ValueError("backend 'nccl' needs a CUDA engine; this engine runs on cpu "
                                  "(use backend 'gloo')")
             check_store_listening(master_address, master_port)
+            # A wrong interface fails here in seconds, not in the rendezvous after minutes.
+            choice = check_reachable(backend, [(master_address, master_port)],
+                                     who=f"engine rank {rank}")
+            if choice is not None:
+                logger.info("weight group %s: rank %d binds %s; the trainer's store %s:%d "
+                         "reached from it", group_name, rank, choice.describe(),
+                         master_address, master_port)
             pg = init_custom_process_group(
                 backend=backend, init_method=tcp_init_method(master_address, master_port),
                 world_size=world_size, rank=rank, group_name=group_name,

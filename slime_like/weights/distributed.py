@@ -34,6 +34,7 @@ import torch.distributed as dist
 from slime_like.engine.handle import EngineHandle
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol import io_struct as p
+from slime_like.protocol.socket_ifname import InterfaceError, check_reachable
 from slime_like.protocol.weight_group import (
     abort_process_group,
     destroy_process_group,
@@ -61,6 +62,11 @@ def master_address_for(engines: Sequence[EngineHandle]) -> str:
         # Connecting a UDP socket sends nothing; it only selects the outgoing interface.
         s.connect((hosts[0], 9))
         return s.getsockname()[0]
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 80
 
 
 def _is_loopback(host: str) -> bool:
@@ -186,6 +192,15 @@ class DistributedTransport(Transport):
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
         address = self.master_address or master_address_for(engines)
+        step = "init_weights_update_group"
+        try:  # a wrong interface fails here in seconds, not in the rendezvous after minutes
+            choice = check_reachable(self.backend, [_host_port(e.url) for e in engines],
+                                     who="the trainer (rank 0)")
+        except InterfaceError as e:
+            raise WeightSyncError(step, str(e)) from None
+        if choice is not None:
+            log.info("weight group %s: rank 0 binds %s; every engine reached from it", name,
+                     choice.describe())
         # Held only here (and by the group once it exists): a failed attempt must close the
         # store, or engines still in its rendezvous wait out their own timeout (600 s in the
         # reference engine, longer in sglang) and take no other control call meanwhile.
@@ -197,7 +212,6 @@ class DistributedTransport(Transport):
         # until rank 0's own join timed out.
         joiner = join_store(address, port, world_size, self.group_timeout_s)
         watch = Watch(self.group_timeout_s + 10)
-        step = "init_weights_update_group"
         http = []
         for engine, offset in zip(engines, offsets, strict=True):
             req = p.InitWeightsUpdateGroupRequest(

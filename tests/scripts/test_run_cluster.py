@@ -55,6 +55,22 @@ def test_dry_run_start_shares_one_token_and_points_workers_at_the_head(tmp_path)
            f"RAY_AUTH_TOKEN_PATH={token}" in r.stdout
 
 
+def test_dry_run_gives_each_node_its_temp_dir_and_ssh_the_config(tmp_path):
+    # Nodes that share /tmp (or one home) need a Ray temp dir each; a node's own wins.
+    hosts = _hostfile(tmp_path, "h0 temp_dir=/tmp/r0\nh1\n")
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n  User root\n")
+    r = _run("start", "--hostfile", hosts, "--token-file", str(tmp_path / "token"),
+             "--temp-dir", "/tmp/rx", "--ssh-config", str(config), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    ssh = f"ssh -F {config} -o BatchMode=yes"
+    starts = [x for x in r.stdout.splitlines() if "ray start" in x]
+    assert starts[0].startswith(f"{ssh} h0 ") and starts[0].endswith("--temp-dir /tmp/r0'")
+    assert starts[1].startswith(f"{ssh} h1 ") and starts[1].endswith("--temp-dir /tmp/rx'")
+    assert f"scp -q -F {config} -o BatchMode=yes {tmp_path / 'token'} h1:.slime_like/ray_token" \
+        in r.stdout.splitlines()
+
+
 def test_dry_run_stop_stops_workers_before_the_head(tmp_path):
     hosts = _hostfile(tmp_path, "h0\nh1\nh2\n")
     r = _run("stop", "--hostfile", hosts, "--ray", "/opt/venv/bin/ray", "--dry-run")
@@ -74,7 +90,10 @@ def test_bad_input_is_a_one_line_error_naming_it(tmp_path):
         (("start", "--hostfile", _hostfile(tmp_path, "h0\nh1 gpus=x\n", "gpus")),
          f"{tmp_path / 'gpus'}:2: gpus must be a number, got 'x'"),
         (("start", "--hostfile", _hostfile(tmp_path, "h0 slots=2\n", "slots")),
-         f"{tmp_path / 'slots'}:1: unexpected 'slots=2' (expected '[user@]host [gpus=N]')"),
+         f"{tmp_path / 'slots'}:1: unexpected 'slots=2' "
+         "(expected '[user@]host [gpus=N] [temp_dir=PATH]')"),
+        (("start", "--hostfile", _hostfile(tmp_path, "h0\n"), "--ssh-config", "/nope"),
+         "--ssh-config: no such file: /nope"),
         (("start", "--hostfile", _hostfile(tmp_path, "h0\n"), "--port", "99999"),
          "not a port: '99999'"),
         (("start", "--hostfile", _hostfile(tmp_path, "h0\n"), "--env", "1X=2"),
