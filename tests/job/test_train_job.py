@@ -42,6 +42,8 @@ STEPS = 300
 def test_quickstart_job_survives_an_engine_crash_and_keeps_logprobs_exact(tmp_path, fresh_ray):
     args = parse_args(["--config", "configs/quickstart.yaml", "--output-dir", str(tmp_path),
                        "--num-rollout", str(STEPS), "--simulate-engine-crash-at", "1",
+                       # 8 samples a step instead of 32: 300 steps in CI's time
+                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
                        "--rollout-health-check-interval", "0.5", "--chaos-seed", "7",
                        "--chaos-faults", "kill_router"])
     assert train(args) == 0
