@@ -22,7 +22,6 @@ import operator
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +52,7 @@ from slime_like.reference_engine.load_plan import (
     request_key,
 )
 from slime_like.reference_engine.rank_ops import Completion
+from slime_like.reference_engine.weight_memory import Released, WeightMemory
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +64,7 @@ IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank within a session
 _METADATA_KEY = operator.attrgetter("name", "dtype", "shape", "start_idx", "end_idx")
 
 
-@dataclass
-class _Released:
-    """What release_memory_occupation took away, so resume can put storage back."""
-
-    shapes: dict[str, torch.Size]
-    backup: list[torch.Tensor] | None  # the arena's segments, byte for byte
-
-
-class WeightReceiver:
+class WeightReceiver(WeightMemory):
     """Weight operations on one TP rank's copy of the model."""
 
     def __init__(self, model: torch.nn.Module, *, tp_rank: int, tp_size: int, device: torch.device,
@@ -85,7 +77,7 @@ class WeightReceiver:
         self.seed = seed
         self.cpu_backup = cpu_backup
         self.groups: dict[str, dist.ProcessGroup] = {}
-        self.released: _Released | None = None
+        self.released: Released | None = None
         self._backup: list[torch.Tensor] = []  # pinned host segments, reused every release
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Receive buffers whose copy may still run. Updates are answered before their copy
@@ -458,45 +450,6 @@ class WeightReceiver:
         if param is None:
             return None
         return param.detach()[:truncate_size].float().cpu().tolist()
-
-    # ---- memory ----------------------------------------------------------------------------
-
-    def release_weights(self) -> None:
-        """Really drop the parameter storage (shape kept), optionally backing it up on the
-        host: one copy per arena segment into pinned buffers allocated once and reused."""
-        if self.released is not None:
-            raise ValueError("weights are already released")
-        shapes = {n: p.shape for n, p in self.params.items()}
-        backup = None
-        if self.cpu_backup:
-            backup = self._backup = self.arena.back_up(self._backup)
-        for p in self.params.values():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.arena = None  # the arena segments hold the storage: drop them and their plans
-        self.plans.clear()
-        self.released = _Released(shapes, backup)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def resume_weights(self) -> bool:
-        """Give parameters storage again; True when their contents came back from a backup.
-
-        The new arena has the released one's layout (same parameters, same order), so the
-        backup goes back one copy per segment."""
-        if self.released is None:
-            raise ValueError("weights were not released")
-        for n, p in self.params.items():
-            p.data = torch.empty(self.released.shapes[n], dtype=p.dtype, device=p.device)
-        self._rehome(copy=False)
-        backup = self.released.backup
-        if backup is not None:
-            self.arena.restore(backup)
-        else:
-            # Until the trainer pushes weights the contents are meaningless; make that visible.
-            for p in self.params.values():
-                p.data.fill_(float("nan")) if p.dtype.is_floating_point else p.data.zero_()
-        self.released = None
-        return backup is not None
 
     def describe(self) -> dict:
         """Rank state for diagnostics."""
