@@ -38,7 +38,7 @@ from typing import Any
 
 from slime_like.cluster.placement import JobPlacement
 from slime_like.config.slices import FleetSettings
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession, each
 from slime_like.errors import FleetError
 from slime_like.fleet.attempts import SyncAttempts
 from slime_like.fleet.events import EngineState, EventBus, EventSink, Happening
@@ -52,7 +52,6 @@ from slime_like.fleet.stream import RolloutStream
 from slime_like.protocol.weight_version import WeightVersion, parse_weight_version
 from slime_like.rollout.generate import RouterGenerator, Sample
 from slime_like.rollout.scoring import token_logprobs
-from slime_like.weights.fanout import each
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class Update:
     """One weight update in progress: the engines it covers and the version it installs."""
 
     version: WeightVersion
-    targets: list[EngineHandle]
+    targets: list[EngineSession]
     full: bool
     report: dict = field(default_factory=dict)
     # URLs of targets held out of the router with nothing running since their memory came
@@ -162,8 +161,7 @@ class Fleet:
             for e in routed:
                 self.routers.forget(e)
             routed = [e for e in routed if e.state is not S.UPDATING]
-            outcomes = each(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S, if_answering=True),
-                            name="router-add")
+            outcomes = each(routed, lambda e: self.route(e, REROUTE_TIMEOUT_S, if_answering=True))
             for e, (_, err) in zip(routed, outcomes, strict=True):
                 if err is not None:  # it resyncs or recovers instead
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
@@ -320,8 +318,7 @@ class Fleet:
 
     def _resume(self, chosen: list[ManagedEngine]) -> None:
         # failures are the health monitor's to find
-        each(chosen, lambda e: e.handle.continue_generation(timeout=self.settings.verify_timeout_s),
-             name="continue")
+        each(chosen, lambda e: e.handle.continue_generation(timeout=self.settings.verify_timeout_s))
 
     def sync_attempts(self, retries: int = 3, wait_for_engines_s: float = 600.0,
                       version: WeightVersion | None = None) -> SyncAttempts:
@@ -443,7 +440,7 @@ class Fleet:
         with self.lock:
             return {e.engine_id: e.state.value for e in self.engines}
 
-    def handles(self, model: str | None = None) -> list[EngineHandle]:
+    def handles(self, model: str | None = None) -> list[EngineSession]:
         """Handles of the engines serving now (REGISTERED), for callers of their own."""
         with self.lock:
             return [e.handle for e in self.engines if e.state is S.REGISTERED and e.handle

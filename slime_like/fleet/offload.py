@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from slime_like.engine.session import each
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.lifecycle import ManagedEngine
 from slime_like.protocol.io_struct import ALL_MEMORY_TAGS
-from slime_like.weights.fanout import each
 
 if TYPE_CHECKING:
     from slime_like.fleet.fleet import Fleet
@@ -122,7 +122,7 @@ class Offload:
 
 def _each(engines: list[ManagedEngine], fn: Callable[[ManagedEngine], Any]) -> list[ManagedEngine]:
     """Run `fn` on every engine concurrently; the engines it succeeded on."""
-    outcomes = each(engines, fn, name="offload")
+    outcomes = each(engines, fn)
     for e, (_, err) in zip(engines, outcomes, strict=True):
         if err is not None:
             logger.warning("%s: %s", e.engine_id, err)
