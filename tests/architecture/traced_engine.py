@@ -1,0 +1,39 @@
+"""The reference engine with a `WalkTracer` installed: `python traced_engine.py OUT SPEC ARGS`.
+
+OUT is where the recording goes (JSON), SPEC a JSON object `{"roots": {walk: "module.py:
+function"}, "handoffs": [[module, function, argument], ...]}` and ARGS the engine's own
+flags. The tracer is installed before the engine's normal entry point runs (runpy), so
+every thread the engine starts is watched and the production code carries no test hook.
+The recording is written on SIGUSR1 and at exit (SIGTERM stops uvicorn gracefully, then
+the interpreter exits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import runpy
+import signal
+import sys
+
+from walk_trace import Handoff, WalkTracer
+
+ENGINE = "slime_like.reference_engine"
+
+
+def main() -> None:
+    out, spec = sys.argv[1], json.loads(sys.argv[2])
+    tracer = WalkTracer(spec["roots"], handoffs=[Handoff(*h) for h in spec.get("handoffs", [])])
+
+    def write(*_: object) -> None:
+        tracer.recording().dump(out)
+
+    atexit.register(write)
+    signal.signal(signal.SIGUSR1, write)
+    sys.argv = [ENGINE, *sys.argv[3:]]
+    tracer.install()
+    runpy.run_module(ENGINE, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
