@@ -144,7 +144,7 @@ class WalkTracer:
         self._threads: dict[threading.Thread, _ThreadState] = {}
         self._new_threads: dict[threading.Thread, _Carried | None] = {}
         self._items: dict[int, tuple[Any, _Carried | None]] = {}  # id(work item) -> (item, path)
-        self._pending: dict[CodeType, list[tuple[Any, int, _Carried | None]]] = {}
+        self._pending: dict[CodeType, list[tuple[Any, _Carried | None]]] = {}
         self._anchor_frames: set[int] = set()
         self._active = 0  # roots on a stack + carried paths alive: 0 skips most events at once
         self._walks: dict[str, Counter] = {w: Counter() for w in roots}
@@ -268,10 +268,10 @@ class WalkTracer:
             kind = self._kinds.get(code)
             if kind is None:
                 kind = self._kinds[code] = self._classify(frame)
+            if code in self._pending:  # first: the callable's own entry is on the walk
+                self._start_handed(frame, code)
             if kind[0] != _PLAIN:
                 self._call(frame, kind)
-            if code in self._pending:
-                self._start_handed(frame, code)
         elif event == "return":
             if id(frame) in self._anchor_frames:
                 self._end_handed(frame)
@@ -304,17 +304,20 @@ class WalkTracer:
             if self._active:
                 self._record(frame, "metadata" if what == _PROTOCOL else "bytes")
         elif what == _HANDOFF:
+            carried = self._path(frame) if self._active else None
+            if carried is not None:
+                self._record(frame, "runs")
             fn = frame.f_locals.get(kind[1])
             code = _code_of(fn)
-            if code is not None:
-                carried = self._path(frame) if self._active else None
+            if code is not None:  # out of a walk too: its run must not take a walk's path
                 with self._lock:
-                    self._pending.setdefault(code, []).append((fn, threading.get_ident(), carried))
+                    self._pending.setdefault(code, []).append((fn, carried))
         elif what == _ITEM_INIT:
-            item = frame.f_locals.get("self")
             carried = self._path(frame.f_back) if self._active else None
-            with self._lock:
-                self._items[id(item)] = (item, carried)
+            if carried is not None:
+                with self._lock:
+                    item = frame.f_locals.get("self")
+                    self._items[id(item)] = (item, carried)
         elif what == _ITEM_RUN:
             entry = self._items.pop(id(frame.f_locals.get("self")), None)
             self._anchor(frame, entry[1] if entry else None)
@@ -334,19 +337,23 @@ class WalkTracer:
                 self._active += 1
 
     def _start_handed(self, frame: FrameType, code: CodeType) -> None:
-        """A handed-over callable starts: the one its caller holds, else the oldest one
-        handed over from another thread (a queue that wraps what it was given)."""
+        """Code that was handed over starts: it is a handed-over callable when its caller
+        holds that very callable (in a local, or in a tuple or list in one: a queue entry);
+        a direct call of the same code is not."""
+        caller = frame.f_back
+        if caller is None:
+            return
+        held = set()
+        for value in caller.f_locals.values():
+            held.add(id(value))
+            if isinstance(value, tuple | list):
+                held.update(id(v) for v in value[:8])
         with self._lock:
             waiting = self._pending.get(code, [])
-            caller = frame.f_back.f_locals.values() if frame.f_back is not None else ()
-            held = {id(v) for v in caller}
-            here = threading.get_ident()
-            pick = next((i for i, (fn, _, _) in enumerate(waiting) if id(fn) in held), None)
-            if pick is None:
-                pick = next((i for i, (_, t, _) in enumerate(waiting) if t != here), None)
+            pick = next((i for i, (fn, _) in enumerate(waiting) if id(fn) in held), None)
             if pick is None:
                 return
-            _, _, carried = waiting.pop(pick)
+            _, carried = waiting.pop(pick)
             if not waiting:
                 del self._pending[code]
         self._anchor(frame, carried)
@@ -456,8 +463,9 @@ class WalkTree:
         """Each branch longer than `limit` modules, each module entered twice on a path."""
         found = [f"{len(b)} modules (limit {limit}): {' -> '.join(b)}"
                  for b in self.branches() if len(b) > limit]
-        for path in self.paths:
-            runs = _merge(path)
+        merged = {_merge(p) for p in self.paths}
+        longest = [p for p in merged if not any(len(q) > len(p) and q[:len(p)] == p for q in merged)]
+        for runs in sorted(longest):
             twice = sorted({m for m in runs if runs.count(m) > 1 and not m.startswith(PROTOCOL)})
             if twice:
                 found.append(f"{', '.join(twice)} entered twice: {' -> '.join(runs)}")
