@@ -1,61 +1,58 @@
 """Which framework modules a weight bucket walks through, recorded on every thread.
 
 `WalkTracer` is a profile hook, installed with `threading.setprofile` (every thread started
-after `install()`; on Python 3.12+ also those already running) and `sys.setprofile` (the
-installing thread). It records, at every event that touches a bucket, the `slime_like`
-modules on the stack, outermost first:
+after `install()`; on Python 3.12+ also those already running, through
+`threading.setprofile_all_threads`) and `sys.setprofile` (the installing thread). Under a
+walk's root (the function that receives the bucket: an HTTP route's handler, a job's push)
+it records the `slime_like` modules on the stack, outermost first, at every event:
 
-- the bucket's bytes: a torch function or tensor method (`torch.empty`, `Tensor.copy_`, a
+- every entry of a `slime_like` function ("runs"): a detour through any module shows, even
+  one that touches neither bytes nor metadata;
+- the bucket's bytes: a torch function or tensor method (`torch.empty`, `Tensor.copy_`,
   `_foreach_copy_`), a collective of `torch.distributed` (broadcast, ...);
-- its metadata: the entry of the walk's root (the function that receives it, such as an
-  HTTP route's handler), every call into `protocol/` (the request structs, the bucket
-  layout, the tensor payloads), every socket send (an HTTP request leaving).
+- its metadata: the root's entry, every call into `protocol/` (request structs, the
+  bucket layout, tensor payloads), every socket send (an HTTP request leaving).
 
-Only what runs under a root counts. On the root's own thread the path starts at the root
-(the frames outside it are the process's machinery: a server loop, a test). Work handed to
-another thread carries the path of the code that handed it over, and its own thread's
-frames follow: a thread started under a root (`threading.Thread.start`), a
-`concurrent.futures` work item (`ThreadPoolExecutor.submit`, `asyncio.to_thread`), and any
-callable given to a function named as a `Handoff` (a queue of our own, such as the
-reference engine's scheduler) when it starts on another thread. Nothing is filtered by
-module: a detour through any `slime_like` module shows up in the path.
+On the root's own thread a path starts at the root (the frames outside it are the process's
+machinery: a server loop, a test). Work handed to another thread carries the path of the
+code that handed it over, followed by every frame of its own thread: a thread started
+under a root (`threading.Thread.start`), a `concurrent.futures` work item
+(`ThreadPoolExecutor.submit`, `asyncio.to_thread`), and a callable given to a function
+named as a `Handoff` (a queue of our own, such as the reference engine's scheduler), when
+its caller on the other thread holds that very callable. Nothing is filtered by module.
+Other processes are not followed: trace each in its own (`traced_engine.py` does so for the
+reference engine).
 
-`protocol/` modules (the value types both programs share) are listed on the tree, after
-the module that called them, but not counted. A recording is a tree per root: each path a
-branch (work fanned out to several threads or engines shows as branches); `WalkTree.problems`
-holds each root-to-leaf branch to a limit and refuses a module entered twice on a branch.
-`WalkTree.render` prints it; `parse_walk` reads the same form back (from a doc), so a test
-can assert the documented walk is the recorded one:
-
-    tracer = WalkTracer({"tensor": "reference_engine/http_server.py:update_weights_from_tensor"})
+    tracer = WalkTracer({"tensor": "reference_engine/weight_api.py:update_weights_from_tensor"},
+                        handoffs=[Handoff("reference_engine/scheduler.py", "Scheduler.call", "fn")])
     with tracer:
         ...  # drive a sync
-    tree = tracer.recording().tree("tensor")
+    tree = tracer.recording().tree("tensor")   # walk_tree.WalkTree
     print(tree.render())
-    assert not tree.problems(limit=5)
-    assert tree == parse_walk(doc_block)
+    assert not tree.problems(limit=5)          # each branch <= 5 modules, none entered twice
+    assert tree == parse_walk(doc_block)       # the doc prints the recorded walk
 
-The rendered form: the root's module, then `-> module` per step; where the walk branches,
-each branch starts with `+->`, four columns further in. A module may be followed by
-`[protocol/x.py, ...]` (the shared modules it called) and, after two spaces, free text.
+`protocol/` modules (the value types both programs share) are listed on the tree but not
+counted (`walk_tree.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
-import re
 import socket
 import sys
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
-PROTOCOL = "protocol/"
+from walk_tree import PROTOCOL, Path_, Recording, WalkTree, merge_steps, parse_walk
+
+__all__ = ["Handoff", "Recording", "WalkTracer", "WalkTree", "parse_walk"]
+
 # torch.distributed's collectives: a call into one sends or receives a bucket's bytes.
 COLLECTIVES = frozenset({
     "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -67,8 +64,6 @@ _SOCKET_SENDS = frozenset({"send", "sendall", "sendmsg", "sendto"})
 
 # What a code object is to the hook (computed once per code object).
 _PLAIN, _ROOT, _HANDOFF, _ITEM_INIT, _ITEM_RUN, _THREAD_START, _COLLECTIVE, _PROTOCOL, _OURS = range(9)
-
-Path_ = tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -104,15 +99,6 @@ def _code_of(fn: Any) -> CodeType | None:
     return None
 
 
-def _merge(modules: list[str] | Path_) -> Path_:
-    """Consecutive frames of one module are one step of the walk."""
-    out: list[str] = []
-    for m in modules:
-        if not out or out[-1] != m:
-            out.append(m)
-    return tuple(out)
-
-
 class _ThreadState:
     __slots__ = ("carried", "anchors")
 
@@ -122,7 +108,7 @@ class _ThreadState:
 
 
 class WalkTracer:
-    """Records, per root, the module paths of every event that touches a bucket."""
+    """Records, per walk (root), the module path of every event under the root."""
 
     def __init__(self, roots: dict[str, str], *, handoffs: tuple[Handoff, ...] | list[Handoff] = (),
                  package: str = "slime_like"):
@@ -241,13 +227,13 @@ class WalkTracer:
                 modules.append(module)
                 kind = self._kinds.get(f.f_code)
                 if kind is not None and kind[0] == _ROOT:
-                    return _Carried(kind[1], _merge(modules[::-1]))
+                    return _Carried(kind[1], merge_steps(modules[::-1]))
             f = f.f_back
         state = self._state()
         carried = state.anchors[-1][1] if state.anchors else state.carried
         if carried is None:
             return None
-        return _Carried(carried.walk, _merge([*carried.modules, *modules[::-1]]))
+        return _Carried(carried.walk, merge_steps([*carried.modules, *modules[::-1]]))
 
     def _record(self, frame: FrameType | None, what: str) -> None:
         carried = self._path(frame)
@@ -374,168 +360,3 @@ class WalkTracer:
         with self._lock:
             return Recording({w: {p: (n, tuple(sorted(self._kinds_seen.get((w, p), ()))))
                                   for p, n in c.items()} for w, c in self._walks.items()})
-
-
-@dataclass
-class Recording:
-    """Per walk: each recorded path, how often, and what it touched (bytes, metadata)."""
-
-    walks: dict[str, dict[Path_, tuple[int, tuple[str, ...]]]]
-
-    def dump(self, path: str | Path) -> None:
-        """Write it as JSON (atomically: a reader never sees half a file)."""
-        body = {w: [{"path": list(p), "count": n, "touched": list(k)} for p, (n, k) in paths.items()]
-                for w, paths in self.walks.items()}
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(body, indent=1))
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Recording:
-        body = json.loads(Path(path).read_text())
-        return cls({w: {tuple(e["path"]): (e["count"], tuple(e["touched"])) for e in entries}
-                    for w, entries in body.items()})
-
-    def tree(self, walk: str) -> WalkTree:
-        """The walk's paths as one tree."""
-        return WalkTree.from_paths(list(self.walks.get(walk, {})))
-
-
-@dataclass
-class Node:
-    """One step of a walk: a counted module, the protocol modules it called, what follows."""
-
-    module: str
-    protocol: set[str] = field(default_factory=set)
-    children: list[Node] = field(default_factory=list)
-
-    def child(self, module: str) -> Node:
-        for c in self.children:
-            if c.module == module:
-                return c
-        self.children.append(Node(module))
-        return self.children[-1]
-
-
-@dataclass
-class WalkTree:
-    """A walk as a tree of counted modules (None: nothing was recorded)."""
-
-    root: Node | None
-    paths: list[Path_] = field(default_factory=list)  # the recorded paths, protocol included
-
-    @classmethod
-    def from_paths(cls, paths: list[Path_]) -> WalkTree:
-        tree = cls(None, sorted(paths))
-        for path in tree.paths:
-            node: Node | None = None
-            for module in path:
-                if module.startswith(PROTOCOL):
-                    if node is not None:
-                        node.protocol.add(module)
-                    continue
-                if node is None:
-                    if tree.root is None:
-                        tree.root = Node(module)
-                    elif tree.root.module != module:
-                        raise ValueError(f"paths start at {tree.root.module} and at {module}")
-                    node = tree.root
-                elif node.module != module:
-                    node = node.child(module)
-        return tree
-
-    def branches(self) -> list[Path_]:
-        """Every root-to-leaf branch (counted modules only)."""
-        out: list[Path_] = []
-
-        def walk(node: Node, above: Path_) -> None:
-            here = (*above, node.module)
-            if not node.children:
-                out.append(here)
-            for c in node.children:
-                walk(c, here)
-
-        if self.root is not None:
-            walk(self.root, ())
-        return out
-
-    def problems(self, limit: int) -> list[str]:
-        """Each branch longer than `limit` modules, each module entered twice on a path."""
-        found = [f"{len(b)} modules (limit {limit}): {' -> '.join(b)}"
-                 for b in self.branches() if len(b) > limit]
-        merged = {_merge(p) for p in self.paths}
-        longest = [p for p in merged if not any(len(q) > len(p) and q[:len(p)] == p for q in merged)]
-        for runs in sorted(longest):
-            twice = sorted({m for m in runs if runs.count(m) > 1 and not m.startswith(PROTOCOL)})
-            if twice:
-                found.append(f"{', '.join(twice)} entered twice: {' -> '.join(runs)}")
-        return found
-
-    def render(self) -> str:
-        """The tree in the form `parse_walk` reads (and docs/ARCHITECTURE.md prints)."""
-        lines: list[str] = []
-
-        def line(node: Node, head: str) -> None:
-            extra = f" [{', '.join(sorted(node.protocol))}]" if node.protocol else ""
-            lines.append(head + node.module + extra)
-
-        def chain(node: Node, indent: int) -> None:
-            while True:
-                if len(node.children) == 1:
-                    node = node.children[0]
-                    line(node, " " * indent + "-> ")
-                    continue
-                for c in node.children:
-                    line(c, " " * (indent + 4) + "+-> ")
-                    chain(c, indent + 5)
-                return
-
-        if self.root is None:
-            return "(nothing recorded)"
-        line(self.root, "")
-        chain(self.root, 1)
-        return "\n".join(lines)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, WalkTree):
-            return NotImplemented
-        return _shape(self.root) == _shape(other.root)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _shape(node: Node | None) -> Any:
-    if node is None:
-        return None
-    return (node.module, tuple(sorted(node.protocol)),
-            tuple(sorted((_shape(c) for c in node.children), key=repr)))
-
-
-_LINE = re.compile(r"^( *)(\+?-> )?([A-Za-z0-9_]+(?:/[A-Za-z0-9_]+)*\.py)(?: \[([^\]]*)\])?(?:\s.*)?$")
-
-
-def parse_walk(text: str) -> WalkTree:
-    """A walk in `WalkTree.render`'s form, with free text after the modules (a doc's)."""
-    tree = WalkTree(None)
-    seen: list[tuple[int, Node]] = []  # (indent, node) of every module line so far
-    for raw in text.splitlines():
-        m = _LINE.match(raw)
-        if m is None:
-            continue
-        indent, marker, module, protocol = len(m.group(1)), m.group(2), m.group(3), m.group(4)
-        node = Node(module, {p.strip() for p in protocol.split(",")} if protocol else set())
-        if tree.root is None:
-            if marker:
-                raise ValueError(f"a walk starts with its root module, not {raw.strip()!r}")
-            tree.root = node
-        elif not marker:
-            continue  # free text that happens to start with a file name
-        elif marker == "-> ":
-            seen[-1][1].children.append(node)
-        else:
-            parent = next((n for i, n in reversed(seen) if i < indent), None)
-            if parent is None:
-                raise ValueError(f"branch {raw.strip()!r} has no parent above it")
-            parent.children.append(node)
-        seen.append((indent, node))
-    return tree
