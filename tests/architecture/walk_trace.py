@@ -20,8 +20,9 @@ under a root (`threading.Thread.start`), a `concurrent.futures` work item
 (`ThreadPoolExecutor.submit`, `asyncio.to_thread`), and a callable given to a function
 named as a `Handoff` (a queue of our own, such as the reference engine's scheduler), when
 its caller on the other thread holds that very callable. Nothing is filtered by module.
-Other processes are not followed: trace each in its own (`traced_engine.py` does so for the
-reference engine).
+Not followed: other processes (trace each in its own, as `traced_engine.py` does for the
+reference engine), and asyncio tasks spawned under a root (awaited coroutines are on the
+root's stack and count).
 
     tracer = WalkTracer({"tensor": "reference_engine/weight_api.py:update_weights_from_tensor"},
                         handoffs=[Handoff("reference_engine/scheduler.py", "Scheduler.call", "fn")])
