@@ -11,6 +11,7 @@ the interpreter exits).
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import runpy
 import signal
@@ -19,6 +20,8 @@ import sys
 from walk_trace import Handoff, WalkTracer
 
 ENGINE = "slime_like.reference_engine"
+# What the entry point imports (server.py, then engine.py and http_server.py), before it runs.
+PREIMPORT = ("uvicorn", "slime_like.reference_engine.engine", "slime_like.reference_engine.http_server")
 
 
 def main() -> None:
@@ -31,6 +34,10 @@ def main() -> None:
     atexit.register(write)
     signal.signal(signal.SIGUSR1, write)
     sys.argv = [ENGINE, *sys.argv[3:]]
+    # The engine's imports first: module bodies are no walk, and under the hook they take
+    # seconds more. Nothing else runs: no thread is started, no engine built.
+    for name in PREIMPORT:
+        importlib.import_module(name)
     tracer.install()
     runpy.run_module(ENGINE, run_name="__main__", alter_sys=True)
 

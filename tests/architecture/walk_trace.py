@@ -127,6 +127,7 @@ class WalkTracer:
         self._kinds: dict[CodeType, tuple[int, Any]] = {}
         self._package = package
         self._code_modules: dict[CodeType, str | None] = {}
+        self._file_modules: dict[str, str | None] = {}
         self._lock = threading.Lock()
         self._threads: dict[threading.Thread, _ThreadState] = {}
         self._new_threads: dict[threading.Thread, _Carried | None] = {}
@@ -176,10 +177,13 @@ class WalkTracer:
                 name = frame.f_globals.get("__name__", "")
                 spec = importlib.util.find_spec(name) if name.startswith(self._package + ".") else None
                 filename = spec.origin if spec is not None and spec.origin else filename
-            resolved = filename
-            with contextlib.suppress(OSError, ValueError):
-                resolved = str(Path(filename).resolve())
-            m = resolved[len(self._root_dir):] if resolved.startswith(self._root_dir) else None
+            m = self._file_modules.get(filename, ...)
+            if m is ...:
+                resolved = filename
+                with contextlib.suppress(OSError, ValueError):
+                    resolved = str(Path(filename).resolve())
+                m = resolved[len(self._root_dir):] if resolved.startswith(self._root_dir) else None
+                self._file_modules[filename] = m
             self._code_modules[code] = m
         return m
 
