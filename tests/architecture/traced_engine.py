@@ -4,8 +4,9 @@ OUT is where the recording goes (JSON), SPEC a JSON object `{"roots": {walk: "mo
 function"}, "handoffs": [[module, function, argument], ...]}` and ARGS the engine's own
 flags. The tracer is installed before the engine's normal entry point runs (runpy), so
 every thread the engine starts is watched and the production code carries no test hook.
-The recording is written on SIGUSR1 and at exit (SIGTERM stops uvicorn gracefully, then
-the interpreter exits).
+The recording is written on SIGUSR1 and at a normal exit; read it after SIGUSR1 (an engine
+with TP ranks, its process group sent SIGTERM, leaves through `os._exit` when its ranks
+die first, as a crashed sglang scheduler takes its server down).
 """
 
 from __future__ import annotations
