@@ -112,9 +112,12 @@ class WalkTracer:
     """Records, per walk (root), the module path of every event under the root."""
 
     def __init__(self, roots: dict[str, str], *, handoffs: tuple[Handoff, ...] | list[Handoff] = (),
-                 package: str = "slime_like"):
+                 package: str = "slime_like", every_call: bool = True):
         """`roots`: walk name -> "module.py:function" (relative to the package; the
-        function's qualified or plain name). `handoffs`: the package's own queues."""
+        function's qualified or plain name). `handoffs`: the package's own queues.
+        `every_call=False` records only the touches of bytes and metadata, not every
+        function entry (a weaker walk: a detour that touches neither goes unseen)."""
+        self.every_call = every_call
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(f"{package} is not an importable package")
@@ -289,7 +292,7 @@ class WalkTracer:
         elif not self.installed:
             return
         elif what == _OURS:
-            if self._active:
+            if self._active and self.every_call:
                 self._record(frame, "runs")
         elif what in (_PROTOCOL, _COLLECTIVE):
             if self._active:
