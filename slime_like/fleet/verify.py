@@ -30,7 +30,7 @@ def serving_handles(fleet: Fleet) -> list[EngineSession]:
     """The updatable model's serving engines, each under the fleet's name for it (what the
     report, the console and events call it)."""
     names = {e.url: e.engine_id for e in list(fleet.engines) if e.url}
-    return [replace(h, engine_id=names.get(h.url, h.engine_id))
+    return [EngineSession(replace(h.address, engine_id=names.get(h.url, h.engine_id)))
             for h in fleet.handles(fleet.updatable_model)]
 
 

@@ -234,6 +234,8 @@ class WeightSync:
             self.dropped = [e for e in self.dropped if e.url != target.url]
             self._probed.discard(target.url)
             self.engines.append(target)
+            if self.transport is not None:
+                self.transport.forget([target.url])
 
     def remove_engine(self, url: str) -> None:
         with self._lock:
@@ -304,6 +306,7 @@ class WeightSync:
         engines = list(self.engines)
         watch = Watch(cfg.http_timeout_s)
         sent: list[EngineCall] = []      # control calls in the engines' lanes
+        answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
         failure: BaseException | None = None
         try:
@@ -321,8 +324,7 @@ class WeightSync:
                                    and self.control.flush_plan(e, report) is None)
                 answers = LastAnswers(version)
                 self._transfer(engines, source, buckets, version, watch, stats, folded,
-                               {c.engine.url: c.future for c in control}, answers)
-                watch.wait_calls(control)  # answered long before, unless a transport sent nothing
+                               control, answers)
                 report.transfer = stats.as_dict()
             if self.control.can_pipeline_end(engines, folded, answers, report):
                 # Every engine's last answer carries the new version and no separate flush is
@@ -354,7 +356,10 @@ class WeightSync:
             for engine in engines:
                 engine.cancel_pending()
             settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
-            error = self._failed(e, steps.current, engines)
+            # Only engines that still answer are undone: each call to a hung one would wait
+            # out its timeout. The others are dropped, their undo left to whoever recovers them.
+            answering = self._answering(engines)
+            error = self._failed(e, steps.current, answering)
         finally:
             # The living engines resume first: finding out which engines died (pings with
             # a timeout) must not keep the healthy ones paused. A caller that routes engines
@@ -362,18 +367,19 @@ class WeightSync:
             problems = []
             if failure is None or cfg.resume_on_failure:
                 with steps("continue"):
-                    problems = self.control.undo(engines, resumed)
+                    problems = self.control.undo(answering, resumed)
             else:
                 error.paused = [e.url for e in engines if e.paused is not None]
                 for engine in engines:
                     engine.paused = None  # handed over: the caller resumes them
-            if problems and failure is None:
-                raise WeightSyncError("continue_generation", "; ".join(
-                    f"{url}: {msg}" for url, msg in problems), problems[0][0])
+            if problems and failure is None:  # landed, but an engine did not come back
+                raise self._with_dead_dropped(WeightSyncError("continue_generation", "; ".join(
+                    f"{url}: {msg}" for url, msg in problems), problems[0][0]))
             if problems:
                 log.error("after a failed sync, continue_generation also failed: %s", problems)
         if failure is not None:
-            raise self._with_dead_dropped(error) from failure
+            raise self._with_dead_dropped(error, [e for e in engines if e not in answering]
+                                          ) from failure
         self._counter += 1
         self.weight_version = version
         report.round_trips = round_trips(sent, stats)
@@ -383,20 +389,29 @@ class WeightSync:
 
     def _transfer(self, engines: list[EngineSession], source: WeightSource,
                   buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,
-                  folded: frozenset[str], control: dict[str, Future],
+                  folded: frozenset[str], control: list[EngineCall],
                   answers: LastAnswers) -> None:
         """Every payload the transport makes of the buckets, posted through every engine's
         session before the next is asked for; then every answer, or the first failure,
-        blamed on the engine that most likely caused it."""
+        blamed on the engine that most likely caused it.
+
+        The first payload is packed while the engines pause and open their sessions, but
+        no byte goes out before all of them answered: an engine that hangs there must not
+        leave the others in a collective it will never join (gloo cannot abort one)."""
         transport = self._transport()
         payloads = transport.payloads(engines, source, buckets, version, watch, stats)
+        before = {c.engine.url: c.future for c in control}
         posted: list[EngineCall] = []
         try:
             for payload in payloads:
                 payload.calls = [self._post(e, payload, version, e.url in folded,
-                                            control.get(e.url), watch, stats, answers)
+                                            before.get(e.url), watch, stats, answers)
                                  for e in engines]
+                if not posted:
+                    watch.wait_calls(control)
                 posted += payload.calls
+            if not posted:
+                watch.wait_calls(control)
             t0 = time.perf_counter()
             watch.wait_calls(posted)
             stats.wait_s += time.perf_counter() - t0
@@ -435,14 +450,21 @@ class WeightSync:
             engine.cancel_pending()
         self.control.undo(engines, resume=False)  # open update sessions closed
         if self.transport is not None:
-            self.transport.abandon()
+            self.transport.abandon([e.url for e in engines])
         if isinstance(exc, WeightSyncError):
             return exc
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
 
-    def _with_dead_dropped(self, err: WeightSyncError) -> WeightSyncError:
-        """Drop engines that stopped answering and say so in the error."""
-        dead = self._drop_dead()
+    def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:
+        def alive(engine: EngineSession) -> bool:
+            return engine.ping(timeout=self.config.liveness_timeout_s)
+
+        return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
+
+    def _with_dead_dropped(self, err: WeightSyncError,
+                           silent: list[EngineSession] | None = None) -> WeightSyncError:
+        """Drop engines that stopped answering (`silent`, when known) and say so in the error."""
+        dead = self._drop_dead(silent)
         if dead:
             if err.engine is None:
                 err.engine = dead[0]
@@ -450,17 +472,15 @@ class WeightSync:
                         f"{', '.join(dead)} (the next sync rebuilds the group without them)",)
         return err
 
-    def _drop_dead(self) -> list[str]:
-        def alive(engine: EngineSession) -> bool:
-            return engine.ping(timeout=self.config.liveness_timeout_s)
-
-        if not self.engines:
-            return []
-        states = [bool(ok) for ok, _ in each(self.engines, alive)]
-        dead = [e for e, ok in zip(self.engines, states, strict=True) if not ok]
+    def _drop_dead(self, silent: list[EngineSession] | None = None) -> list[str]:
+        dead = silent if silent is not None else [
+            e for e in self.engines if e not in self._answering(self.engines)]
+        dead = [e for e in dead if e in self.engines]
         if dead:
             self.engines = [e for e in self.engines if e not in dead]
             self.dropped += dead
+            if self.transport is not None:
+                self.transport.forget([e.url for e in dead])
             log.error("dropped engines that stopped answering: %s", [e.url for e in dead])
         return [e.url for e in dead]
 
