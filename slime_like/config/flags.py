@@ -18,11 +18,14 @@ from slime_like.config.passthrough import (
 )
 from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
 from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
+from slime_like.protocol.modes import Transport
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
-# the distributed (broadcast) path otherwise. On CPU the broadcast runs over gloo.
-WEIGHT_TRANSPORTS = ("nccl", "distributed", "tensor", "disk")
+# the distributed (broadcast) path otherwise (`validate` resolves it to a Transport). On CPU
+# the broadcast runs over gloo.
+SLIME_TRANSPORT = "nccl"
+WEIGHT_TRANSPORTS = (SLIME_TRANSPORT, *t.values_of(Transport))
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
@@ -211,7 +214,8 @@ def _router(p: argparse.ArgumentParser) -> None:
 
 def _weights(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weight update", "How new weights reach the engines.")
-    g.add_argument("--update-weight-transport", choices=WEIGHT_TRANSPORTS, default="nccl",
+    g.add_argument("--update-weight-transport", type=t.member_of(Transport),
+                   choices=WEIGHT_TRANSPORTS, default=SLIME_TRANSPORT,
                    help="nccl (slime's default): tensor when --colocate, else distributed; "
                         "distributed: broadcast over a weight group (NCCL on GPU, gloo on "
                         "CPU); tensor: CUDA IPC / shared memory to colocated engines; disk: "

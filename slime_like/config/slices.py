@@ -14,6 +14,7 @@ from typing import Any
 
 from slime_like.config.async_flags import staleness_bound
 from slime_like.flag_tables import DEFAULT_ROUTER
+from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
 
 
 @dataclass(frozen=True)
@@ -49,27 +50,6 @@ class HealthSettings:
     timeout_s: float = 30.0
     first_wait_s: float = 300.0
     failure_threshold: int = 3
-
-
-@dataclass(frozen=True)
-class SyncSettings:
-    """The trainer's weight sync (WeightSyncConfig's fields, from the job's flags)."""
-
-    transport: str = "distributed"
-    pause_mode: str = "retract"
-    update_weight_buffer_size: int = 512 << 20
-    disk_dir: str | None = None
-    model_dir: str | None = None
-    http_timeout_s: float = 120.0
-    group_timeout_s: float = 120.0
-
-    def weight_sync_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `WeightSyncConfig` (the fleet settles failures itself)."""
-        return {"transport": self.transport, "pause_mode": self.pause_mode,
-                "update_weight_buffer_size": self.update_weight_buffer_size,
-                "disk_dir": self.disk_dir, "model_dir": self.model_dir,
-                "http_timeout_s": self.http_timeout_s, "group_timeout_s": self.group_timeout_s,
-                "resume_on_failure": False}
 
 
 @dataclass(frozen=True)
@@ -134,19 +114,6 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
         external_addrs=tuple(args.rollout_external_engine_addrs or ()),
         external_wait_s=float(args.external_engine_reconnect_timeout),
         router_port=args.sglang_router_port)
-
-
-def sync_settings(args: argparse.Namespace, model_dir: str | None) -> SyncSettings:
-    """The trainer's weight-sync slice (`nccl` is slime's name: IPC colocated, else a group)."""
-    transport = args.update_weight_transport
-    if transport == "nccl":
-        transport = "tensor" if args.colocate else "distributed"
-    # A hung engine holds a sync no longer than a hung request holds a rollout.
-    timeout = min(120.0, float(args.rollout_request_timeout))
-    return SyncSettings(transport=transport, pause_mode=args.pause_mode,
-                        update_weight_buffer_size=args.update_weight_buffer_size,
-                        disk_dir=args.update_weight_disk_dir, model_dir=model_dir,
-                        http_timeout_s=timeout, group_timeout_s=timeout)
 
 
 # ---- the job's own slices ------------------------------------------------------------------
@@ -366,8 +333,8 @@ class TrainerSettings:
 class AsyncSettings:
     """The job's schedule and what bounds and corrects its asynchrony (docs/ASYNC.md)."""
 
-    mode: str = "sync"                 # sync | one-step | fully-async
-    pause_mode: str = "retract"
+    mode: AsyncMode = AsyncMode.SYNC
+    pause_mode: PauseMode = DEFAULT_PAUSE_MODE
     partial_rollout: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
     max_staleness: int = 0             # versions a sample's oldest token may lag the trainer
@@ -375,7 +342,7 @@ class AsyncSettings:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "sync"
+        return self.mode != AsyncMode.SYNC
 
 
 def async_settings(args: argparse.Namespace) -> AsyncSettings:

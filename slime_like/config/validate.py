@@ -11,6 +11,7 @@ import argparse
 import logging
 
 from slime_like.config.async_flags import resolve_async
+from slime_like.config.flags import SLIME_TRANSPORT
 from slime_like.config.layout import layout_from_args, nominal_bundles, plan_job
 from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
 from slime_like.config.rl_flags import check_dynamic_sampling, resolve_off_policy
@@ -19,6 +20,7 @@ from slime_like.config.topology import resolve_topology
 from slime_like.errors import ConfigError
 from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
 from slime_like.flag_tables import router_table as router_arg_table
+from slime_like.protocol.modes import AsyncMode, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +139,10 @@ def _check_addresses(args: argparse.Namespace) -> None:
 
 
 def _resolve_transport(args: argparse.Namespace) -> None:
-    if args.update_weight_transport == "nccl":
-        args.update_weight_transport = "tensor" if args.colocate else "distributed"
-    if args.update_weight_transport == "disk" and not args.update_weight_disk_dir:
+    if args.update_weight_transport == SLIME_TRANSPORT:
+        args.update_weight_transport = Transport.TENSOR if args.colocate else Transport.DISTRIBUTED
+    args.update_weight_transport = Transport(args.update_weight_transport)
+    if args.update_weight_transport == Transport.DISK and not args.update_weight_disk_dir:
         raise ConfigError("--update-weight-disk-dir",
                           "required with --update-weight-transport disk (a directory both the "
                           "trainer and every engine can read)")
@@ -150,7 +153,7 @@ def _check_train_backend(args: argparse.Namespace) -> None:
         raise ConfigError("--update-weights-interval", "> 1 with --train-backend fsdp: a "
                                                        "sharded trainer keeps no copy of the "
                                                        "served weights between syncs")
-    if args.train_backend == "fsdp" and args.async_mode != "sync":
+    if args.train_backend == "fsdp" and args.async_mode != AsyncMode.SYNC:
         raise ConfigError("--train-backend", f"fsdp with --async-mode {args.async_mode}: a "
                                              "sharded trainer keeps no copy of earlier "
                                              "versions to check stale samples against")

@@ -19,9 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "slime_like"
 # Lowest first. A module's layer is the first entry its dotted name starts with.
 LAYERS: list[tuple[str, ...]] = [
     ("slime_like.errors", "slime_like.flag_tables", "slime_like.models"),
+    ("slime_like.protocol",),
     ("slime_like.config",),
     ("slime_like.cluster",),
-    ("slime_like.protocol",),
     ("slime_like.reference_engine",),
     ("slime_like.engine",),
     ("slime_like.router",),
