@@ -18,9 +18,9 @@ from slime_like.errors import ConfigError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, DEFAULT_TRANSPORT, PauseMode, Transport
 
-# Every member, for `x in PAUSE_MODES` checks of callers that still hold a plain string.
-PAUSE_MODES: tuple[PauseMode, ...] = tuple(PauseMode)
-TRANSPORTS: tuple[Transport, ...] = tuple(Transport)
+# The words, for messages and `x in PAUSE_MODES` checks (a member is its word).
+PAUSE_MODES: tuple[str, ...] = tuple(m.value for m in PauseMode)
+TRANSPORTS: tuple[str, ...] = tuple(m.value for m in Transport)
 LOAD_FORMATS = (p.FLATTENED_BUCKET, "per_tensor")
 DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
 JOB_SYNC_TIMEOUT_S = 120.0  # the job's cap on a sync's HTTP and group waits (below)
