@@ -16,12 +16,18 @@ from slime_like.config.async_flags import staleness_bound
 from slime_like.flag_tables import DEFAULT_ROUTER
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
 
+# The defaults below are the flags' defaults too (`flags.py` reads them from here), so the
+# job and `slime_like.api.launch_fleet` start the same fleet unless told otherwise.
+DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS = 14400  # slime's --sglang-router-request-timeout-secs
+
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How every engine server is started (program, pass-through flags, keys)."""
+    """How every engine server is started: `program` "sglang" or "reference", sglang's
+    ServerArgs fields by name (`{"mem_fraction_static": 0.7}`), the seed, keys (None: fresh
+    ones per run)."""
 
-    program: str = "reference"
+    program: str = "sglang"
     sglang_flags: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     offload_rollout: bool = False
@@ -33,19 +39,22 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """How each model's router is started and called; `kind` is "sglang-router" or "smg"."""
+    """How each model's router is started and called: `kind` "sglang-router" or "smg", its
+    flags by field name (`{"policy": "round_robin"}`), the key (None: the engines' API key)
+    and how long one /generate through it may take."""
 
     kind: str = DEFAULT_ROUTER
     flags: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
 class HealthSettings:
-    """Engine probing; `enabled` off collapses the monitor to nothing."""
+    """Engine probing and recovery (`--use-fault-tolerance`); off, the monitor is nothing and
+    only a server's exit is noticed."""
 
-    enabled: bool = True
+    enabled: bool = False
     interval_s: float = 30.0
     timeout_s: float = 30.0
     first_wait_s: float = 300.0
@@ -74,10 +83,15 @@ def make_keys(args: argparse.Namespace) -> tuple[str | None, str | None, str | N
     Keys are on by default: every engine and router of the run gets them, and every client
     the job creates uses them, so nothing else on the network can pause, update or route.
     """
-    api = args.sglang_flags.get("api_key") or secrets.token_hex(24)
-    admin = args.sglang_flags.get("admin_api_key") or secrets.token_hex(24)
-    router = args.router_flags.get("api_key") or api
-    return api, admin, router
+    return fresh_keys(args.sglang_flags.get("api_key"), args.sglang_flags.get("admin_api_key"),
+                      args.router_flags.get("api_key"))
+
+
+def fresh_keys(api: str | None, admin: str | None,
+               router: str | None) -> tuple[str, str, str]:
+    """Each key given, or a fresh one; the router's defaults to the engines' API key."""
+    api = api or secrets.token_hex(24)
+    return api, admin or secrets.token_hex(24), router or api
 
 
 def engine_settings(args: argparse.Namespace, *, api_key: str | None = None,

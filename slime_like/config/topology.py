@@ -356,26 +356,34 @@ def _single_model(groups: list[tuple[WorkerType, int, str]], inputs: TopologyInp
 
 def resolve_topology(args: argparse.Namespace) -> Topology:
     """The job's topology from parsed flags (slime's priority order, see module doc)."""
-    inputs = TopologyInputs.from_args(args)
     if args.debug_train_only:
         return Topology((), source="debug_train_only")
-    if args.rollout_external_engine_addrs:
+    return topology_of(TopologyInputs.from_args(args), sglang_config=args.sglang_config,
+                       external=bool(args.rollout_external_engine_addrs),
+                       prefill_num_servers=args.prefill_num_servers)
+
+
+def topology_of(inputs: TopologyInputs, *, sglang_config: Any = None, external: bool = False,
+                prefill_num_servers: int | None = None) -> Topology:
+    """Models and groups from a `--sglang-config` (a path, or YAML already read), external
+    engines, or the GPU count alone: what the job's flags and `slime_like.api` both say."""
+    if external:
         model = ModelSpec(DEFAULT_MODEL_NAME, inputs.hf_checkpoint, True, (), "--rollout-"
                           "external-engine-addrs")
         return Topology((model,), source="external", external=True)
-    if args.sglang_config is not None:
-        source = args.sglang_config
+    if sglang_config is not None:
+        source = sglang_config
         config = (parse_sglang_config(source.data) if isinstance(source, InlineSglangConfig)
                   else load_sglang_config(source))
         return resolve_sglang_config(config, inputs)
     n = inputs.rollout_num_gpus or 0
     if n == 0:
         return _single_model([], inputs, source="router_only")
-    if args.prefill_num_servers is not None:
-        prefill = args.prefill_num_servers * inputs.rollout_num_gpus_per_engine
+    if prefill_num_servers is not None:
+        prefill = prefill_num_servers * inputs.rollout_num_gpus_per_engine
         if prefill >= n:
             raise ConfigError("--prefill-num-servers",
-                              f"{args.prefill_num_servers} prefill engines of "
+                              f"{prefill_num_servers} prefill engines of "
                               f"{inputs.rollout_num_gpus_per_engine} GPUs leave no decode GPUs "
                               f"of --rollout-num-gpus {n}")
         return _single_model([(WorkerType.PREFILL, prefill, "--prefill-num-servers"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from slime_like.config.async_flags import resolve_async
 from slime_like.config.flags import SLIME_TRANSPORT
@@ -130,8 +132,9 @@ def _check_sizes(args: argparse.Namespace) -> None:
                           f"{args.actor_num_gpus_per_node}")
 
 
-def _check_addresses(args: argparse.Namespace) -> None:
-    for addr in args.rollout_external_engine_addrs or ():
+def check_addresses(addrs: Sequence[str]) -> None:
+    """Every external engine's address is HOST:PORT."""
+    for addr in addrs:
         host, sep, port = addr.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError("--rollout-external-engine-addrs",
@@ -164,14 +167,15 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval", "needs --save (the directory to save into)")
 
 
-def _check_router_flags(args: argparse.Namespace) -> None:
-    """Owned fields are refused; so is a flag or choice the chosen router does not have."""
-    for name, why in OWNED_ROUTER_FIELDS.items():
-        if name in args.router_flags:
+def check_router_flags(kind: str, flags: Mapping[str, Any],
+                       owned: Mapping[str, str] = OWNED_ROUTER_FIELDS) -> None:
+    """Owned fields are refused; so is a flag or choice the chosen router does not have
+    (the job's `--router-*` flags and `slime_like.api`'s `RouterSettings.flags` alike)."""
+    for name, why in owned.items():
+        if name in flags:
             raise ConfigError("--router-" + name.replace("_", "-"), f"not settable: {why}")
-    kind = getattr(args, "router", None) or DEFAULT_ROUTER
     table = router_arg_table(kind)
-    for name, value in args.router_flags.items():
+    for name, value in flags.items():
         flag = "--router-" + name.replace("_", "-")
         if name not in table:
             others = [k for k in ROUTER_TABLES if k != kind and name in router_arg_table(k)]
@@ -199,8 +203,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _resolve_offload(args)
     resolve_async(args)
     _check_sizes(args)
-    _check_router_flags(args)
-    _check_addresses(args)
+    check_router_flags(getattr(args, "router", None) or DEFAULT_ROUTER, args.router_flags)
+    check_addresses(args.rollout_external_engine_addrs or ())
     _resolve_transport(args)
     _check_checkpointing(args)
     resolve_off_policy(args)
