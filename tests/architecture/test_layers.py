@@ -4,7 +4,8 @@ A module may import its own layer or any layer below it. The reference engine is
 program: it sees the protocol and the models, never the framework above them. The package
 root holds only the entry points and the shared tables; `weights/`, `protocol/` and the
 reference engine run without Ray or sglang; a fleet event's kind is always one of the
-fleet's enums, never a bare state name.
+fleet's enums, never a bare state name, and so is each of the four modes (pause mode,
+transport, async mode, worker type) wherever code compares, looks up, passes or defaults one.
 """
 
 from __future__ import annotations
