@@ -51,8 +51,8 @@ class RouterSettings:
 
 @dataclass(frozen=True)
 class HealthSettings:
-    """Engine probing and recovery (`--use-fault-tolerance`); off, the monitor is nothing and
-    only a server's exit is noticed."""
+    """Engine probing (`--use-fault-tolerance`); off, the monitor is nothing and no engine
+    is probed."""
 
     enabled: bool = False
     interval_s: float = 30.0
