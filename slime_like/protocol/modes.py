@@ -20,11 +20,6 @@ class PauseMode(StrEnum):
     RETRACT = "retract"    # back to the queue: their KV is recomputed under the new weights
     IN_PLACE = "in_place"  # stay where they are: their KV, from the old weights, is kept
 
-    @property
-    def keeps_requests(self) -> bool:
-        """Running requests survive the pause (and continue under the new weights)."""
-        return self is not PauseMode.ABORT
-
 
 class Transport(StrEnum):
     """How a weight update's bytes reach the engines."""
