@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import sys
 
+from slime_like.protocol.modes import AsyncMode
 from slime_like.train import main as train_main
 
 
 def main(argv: list[str] | None = None) -> int:
     """The job with --async-mode one-step unless a flag or --config says otherwise."""
-    return train_main(argv, defaults={"async_mode": "one-step"})
+    return train_main(argv, defaults={"async_mode": AsyncMode.ONE_STEP})
 
 
 if __name__ == "__main__":

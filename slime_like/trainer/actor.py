@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from slime_like.cluster.ports import free_port
 from slime_like.engine.session import EngineSession
+from slime_like.protocol.modes import Transport
 from slime_like.trainer.checkpoint import (
     load_rank_state,
     load_sharded_rank_state,
@@ -41,7 +43,7 @@ class TrainerRank:
     """One trainer rank: model + optimiser; rank 0 additionally syncs weights to engines."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
+                 sync: WeightSyncConfig | None = None, use_transformers: bool = False,
                  engine_dtype: str | None = None, keep_versions: int = 0,
                  backend: str = "ddp"):
         self.rank = rank
@@ -59,7 +61,7 @@ class TrainerRank:
         self.model_path = model_path
         self.lr = lr
         self.seed = seed
-        self.sync_config = dict(sync_config or {})
+        self.sync = sync if sync is not None else WeightSyncConfig()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.group: dist.ProcessGroup | None = None
         self.policy: PolicyTrainer | None = None
@@ -175,9 +177,15 @@ class TrainerRank:
 
     def _weight_sync(self) -> WeightSync:
         if self.weight_sync is None:
-            self.weight_sync = WeightSync([], WeightSyncConfig(**self.sync_config))
+            self.weight_sync = WeightSync([], self.sync)
             self.weight_sync.on_step = self._on_sync_step
         return self.weight_sync
+
+    @property
+    def sync_config(self) -> dict[str, Any]:
+        """The sync's fields as keywords: `push_weights` still rebuilds its resync's config
+        from them (to become `self.sync` when the engine-session rewrite lands)."""
+        return {f.name: getattr(self.sync, f.name) for f in fields(self.sync)}
 
     def on_sync_step(self, step: str, action: Callable[[], Any]) -> None:
         """Run `action` once, when the next sync reaches `step` (a WeightSync step name),
@@ -238,11 +246,11 @@ class TrainerRank:
     def _sharded_source(self) -> ShardedWeights:
         if self._sharded is None:
             assert self.policy is not None
-            cfg = WeightSyncConfig(**self.sync_config)
+            cfg = self.sync
             self._sharded = ShardedWeights(
                 self.policy.model, bucket_bytes=int(cfg.update_weight_buffer_size),
                 dtype=self.policy.serve_dtype, group=self.gather_group,
-                copies=cfg.transport != "distributed")
+                copies=cfg.transport != Transport.DISTRIBUTED)
         return self._sharded
 
     def _serve_gathers(self, version: int, full: bool) -> dict:
