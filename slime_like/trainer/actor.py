@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
@@ -181,12 +180,6 @@ class TrainerRank:
             self.weight_sync.on_step = self._on_sync_step
         return self.weight_sync
 
-    @property
-    def sync_config(self) -> dict[str, Any]:
-        """The sync's fields as keywords: `push_weights` still rebuilds its resync's config
-        from them (to become `self.sync` when the engine-session rewrite lands)."""
-        return {f.name: getattr(self.sync, f.name) for f in fields(self.sync)}
-
     def on_sync_step(self, step: str, action: Callable[[], Any]) -> None:
         """Run `action` once, when the next sync reaches `step` (a WeightSync step name),
         before that step runs: chaos runs crash an engine there."""
@@ -227,7 +220,7 @@ class TrainerRank:
                     return self._report(report, source)
                 if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
                     raise TimeoutError("weights stayed ahead of the served version for 600s")
-                one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
+                one = WeightSync(targets, self.sync)
                 try:
                     return self._report(one.update(source, str(self.version)), source)
                 finally:

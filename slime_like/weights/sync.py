@@ -30,18 +30,24 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
-from slime_like.engine.address import EngineAddress
 from slime_like.engine.session import EngineSession, each, on_all
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
-from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
+from slime_like.protocol import modes
+from slime_like.protocol.buckets import Bucket, TensorMeta
+from slime_like.weights.attach import (
+    BucketPlan,
+    EngineLike,
+    ModelChecks,
+    make_transport,
+    metadata_list,
+    session_for,
+)
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
-from slime_like.weights.handshake import check_same_metadata, engine_model_metadata
+from slime_like.weights.handshake import check_same_metadata
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
     DEFAULT_BUFFER_BYTES,
@@ -60,35 +66,6 @@ __all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", 
 
 log = logging.getLogger(__name__)
 
-EngineLike = EngineSession | EngineAddress | str | tuple[str, int] | Mapping
-
-
-def _target(engine: EngineLike) -> EngineSession:
-    """A session of this process for the engine (a session from elsewhere arrives as its
-    address, and starts with nothing done)."""
-    if isinstance(engine, EngineSession):
-        return engine
-    if isinstance(engine, EngineAddress):
-        return EngineSession(engine)
-    if isinstance(engine, str):
-        return EngineSession(EngineAddress(engine))
-    if isinstance(engine, Mapping):
-        return EngineSession(EngineAddress(engine["url"], int(engine.get("tp_size", 1))))
-    url, tp = engine
-    return EngineSession(EngineAddress(url, int(tp)))
-
-
-def _metadata_list(metadata: Any) -> list[TensorMeta]:
-    """TensorMetas from a list of them or from {name: (dtype, shape)} (get_model_metadata)."""
-    if isinstance(metadata, Mapping):
-        out = []
-        for name, (dtype, shape) in metadata.items():
-            dt = dtype if isinstance(dtype, torch.dtype) else dtype_from_name(str(dtype))
-            out.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
-        return out
-    return list(metadata)
-
-
 class WeightSync:
     """Pushes weights from this process (trainer rank 0) into a set of engines."""
 
@@ -97,7 +74,7 @@ class WeightSync:
         self.config = config or WeightSyncConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either a WeightSyncConfig or keyword settings, not both")
-        self.engines: list[EngineSession] = [_target(e) for e in engines]
+        self.engines: list[EngineSession] = [session_for(e) for e in engines]
         urls = [e.url for e in self.engines]
         if len(set(urls)) != len(urls):
             raise ConfigError("engines", f"an engine is listed twice: {urls}")
@@ -110,9 +87,9 @@ class WeightSync:
         self._registered: list[TensorMeta] | None = None
         self._checked: list[TensorMeta] | None = None  # last metadata found equal to _registered
         self._verified: tuple | None = None
-        self._engine_meta: dict[tuple[str, str], list[TensorMeta] | None] = {}
+        self._models = ModelChecks(self._warn_once)
         self._probed: set[str] = set()
-        self._plan: tuple[tuple, list[Bucket]] | None = None
+        self._plan = BucketPlan(int(self.config.update_weight_buffer_size))
         self._counter = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -122,38 +99,9 @@ class WeightSync:
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _device(self) -> torch.device:
-        if self.config.device:
-            device = torch.device(self.config.device)
-            if device.type == "cuda" and device.index is None:
-                # "cuda" names the current GPU; with its index it compares equal to the
-                # parameters' device, so flat trainer buffers go without a pack copy.
-                device = torch.device("cuda", torch.cuda.current_device())
-            return device
-        if torch.cuda.is_available() and self.config.backend != "gloo":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _transport(self) -> Transport:
         if self.transport is None:
-            cfg = self.config
-            if cfg.transport == "distributed":
-                from slime_like.weights.distributed import DistributedTransport
-
-                self.transport = DistributedTransport(
-                    device=self._device(), bucket_bytes=int(cfg.update_weight_buffer_size),
-                    load_format=cfg.load_format, backend=cfg.backend,
-                    master_address=cfg.master_address, master_port=cfg.master_port,
-                    group_timeout_s=cfg.group_timeout_s)
-            elif cfg.transport == "tensor":
-                from slime_like.weights.tensor import TensorTransport
-
-                self.transport = TensorTransport(device=self._device(),
-                                                 bucket_bytes=int(cfg.update_weight_buffer_size))
-            else:
-                from slime_like.weights.disk import DiskTransport
-
-                self.transport = DiskTransport(directory=cfg.disk_dir, model_dir=cfg.model_dir)
+            self.transport = make_transport(self.config)
         return self.transport
 
     def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
@@ -173,7 +121,7 @@ class WeightSync:
             if weights is not None:
                 metadata = as_source(weights).metadata()
             if metadata is not None:
-                self._registered = _metadata_list(metadata)
+                self._registered = metadata_list(metadata)
             if self._registered is None:
                 raise WeightMetadataError("attach needs the model or its metadata")
             self._connect(self._registered)
@@ -193,41 +141,20 @@ class WeightSync:
         urls = tuple(e.url for e in self.engines)
         same = self._verified is not None and self._verified[1] == urls and (
             self._verified[0] is metas or self._verified[0] == metas)
-        if self.config.check_engine_metadata and (not same or self.config.transport == "disk"):
-            on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
+        if self.config.check_engine_metadata and (
+                not same or self.config.transport is modes.Transport.DISK):
+            on_all(self.engines, "check_metadata", lambda e: self._models.check(e, metas))
         self._verified = (metas, urls)  # equal or checked: the next sync compares identities
         self._transport().attach(self.engines)
         if not getattr(source, "buckets_in_wire_layout", False):
-            self._transport().prepare(self._buckets(metas))
-
-    def _check_engine(self, engine: EngineSession, metas: list[TensorMeta]) -> None:
-        path = str(engine.model_info().get("model_path") or "")
-        cache_key = (engine.url, path)
-        if cache_key not in self._engine_meta:
-            expected, path, why = engine_model_metadata(engine)
-            self._engine_meta[cache_key] = expected
-            if expected is None:
-                self._warn_once(f"meta:{engine.url}", f"cannot check parameter names/shapes "
-                                f"against engine {engine.url}'s model: {why}")
-        expected = self._engine_meta[cache_key]
-        if expected is not None:
-            check_same_metadata(expected, metas, where="the trainer's weights",
-                                against=f"engine {engine.url}'s model ({path})", subset=True,
-                                engine=engine.url)
-
-    def _buckets(self, metas: list[TensorMeta]) -> list[Bucket]:
-        if self._plan is None or (self._plan[0] is not metas and self._plan[0] != metas):
-            self._plan = (metas, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
-        elif self._plan[0] is not metas:
-            self._plan = (metas, self._plan[1])  # equal: the next sync compares identities
-        return self._plan[1]
+            self._transport().prepare(self._plan(metas))
 
     # ---- engines coming and going ---------------------------------------------------------------
 
     def add_engine(self, engine: EngineLike) -> None:
         """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
         with self._lock:
-            target = _target(engine)
+            target = session_for(engine)
             target.timeout = self.config.http_timeout_s
             if any(e.url == target.url for e in self.engines):
                 raise ConfigError("engines", f"engine {target.url} is already synced")
@@ -267,7 +194,7 @@ class WeightSync:
             return self._update(weights, weight_version, frozenset(quiet))
 
     def _set_engines(self, engines: Sequence[EngineLike]) -> None:
-        new = [_target(e) for e in engines]
+        new = [session_for(e) for e in engines]
         if [e.url for e in new] == [e.url for e in self.engines]:
             return
         known = {e.url: e for e in self.engines}
@@ -302,7 +229,7 @@ class WeightSync:
                 raise
             except Exception as e:  # e.g. an engine died between syncs: drop it, say so
                 raise self._failed(e, "attach", []) from e
-        buckets = self._buckets(metas)
+        buckets = self._plan(metas)
         engines = list(self.engines)
         watch = Watch(cfg.http_timeout_s)
         sent: list[EngineCall] = []      # control calls in the engines' lanes
