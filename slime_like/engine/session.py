@@ -359,6 +359,13 @@ class EngineSession:
         _pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
         return queued.future
 
+    def new_chain(self) -> None:
+        """The next call starts a chain of its own: a call that failed earlier (in another
+        update, or a join of another attempt) does not stop it. What is still queued keeps
+        its place and is still sent."""
+        with self._lock:
+            self._last = None
+
     def cancel_pending(self) -> None:
         """Every call still waiting for its gate fails with CallCancelled, never sent."""
         with self._lock:

@@ -53,8 +53,8 @@ class Control:
             return engine.pause_generation(mode, timeout=self.config.http_timeout_s)
 
         for engine in engines:
-            engine.cancel_pending()  # a new chain: a call that failed in the last update
-            call = None              # does not stop this one's
+            engine.new_chain()  # a call that failed in the last update does not stop these
+            call = None
             if engine.url in quiet:
                 report.not_paused.append(engine.url)
             else:

@@ -238,6 +238,7 @@ class DistributedTransport(Transport):
                 master_address=address, master_port=port, rank_offset=offset,
                 world_size=world_size, group_name=name, backend=self.backend)
             self.asked[engine.url] = engine
+            engine.new_chain()  # a join that failed in an earlier attempt does not stop this one
             future = engine.submit(engine.init_weights_update_group, req,
                                    self.group_timeout_s + 5)
             _PENDING_JOINS[engine.url] = future
