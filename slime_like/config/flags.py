@@ -17,7 +17,7 @@ from slime_like.config.passthrough import (
     reserved_flag_hints,
 )
 from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
-from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
+from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,

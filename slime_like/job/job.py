@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from slime_like.job.checkpoints import save_checkpoint, save_due
 from slime_like.job.checks import LogprobCheck, StepChecker, weight_versions
 from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
-from slime_like.job.samples import kept_batch, staleness_of, train_masks
+from slime_like.job.samples import Rollout, kept_batch, staleness_of, train_masks
 from slime_like.job.schedules import run_schedule
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
@@ -56,18 +56,6 @@ logger = logging.getLogger("slime_like.train")
 
 class ChaosViolation(SlimeLikeError):
     """A chaos run saw an engine routed while stale or unreachable."""
-
-
-@dataclass
-class Rollout:
-    """What one step's rollout produced."""
-
-    prompts: list[PromptItem]
-    samples: list[Sample]
-    seconds: float  # generation only
-    trainer_offloaded: dict = field(default_factory=dict)
-    #: what an asynchronous schedule adds to the step's metrics (staleness, drops, waits)
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

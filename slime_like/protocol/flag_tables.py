@@ -39,10 +39,6 @@ class ArgSpec:
         return self.flags[0]
 
     @property
-    def takes_value(self) -> bool:
-        return self.kind not in ("storetrue", "deprecatedstoretrue", "booleanoptional")
-
-    @property
     def is_switch(self) -> bool:
         return self.kind in ("storetrue", "deprecatedstoretrue")
 
