@@ -424,7 +424,7 @@ class Job:
             "samples_returned": len(samples),
             "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
             "env_tokens": sum(len(s.output_ids) - sum(s.model_token_mask()) for s in samples),
-            "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
+            "requests_resubmitted": fleet.generation.last.get("resubmitted", 0),
             "retried_requests": sum(s.attempts > 1 for s in samples),
             "sample_weight_versions": weight_versions(samples),
             "engines": fleet.states(),
