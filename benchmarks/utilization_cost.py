@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_throughput import run_level, start_engine  # noqa: E402
-from slime_like.engine.handle import EngineHandle  # noqa: E402
+from slime_like.engine.address import EngineAddress  # noqa: E402
+from slime_like.engine.session import EngineSession  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
 from slime_like.observe.utilization import EngineUtilization  # noqa: E402
 
@@ -43,7 +44,7 @@ def measure(url: str, interval_s: float | None, concurrency: int, tokens: int
     """(tokens/s, polls, busy share seen) of one wave of requests, watched or not."""
     util = None
     if interval_s is not None:
-        util = EngineUtilization(lambda: [EngineHandle(url, engine_id="e0")],
+        util = EngineUtilization(lambda: [EngineSession(EngineAddress(url, engine_id="e0"))],
                                  interval_s=interval_s).start()
     t0 = time.time()
     try:

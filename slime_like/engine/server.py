@@ -3,7 +3,7 @@
 `init` reads this node's IP, reserves the server's ports here and holds them until the
 server binds them, composes the server args, starts the server and waits until it is
 healthy and can generate. It owns the process and nothing else: talking to the engine is
-the `EngineHandle`'s job (`handle()` builds it, with the engine's keys), and router
+the `EngineSession`'s job (`handle()` builds it, with the engine's keys), and router
 membership is the fleet's. On nodes other than node 0 of a multi-node engine (which serve
 no HTTP) `handle()` is None.
 """
@@ -23,9 +23,10 @@ from typing import Any, Literal
 from slime_like.cluster.hosts import format_host, node_ip, server_url
 from slime_like.cluster.ports import DEFAULT_PORT_RANGE, PortReservation, reserve_ports
 from slime_like.cluster.process import ServerProcess, server_env
+from slime_like.engine.address import EngineAddress
 from slime_like.engine.client import EngineClient
-from slime_like.engine.handle import EngineHandle
 from slime_like.engine.launch import compose_server_args, forced_server_args, render_argv
+from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, EngineError, LaunchError
 from slime_like.protocol.compat import EngineFeatures
 from slime_like.protocol.flag_tables import ComposedArgs
@@ -286,16 +287,17 @@ class EngineServer:
             self.process.kill()
             self.process.wait_exit(10)
 
-    def handle(self, tp_size: int | None = None) -> EngineHandle | None:
+    def handle(self, tp_size: int | None = None) -> EngineSession | None:
         """The handle every other layer uses to talk to this engine (None off node 0)."""
         url = self.get_url()
         if url is None:
             return None
         cfg = self.config
-        return EngineHandle(url, tp_size or max(1, cfg.num_gpus_per_engine // cfg.pp_size),
-                            api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
-                            engine_id=cfg.name or cfg.label, worker_type=cfg.worker_type,
-                            bootstrap_port=self.bootstrap_port)
+        return EngineSession(EngineAddress(
+            url, tp_size or max(1, cfg.num_gpus_per_engine // cfg.pp_size),
+            api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
+            engine_id=cfg.name or cfg.label, worker_type=cfg.worker_type,
+            bootstrap_port=self.bootstrap_port))
 
     def describe(self) -> Mapping[str, Any]:
         """Where this engine runs and with what args (for logs, reports and tests)."""

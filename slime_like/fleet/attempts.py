@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.errors import FleetError, WeightSyncError
 from slime_like.fleet.lifecycle import ManagedEngine
 from slime_like.protocol.weight_version import WeightVersion
@@ -33,7 +33,7 @@ class Update:
     """One weight update in progress: the engines it covers and the version it installs."""
 
     version: WeightVersion
-    targets: list[EngineHandle]
+    targets: list[EngineSession]
     full: bool
     report: dict = field(default_factory=dict)
     # URLs of targets held out of the router with nothing running since their memory came

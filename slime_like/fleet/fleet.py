@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from slime_like.engine.session import each
 from slime_like.errors import FleetError, WeightSyncError
 from slime_like.fleet.attempts import SyncAttempts, Update, WeightSource
 from slime_like.fleet.events import Happening
@@ -42,7 +43,6 @@ from slime_like.fleet.stream import RolloutStream
 from slime_like.fleet.supervision import Supervision
 from slime_like.protocol.weight_version import WeightVersion, parse_weight_version
 from slime_like.rollout.generate import RouterGenerator, Sample
-from slime_like.weights.fanout import each
 
 __all__ = ["Fleet", "Update", "WeightSource"]
 
@@ -159,7 +159,7 @@ class Fleet(Supervision):
         if failed is not None:
             # Resumed only now, after the unverified engines left the router.
             each(chosen, lambda e: e.handle.continue_generation(
-                timeout=self.settings.verify_timeout_s), name="continue")
+                timeout=self.settings.verify_timeout_s))
             for e in chosen:  # failures are the health monitor's to find, deaths ours
                 if not self.launcher.alive(e):
                     self.start_recovery(e, "server gone after a failed weight update")

@@ -20,9 +20,10 @@ from slime_like.cluster.placement import JobPlacement
 from slime_like.config.layout import EnginePlacement
 from slime_like.config.slices import FleetSettings
 from slime_like.engine.actor import EngineActor
+from slime_like.engine.address import EngineAddress
 from slime_like.engine.external import CHECKED_FIELDS, ExternalEngine
 from slime_like.engine.from_placement import engine_config
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.errors import FleetError
 from slime_like.fleet.lifecycle import PING_ONLY, ManagedEngine
 from slime_like.protocol.weight_version import parse_weight_version
@@ -79,10 +80,10 @@ class Launcher:
                              admin_api_key=eng.admin_api_key)
         url = ext.init()
         e.tp_size = int(ext.info.get("tp_size") or 1)
-        e.handle = EngineHandle(url, e.tp_size, api_key=eng.api_key,
-                                admin_api_key=eng.admin_api_key, engine_id=e.engine_id,
-                                worker_type=ext.config.worker_type,
-                                bootstrap_port=ext.bootstrap_port)
+        e.handle = EngineSession(EngineAddress(
+            url, e.tp_size, api_key=eng.api_key, admin_api_key=eng.admin_api_key,
+            engine_id=e.engine_id, worker_type=ext.config.worker_type,
+            bootstrap_port=ext.bootstrap_port))
         e.handle.health_generate(timeout=30.0)
         e.verified_version = parse_weight_version(e.handle.weight_version())
         return {"url": url, "version": str(e.verified_version), "external": True}

@@ -30,7 +30,7 @@ from typing import Any
 from slime_like.config.layout import EnginePlacement, JobPlan
 from slime_like.config.slices import FleetSettings
 from slime_like.engine.from_placement import engine_config
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.errors import SlimeLikeError
 from slime_like.fleet.events import EngineState
 from slime_like.protocol.weight_version import WeightVersion
@@ -124,7 +124,7 @@ class ManagedEngine:
     tp_size: int = 1
     external_address: str | None = None  # attached, never launched or killed by us
     actors: list[Any] = field(default_factory=list)
-    handle: EngineHandle | None = None
+    handle: EngineSession | None = None
     phase: Phase = Phase.LAUNCHING
     verified_version: WeightVersion | None = None
     router_worker_id: str | None = None  # the router's name for it while it is a worker

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from slime_like.config.slices import FleetSettings
+from slime_like.engine.session import each
 from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.protocol.io_struct import ALL_MEMORY_TAGS
-from slime_like.weights.fanout import each
 
 logger = logging.getLogger(__name__)
 HELD_FOR_SYNC = "memory resumed; out of the router until the sync"
@@ -95,7 +95,7 @@ class Offload:
 
 def _each(engines: list[ManagedEngine], fn: Callable[[ManagedEngine], Any]) -> list[ManagedEngine]:
     """Run `fn` on every engine concurrently; the engines it succeeded on."""
-    outcomes = each(engines, fn, name="offload")
+    outcomes = each(engines, fn)
     for e, (_, err) in zip(engines, outcomes, strict=True):
         if err is not None:
             logger.warning("%s: %s", e.engine_id, err)

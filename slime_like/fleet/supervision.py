@@ -22,7 +22,7 @@ from typing import Any, Self
 
 from slime_like.cluster.placement import JobPlacement
 from slime_like.config.slices import FleetSettings
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession, each
 from slime_like.errors import FleetError
 from slime_like.fleet.attempts import WeightSource
 from slime_like.fleet.events import EngineState, EventBus, EventSink, Happening
@@ -34,7 +34,6 @@ from slime_like.fleet.offload import Offload
 from slime_like.fleet.recovery import Recovery, Step, Tending
 from slime_like.fleet.routers import Routers
 from slime_like.protocol.weight_version import WeightVersion
-from slime_like.weights.fanout import each
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +139,7 @@ class Supervision:
                     self.move(e, P.UPDATING)  # out with the old router; its sync routes it
             serving = [e for e in mine if e.phase is P.REGISTERED]
             outcomes = each(serving, lambda e: self._route(e, REROUTE_TIMEOUT_S,
-                                                           if_answering=True), name="router-add")
+                                                           if_answering=True))
             for e, (_, err) in zip(serving, outcomes, strict=True):
                 if err is not None:  # it resyncs or recovers instead
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
@@ -378,7 +377,7 @@ class Supervision:
         with self.lock:
             return {e.engine_id: e.state.value for e in self.engines}
 
-    def handles(self, model: str | None = None) -> list[EngineHandle]:
+    def handles(self, model: str | None = None) -> list[EngineSession]:
         """Handles of the engines serving now (REGISTERED), for callers of their own."""
         with self.lock:
             return [e.handle for e in self.engines if e.phase is P.REGISTERED and e.handle

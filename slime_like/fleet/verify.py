@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.fleet.fleet import Fleet
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.logprob_check import LogprobCheck, check_logprobs
@@ -26,7 +26,7 @@ Pairs = list[tuple[list[int], list[int]]]
 ScoreFn = Callable[[int, Pairs, float], list[list[float]]]
 
 
-def serving_handles(fleet: Fleet) -> list[EngineHandle]:
+def serving_handles(fleet: Fleet) -> list[EngineSession]:
     """The updatable model's serving engines, each under the fleet's name for it (what the
     report, the console and events call it)."""
     names = {e.url: e.engine_id for e in list(fleet.engines) if e.url}

@@ -92,7 +92,7 @@ class RunObservers:
 
     def start_utilization(self, engines: Callable[[], Iterable[Any]],
                           interval_s: float = 0.05) -> RunUtilization:
-        """Start sampling engine load (`engines()` read each poll: the `EngineHandle`s to
+        """Start sampling engine load (`engines()` read each poll: the `EngineSession`s to
         watch); the trainer's phases and the syncs are marked on what it returns. Written
         to utilization.jsonl, drawn as utilization.png; stopped by `close`."""
         if self.utilization is None:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only named in hints: `slime-like report` needs no engine client
-    from slime_like.engine.handle import EngineHandle
+    from slime_like.engine.session import EngineSession
 
     # What the engine set callable returns: handles (named by engine_id) or {name: handle}.
-    EngineSet = Iterable[EngineHandle] | Mapping[str, EngineHandle]
+    EngineSet = Iterable[EngineSession] | Mapping[str, EngineSession]
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class EngineUtilization:
         if self._log is not None:
             self._log.write("engine", iv.start, iv.end, subject=iv.subject, state=iv.state)
 
-    def _ask(self, handle: EngineHandle) -> str | None:
+    def _ask(self, handle: EngineSession) -> str | None:
         try:
             return engine_state(handle.loads(timeout=self.timeout_s) or {})
         except Exception:  # noqa: BLE001 - any failure to answer is "no answer"

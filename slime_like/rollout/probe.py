@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.logprob_rule import Leaning, NeighbourTest, neighbour_test
 from slime_like.rollout.scoring import EngineScores, score_on_engines
@@ -128,7 +128,7 @@ class EngineProbe:
             if total >= self.budget:
                 break
 
-    def ask_engines(self, handles: list[EngineHandle]) -> tuple[list[EngineScores], dict[str, str]]:
+    def ask_engines(self, handles: list[EngineSession]) -> tuple[list[EngineScores], dict[str, str]]:
         """Every regular engine scores the probe (their HTTP side, before any memory
         release of a colocated step)."""
         engines = [h for h in handles if h.worker_type == "regular"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.errors import SlimeLikeError
 from slime_like.rollout.generate import ROUTER_DOWN_S, RouterOutage, no_engine_routed
 
@@ -88,7 +88,7 @@ class EngineScores:
     logprobs: list[list[float]]
 
 
-def score_on_engines(engines: Sequence[EngineHandle], pairs: Sequence[tuple[list[int], list[int]]],
+def score_on_engines(engines: Sequence[EngineSession], pairs: Sequence[tuple[list[int], list[int]]],
                      *, timeout_s: float = 60.0, attempts: int = 2
                      ) -> tuple[list[EngineScores], dict[str, str]]:
     """Each engine scores `pairs` itself (not through a router), all engines at once: what
@@ -101,14 +101,14 @@ def score_on_engines(engines: Sequence[EngineHandle], pairs: Sequence[tuple[list
     return asyncio.run(_score_engines(list(engines), list(pairs), timeout_s, attempts))
 
 
-async def _score_engines(engines: list[EngineHandle], pairs: list[tuple[list[int], list[int]]],
+async def _score_engines(engines: list[EngineSession], pairs: list[tuple[list[int], list[int]]],
                          timeout_s: float, attempts: int
                          ) -> tuple[list[EngineScores], dict[str, str]]:
     body = {"input_ids": [list(p) + list(o) for p, o in pairs], "return_logprob": True,
             "logprob_start_len": [len(p) for p, _ in pairs],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
 
-    async def one(engine: EngineHandle) -> EngineScores:
+    async def one(engine: EngineSession) -> EngineScores:
         """The whole probe as one batched /generate (one prefill on the engine)."""
         headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
         last = ""
@@ -135,7 +135,7 @@ async def _score_engines(engines: list[EngineHandle], pairs: list[tuple[list[int
     return answered, failed
 
 
-def _engine_scores(engine: EngineHandle, pairs: list[tuple[list[int], list[int]]],
+def _engine_scores(engine: EngineSession, pairs: list[tuple[list[int], list[int]]],
                    answer: list | dict) -> EngineScores:
     """A batched answer as one engine's scores; refused if it spans weight versions."""
     items = answer if isinstance(answer, list) else [answer]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slime_like.cluster.ports import free_port
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.trainer.checkpoint import (
     load_rank_state,
     load_sharded_rank_state,
@@ -190,7 +190,7 @@ class TrainerRank:
             self._sync_step_hook = None
             hook[1]()  # done before the step goes on
 
-    def push_weights(self, targets: list[EngineHandle], version: int, full: bool = True,
+    def push_weights(self, targets: list[EngineSession], version: int, full: bool = True,
                      quiet: frozenset[str] = frozenset()) -> dict:
         """Put the current weights into `targets` (the fleet's update) and report; `quiet`:
         targets the fleet holds out of the router, idle (not paused, `WeightSync.update`).

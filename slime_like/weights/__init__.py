@@ -1,11 +1,12 @@
 """Weight sync from the trainer into every engine: buckets, transports, the transaction."""
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
 from slime_like.weights.packing import CastWeights, ModelWeights, NamedTensors, get_model_metadata
 from slime_like.weights.sharded import ShardedWeights
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
 from slime_like.weights.torchrl import SGLangWeightSender, SGLangWeightSyncScheme
 
-__all__ = ["CastWeights", "EngineHandle", "ModelWeights", "NamedTensors", "SGLangWeightSender",
+__all__ = ["CastWeights", "EngineAddress", "EngineSession", "ModelWeights", "NamedTensors", "SGLangWeightSender",
            "SGLangWeightSyncScheme", "ShardedWeights", "SyncReport", "WeightSync", "WeightSyncConfig",
            "get_model_metadata"]

@@ -72,8 +72,8 @@ class DiskTransport(Transport):
                                                  flush_cache=ctx.flush_flag(e, True),
                                                  weight_version=ctx.weight_version)
             call = ctx.update_call(e.update_weights_from_disk, e, True)
-            calls.append(ctx.watch.add(EngineCall(e, "update_weights_from_disk", ctx.calls.submit(
-                e, call, req, ctx.http_timeout_s))))
+            calls.append(ctx.watch.add(EngineCall(e, "update_weights_from_disk", e.submit(
+                call, req, ctx.http_timeout_s))))
         ctx.watch.wait_calls(calls)
         if out in self.written:
             self.written.remove(out)

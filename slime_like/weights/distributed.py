@@ -25,14 +25,13 @@ import traceback
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from slime_like.engine.handle import EngineHandle
-from slime_like.errors import EngineError, WeightSyncError
+from slime_like.engine.session import EngineSession, on_all
+from slime_like.errors import WeightSyncError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.socket_ifname import InterfaceError, check_reachable
 from slime_like.protocol.weight_group import (
@@ -42,7 +41,6 @@ from slime_like.protocol.weight_group import (
     init_custom_process_group,
     join_store,
 )
-from slime_like.weights.fanout import EngineCalls, engine_ranks, on_all
 from slime_like.weights.packing import BucketPacker, bucket_tensors, direct_view, metas_body
 from slime_like.weights.transport import TransferContext, Transport
 from slime_like.weights.watch import EngineCall, Watch, no_answer
@@ -53,7 +51,16 @@ FLATTENED = p.FLATTENED_BUCKET
 PER_TENSOR = "per_tensor"
 
 
-def master_address_for(engines: Sequence[EngineHandle]) -> str:
+def engine_ranks(engines: Sequence[EngineSession]) -> tuple[list[int], int]:
+    """sglang's layout: trainer rank 0, engine i at 1 + sum of earlier tp sizes."""
+    offsets, offset = [], 1
+    for e in engines:
+        offsets.append(offset)
+        offset += e.tp_size
+    return offsets, offset
+
+
+def master_address_for(engines: Sequence[EngineSession]) -> str:
     """An address of this host the engines can reach (loopback when they are all local)."""
     hosts = [urlparse(e.url).hostname or "127.0.0.1" for e in engines]
     if all(_is_loopback(h) for h in hosts):
@@ -160,8 +167,9 @@ class DistributedTransport(Transport):
         self.pg: dist.ProcessGroup | None = None
         self.group_name: str | None = None
         self.members: tuple[tuple[str, int], ...] = ()
-        # engine url -> (the engine, with its keys; the group names it was asked to join)
-        self.asked: dict[str, tuple[EngineHandle, list[str]]] = {}
+        # Every session asked to join a group of ours: each remembers the names it joined,
+        # and leaves them all at a regroup or a close.
+        self.asked: dict[str, EngineSession] = {}
         self.dirty = False
         self.attempt = 0
         self._warned_per_tensor = False
@@ -169,19 +177,19 @@ class DistributedTransport(Transport):
 
     # ---- the group ---------------------------------------------------------------------------
 
-    def attach(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
+    def attach(self, engines: Sequence[EngineSession]) -> None:
         members = tuple((e.url, e.tp_size) for e in engines)
         if self.pg is not None and members == self.members:
             return
         self._teardown()
-        self._create(engines, calls)
+        self._create(engines)
 
     def prepare(self, buckets) -> None:
         packed = [b.nbytes for b in buckets if len(b.metas) > 1]
         if packed:
             self.packer.reserve(max(packed), len(packed))
 
-    def _create(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:
+    def _create(self, engines: Sequence[EngineSession]) -> None:
         busy = sorted(e.url for e in engines if _join_pending(e.url))
         if busy:  # another join would only queue behind it, on the same stuck control loop
             err = WeightSyncError("init_weights_update_group", "an earlier join is still "
@@ -217,9 +225,9 @@ class DistributedTransport(Transport):
             req = p.InitWeightsUpdateGroupRequest(
                 master_address=address, master_port=port, rank_offset=offset,
                 world_size=world_size, group_name=name, backend=self.backend)
-            self.asked.setdefault(engine.url, (engine, []))[1].append(name)
-            future = calls.submit(engine, engine.init_weights_update_group, req,
-                                  self.group_timeout_s + 5)
+            self.asked[engine.url] = engine
+            future = engine.submit(engine.init_weights_update_group, req,
+                                   self.group_timeout_s + 5)
             _PENDING_JOINS[engine.url] = future
             http.append(watch.add(EngineCall(engine, step, future)))
         result: dict = {}
@@ -261,27 +269,20 @@ class DistributedTransport(Transport):
         log.info("weight group %s: %d ranks over %d engines (%s)", name, world_size,
                  len(engines), self.backend)
 
-    def _teardown(self) -> None:
+    def _teardown(self, leave_timeout_s: float = 10.0) -> None:
         """Drop our side of the current group and ask engines to destroy every group they joined."""
         if self.pg is not None:
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members, self._store = None, None, (), None
-        asked, self.asked = self.asked, {}
-        # Copies of the handles that asked them (keys included: the destroy is an admin
-        # call), with a short timeout of their own.
-        targets = [replace(engine) for engine, _ in asked.values()]
-        if not targets:
-            return
-
-        def destroy(engine: EngineHandle) -> None:
-            engine.timeout = 10.0
-            for name in asked[engine.url][1]:
-                # 400 = the group is already gone; no answer = the engine is gone.
-                with contextlib.suppress(EngineError):
-                    engine.destroy_weights_update_group(name)
-
+        # The sessions that joined (keys and all: the destroy is an admin call) leave every
+        # group they joined; one that cannot reach its engine keeps the names, and leaves
+        # them at the next regroup if the engine is back by then.
+        sessions = [s for s in self.asked.values() if s.groups]
+        self.asked = {s.url: s for s in sessions}
         with contextlib.suppress(WeightSyncError):
-            on_all(targets, "destroy_weights_update_group", destroy)
+            on_all(sessions, "destroy_weights_update_group",
+                   lambda s: s.leave_groups(timeout=leave_timeout_s))
+        self.asked = {s.url: s for s in sessions if s.groups}
 
     def failed(self) -> None:
         """Drop our end of the group: engines blocked receiving from us fail instead of hanging.
@@ -297,7 +298,13 @@ class DistributedTransport(Transport):
             del pg
             gc.collect()  # the last reference gone, gloo closes its connections
 
-    def close(self, engines: Sequence[EngineHandle]) -> None:
+    def abandon(self) -> None:
+        """Every engine leaves the failed sync's group now, not at the next regroup: a group
+        no sync will use again must not outlive the failure (on GPUs, an NCCL communicator).
+        A short wait each: an engine that does not answer is the fleet's to recover."""
+        self._teardown(leave_timeout_s=3.0)
+
+    def close(self, engines: Sequence[EngineSession]) -> None:
         self._teardown()
         self.packer.release()
 
@@ -348,8 +355,8 @@ class DistributedTransport(Transport):
                 flush_cache=ctx.flush_flag(e, last),
                 weight_version=ctx.weight_version if last else None, load_format=load_format)
             call = ctx.update_call(e.update_weights_from_distributed, e, last)
-            calls.append(ctx.watch.add(EngineCall(e, step, ctx.calls.submit(
-                e, call, req, ctx.http_timeout_s, gate=gate))))
+            calls.append(ctx.watch.add(EngineCall(e, step, e.submit(
+                call, req, ctx.http_timeout_s, gate=gate))))
         return calls
 
     def _send_flattened(self, ctx: TransferContext) -> None:

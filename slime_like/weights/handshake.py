@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightMetadataError
 from slime_like.models.config import ModelConfig
 from slime_like.models.transformer import CausalLM, hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name, dtype_name
 
 
-def engine_model_metadata(engine: EngineHandle) -> tuple[list[TensorMeta] | None, str, str]:
+def engine_model_metadata(engine: EngineSession) -> tuple[list[TensorMeta] | None, str, str]:
     """(expected metadata or None, model_path, why it is None) for one engine."""
     path = str(engine.model_info().get("model_path") or "")
     try:

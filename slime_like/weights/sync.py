@@ -16,10 +16,12 @@ The transaction, per `update()` (its engine calls are in `control.py`):
   verify          every engine's `/model_info` reports the new `weight_version`
   continue        every engine that was paused, in a `finally`
 
-On failure: pending collectives are aborted, open sessions ended, every paused engine
-continued, engines that stopped answering are dropped (the next sync rebuilds the group for
-the living; `take_dropped()` hands them to recovery), and the `WeightSyncError` names the
-step and the engine.
+Every engine call goes through the engine's `EngineSession`, which remembers what it
+changed; on failure the sessions undo it: pending collectives are aborted, open update
+sessions ended, every paused engine continued (or handed to the caller), engines that
+stopped answering are dropped (the next sync rebuilds the group for the living;
+`take_dropped()` hands them to recovery), and the `WeightSyncError` names the step and
+the engine.
 """
 
 from __future__ import annotations
@@ -28,16 +30,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession, each, on_all
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
 from slime_like.weights.control import Control, round_trips, settle
-from slime_like.weights.fanout import EngineCalls, on_all
 from slime_like.weights.handshake import check_same_metadata, engine_model_metadata
 from slime_like.weights.packing import as_source
 from slime_like.weights.sync_config import (
@@ -57,15 +58,22 @@ __all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", 
 
 log = logging.getLogger(__name__)
 
-def _target(engine: EngineHandle | str | tuple[str, int] | Mapping) -> EngineHandle:
-    if isinstance(engine, EngineHandle):
+EngineLike = EngineSession | EngineAddress | str | tuple[str, int] | Mapping
+
+
+def _target(engine: EngineLike) -> EngineSession:
+    """A session of this process for the engine (a session from elsewhere arrives as its
+    address, and starts with nothing done)."""
+    if isinstance(engine, EngineSession):
         return engine
+    if isinstance(engine, EngineAddress):
+        return EngineSession(engine)
     if isinstance(engine, str):
-        return EngineHandle(engine)
+        return EngineSession(EngineAddress(engine))
     if isinstance(engine, Mapping):
-        return EngineHandle(engine["url"], int(engine.get("tp_size", 1)))
+        return EngineSession(EngineAddress(engine["url"], int(engine.get("tp_size", 1))))
     url, tp = engine
-    return EngineHandle(url, int(tp))
+    return EngineSession(EngineAddress(url, int(tp)))
 
 
 def _metadata_list(metadata: Any) -> list[TensorMeta]:
@@ -82,18 +90,18 @@ def _metadata_list(metadata: Any) -> list[TensorMeta]:
 class WeightSync:
     """Pushes weights from this process (trainer rank 0) into a set of engines."""
 
-    def __init__(self, engines: Sequence[EngineHandle | str | tuple[str, int]],
+    def __init__(self, engines: Sequence[EngineLike],
                  config: WeightSyncConfig | None = None, **overrides: Any):
         self.config = config or WeightSyncConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either a WeightSyncConfig or keyword settings, not both")
-        self.engines: list[EngineHandle] = [_target(e) for e in engines]
+        self.engines: list[EngineSession] = [_target(e) for e in engines]
         urls = [e.url for e in self.engines]
         if len(set(urls)) != len(urls):
             raise ConfigError("engines", f"an engine is listed twice: {urls}")
         for e in self.engines:
             e.timeout = self.config.http_timeout_s
-        self.dropped: list[EngineHandle] = []
+        self.dropped: list[EngineSession] = []
         self.transport: Transport | None = None
         self.weight_version: str | None = None
         self.last_report: SyncReport | None = None
@@ -103,8 +111,6 @@ class WeightSync:
         self._engine_meta: dict[tuple[str, str], list[TensorMeta] | None] = {}
         self._probed: set[str] = set()
         self._plan: tuple[tuple, list[Bucket]] | None = None
-        self._calls: EngineCalls | None = None
-        self._calls_for: tuple = ()
         self._counter = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -148,14 +154,6 @@ class WeightSync:
                 self.transport = DiskTransport(directory=cfg.disk_dir, model_dir=cfg.model_dir)
         return self.transport
 
-    def _engine_calls(self) -> EngineCalls:
-        key = tuple(e.url for e in self.engines)
-        if self._calls is None or self._calls_for != key:
-            if self._calls is not None:
-                self._calls.close()
-            self._calls, self._calls_for = EngineCalls(self.engines), key
-        return self._calls
-
     def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
         if report is not None and message not in report.warnings:
             report.warnings.append(message)
@@ -196,11 +194,11 @@ class WeightSync:
         if self.config.check_engine_metadata and (not same or self.config.transport == "disk"):
             on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
         self._verified = (metas, urls)  # equal or checked: the next sync compares identities
-        self._transport().attach(self.engines, self._engine_calls())
+        self._transport().attach(self.engines)
         if not getattr(source, "buckets_in_wire_layout", False):
             self._transport().prepare(self._buckets(metas))
 
-    def _check_engine(self, engine: EngineHandle, metas: list[TensorMeta]) -> None:
+    def _check_engine(self, engine: EngineSession, metas: list[TensorMeta]) -> None:
         path = str(engine.model_info().get("model_path") or "")
         cache_key = (engine.url, path)
         if cache_key not in self._engine_meta:
@@ -224,7 +222,7 @@ class WeightSync:
 
     # ---- engines coming and going ---------------------------------------------------------------
 
-    def add_engine(self, engine: EngineHandle | str | tuple[str, int]) -> None:
+    def add_engine(self, engine: EngineLike) -> None:
         """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
         with self._lock:
             target = _target(engine)
@@ -248,7 +246,7 @@ class WeightSync:
     # ---- the transaction ------------------------------------------------------------------------
 
     def update(self, weights: Any, weight_version: str | None = None,
-               engines: Sequence[EngineHandle] | None = None,
+               engines: Sequence[EngineLike] | None = None,
                quiet: Collection[str] = ()) -> SyncReport:
         """Push `weights` (a model, named tensors or a WeightSource) into every engine.
 
@@ -264,7 +262,7 @@ class WeightSync:
                 self._set_engines(engines)
             return self._update(weights, weight_version, frozenset(quiet))
 
-    def _set_engines(self, engines: Sequence[EngineHandle]) -> None:
+    def _set_engines(self, engines: Sequence[EngineLike]) -> None:
         new = [_target(e) for e in engines]
         if [e.url for e in new] == [e.url for e in self.engines]:
             return
@@ -302,10 +300,7 @@ class WeightSync:
                 raise self._failed(e, "attach", []) from e
         buckets = self._buckets(metas)
         engines = list(self.engines)
-        calls = self._engine_calls()
         watch = Watch(cfg.http_timeout_s)
-        paused: list[EngineHandle] = []
-        begun: list[EngineHandle] = []
         sent: list[EngineCall] = []      # control calls in the engines' lanes
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
         failure: BaseException | None = None
@@ -313,18 +308,18 @@ class WeightSync:
             with steps("pause"):
                 # Sent, not awaited: each engine's lane sends pause, then begin, then bucket
                 # 1, each once the one before was answered, while the trainer packs bucket 1.
-                control = self.control.pause_and_begin(engines, paused, begun, report, calls, sent,
+                control = self.control.pause_and_begin(engines, report, sent,
                                                        gated=self._transport().gated,
                                                        quiet=quiet)
-                for c in control:
+                for c in sent:  # a failed pause fails the update, even if begin got through
                     watch.add(c)
             with steps("transfer"):
                 stats = TransferStats()
-                folded = frozenset(e.url for e in engines if self.control.folds_flush(e)
+                folded = frozenset(e.url for e in engines if e.folds_flush
                                    and self.control.flush_plan(e, report) is None)
                 ctx = TransferContext(
                     engines=engines, buckets=buckets, source=source, weight_version=version,
-                    watch=watch, calls=calls, stats=stats, http_timeout_s=cfg.http_timeout_s,
+                    watch=watch, stats=stats, http_timeout_s=cfg.http_timeout_s,
                     flush_last=folded, control={c.engine.url: c.future for c in control})
                 self._transport().transfer(ctx)
                 watch.wait_calls(control)  # answered long before, unless a transport sent nothing
@@ -333,33 +328,33 @@ class WeightSync:
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
-                    ends = self.control.submit_end(begun, calls)
+                    ends = self.control.submit_end(engines)
                     sent += ends
-                    resumed = self.control.submit_continue(paused, ends, calls)
+                    resumed = self.control.submit_continue(engines, ends)
                     sent += resumed
                     closing = Watch(cfg.http_timeout_s)  # its own deadline, like any step
                     for c in ends:
                         closing.add(c)
                     closing.wait_calls(ends)  # a failure names the engine and the step
-                    begun = []
                 with steps("flush"):
                     self.control.flush(engines, folded, ctx.flush_refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so
             else:
                 with steps("end"):
-                    on_all(begun, "end_weight_update", lambda e: e.end_weight_update())
-                    begun = []
+                    on_all([e for e in engines if e.in_update], "end_weight_update",
+                           lambda e: e.end_weight_update())
                 with steps("flush"):
                     self.control.flush(engines, folded, ctx.flush_refused, report)
                 with steps("verify"):
                     unverified = [e for e in engines if not ctx.version_set(e)]
-                    on_all(unverified, "verify_weight_version", lambda e: self.control.verify(e, version))
+                    on_all(unverified, "verify_weight_version", lambda e: e.verify_version(version))
         except BaseException as e:
             failure = e
             error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
-            calls.cancel_pending()
+            for engine in engines:
+                engine.cancel_pending()
             settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
-            error = self._failed(e, steps.current, begun)
+            error = self._failed(e, steps.current, engines)
         finally:
             # The living engines resume first: finding out which engines died (pings with
             # a timeout) must not keep the healthy ones paused. A caller that routes engines
@@ -367,9 +362,11 @@ class WeightSync:
             problems = []
             if failure is None or cfg.resume_on_failure:
                 with steps("continue"):
-                    problems = self.control.resume(paused, resumed)
+                    problems = self.control.undo(engines, resumed)
             else:
-                error.paused = [e.url for e in paused]
+                error.paused = [e.url for e in engines if e.paused is not None]
+                for engine in engines:
+                    engine.paused = None  # handed over: the caller resumes them
             if problems and failure is None:
                 raise WeightSyncError("continue_generation", "; ".join(
                     f"{url}: {msg}" for url, msg in problems), problems[0][0])
@@ -384,13 +381,16 @@ class WeightSync:
         self.last_report = report
         return report
 
-    def _failed(self, exc: BaseException, step: str, begun: list[EngineHandle]) -> WeightSyncError:
+    def _failed(self, exc: BaseException, step: str,
+                engines: list[EngineSession]) -> WeightSyncError:
         """Clean up after a failed step; the error names the step (and the engine, if known)."""
         if self.transport is not None:
             self.transport.failed()
-        if self._calls is not None:
-            self._calls.cancel_pending()
-        self.control.end_quietly(begun)
+        for engine in engines:
+            engine.cancel_pending()
+        self.control.undo(engines, resume=False)  # open update sessions closed
+        if self.transport is not None:
+            self.transport.abandon()
         if isinstance(exc, WeightSyncError):
             return exc
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
@@ -406,13 +406,12 @@ class WeightSync:
         return err
 
     def _drop_dead(self) -> list[str]:
-        def alive(engine: EngineHandle) -> bool:
+        def alive(engine: EngineSession) -> bool:
             return engine.ping(timeout=self.config.liveness_timeout_s)
 
         if not self.engines:
             return []
-        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="liveness") as pool:
-            states = list(pool.map(alive, self.engines))
+        states = [bool(ok) for ok, _ in each(self.engines, alive)]
         dead = [e for e, ok in zip(self.engines, states, strict=True) if not ok]
         if dead:
             self.engines = [e for e in self.engines if e not in dead]
@@ -428,9 +427,8 @@ class WeightSync:
             if self.transport is not None:
                 self.transport.close(self.engines)
                 self.transport = None
-            if self._calls is not None:
-                self._calls.close()
-                self._calls = None
+            for engine in self.engines + self.dropped:
+                engine.cancel_pending()
 
     def __enter__(self) -> WeightSync:
         return self

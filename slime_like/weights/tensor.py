@@ -98,8 +98,8 @@ class TensorTransport(Transport):
                     load_format=p.FLATTENED_BUCKET, flush_cache=ctx.flush_flag(engine, last),
                     weight_version=ctx.weight_version if last else None)
                 call = ctx.update_call(engine.update_weights_from_tensor, engine, last)
-                calls.append(watch.add(EngineCall(engine, step, ctx.calls.submit(
-                    engine, call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
+                calls.append(watch.add(EngineCall(engine, step, engine.submit(
+                    call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
             slot_calls[slot] = calls
             all_calls += calls
             del buf

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightSyncError
 from slime_like.protocol.buckets import TensorMeta
 from slime_like.weights.packing import (
@@ -81,7 +82,7 @@ class SGLangWeightSyncScheme:
             master_address=self.master_address, master_port=self.master_port,
             flush_cache=self.flush_cache_on_update is not False,
             update_weight_buffer_size=self.update_weight_buffer_size)
-        return SGLangWeightSender(self, WeightSync([EngineHandle(self.server_url, self.num_gpus)],
+        return SGLangWeightSender(self, WeightSync([EngineSession(EngineAddress(self.server_url, self.num_gpus))],
                                                    config))
 
 

@@ -11,10 +11,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import EngineSession
 from slime_like.errors import EngineError
 from slime_like.protocol.buckets import Bucket
-from slime_like.weights.fanout import EngineCalls
 from slime_like.weights.packing import WeightSource
 from slime_like.weights.watch import Watch
 
@@ -69,12 +68,11 @@ FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
 class TransferContext:
     """One sync's transfer: runs between begin_weight_update and end_weight_update."""
 
-    engines: Sequence[EngineHandle]
+    engines: Sequence[EngineSession]
     buckets: Sequence[Bucket]
     source: WeightSource
     weight_version: str
     watch: Watch
-    calls: EngineCalls
     stats: TransferStats
     http_timeout_s: float
     #: engines whose last update carries flush_cache=true (saves the separate /flush_cache)
@@ -87,7 +85,7 @@ class TransferContext:
     #: engine url -> the answer to its last update (it says whether the version was set)
     last_answers: dict[str, Any] = field(default_factory=dict)
 
-    def update_call(self, fn: Callable, engine: EngineHandle, last: bool) -> Callable:
+    def update_call(self, fn: Callable, engine: EngineSession, last: bool) -> Callable:
         """The engine call for one update; a refused folded flush is recorded, not raised."""
         timed_fn = timed(fn, self.stats, engine.url)
         if not last:
@@ -106,20 +104,20 @@ class TransferContext:
             return out
         return call
 
-    def version_set(self, engine: EngineHandle) -> bool:
+    def version_set(self, engine: EngineSession) -> bool:
         """Whether the engine's answer to its last update says it now serves weight_version."""
         answer = self.last_answers.get(engine.url)
         message = answer.get("message", "") if isinstance(answer, dict) else ""
         return f"Weight version updated to {self.weight_version}" in str(message)
 
-    def gate(self, engine: EngineHandle, gate: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    def gate(self, engine: EngineSession, gate: Callable[[], bool] | None) -> Callable[[], bool] | None:
         """`gate`, also waiting for the engine's pause/begin (a strict lane gate already does)."""
         before = self.control.get(engine.url)
         if gate is None or before is None:
             return gate
         return lambda: before.done() and gate()
 
-    def flush_flag(self, engine: EngineHandle, last: bool) -> bool:
+    def flush_flag(self, engine: EngineSession, last: bool) -> bool:
         return last and engine.url in self.flush_last
 
 
@@ -130,7 +128,7 @@ class Transport(ABC):
     #: whether engines need begin/end_weight_update around it (sglang gates only some)
     gated: bool = True
 
-    def attach(self, engines: Sequence[EngineHandle], calls: EngineCalls) -> None:  # noqa: B027
+    def attach(self, engines: Sequence[EngineSession]) -> None:  # noqa: B027
         """Prepare before the engines are paused (e.g. build a weight group)."""
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027
@@ -143,5 +141,9 @@ class Transport(ABC):
     def failed(self) -> None:  # noqa: B027
         """A transfer failed: stop pending I/O so engines stuck receiving fail fast."""
 
-    def close(self, engines: Sequence[EngineHandle]) -> None:  # noqa: B027
+    def abandon(self) -> None:  # noqa: B027
+        """After a failed sync, once no call is in flight: the engines leave whatever this
+        transport made them join (the next sync starts afresh)."""
+
+    def close(self, engines: Sequence[EngineSession]) -> None:  # noqa: B027
         """Release groups and buffers."""

@@ -13,16 +13,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.session import CallCancelled, EngineSession, describe
 from slime_like.errors import EngineError, WeightSyncError
-from slime_like.weights.fanout import CallCancelled, describe
 
 
 @dataclass
 class EngineCall:
     """An HTTP call in flight to one engine, for one step of the transfer."""
 
-    engine: EngineHandle
+    engine: EngineSession
     step: str
     future: Future
     started: float = field(default_factory=time.monotonic)
@@ -92,6 +91,11 @@ class Watch:
         engine that no longer answers, an engine whose refusal is not itself a broken
         connection, then the earliest failure.
         """
+        if isinstance(exc, WeightSyncError) and exc.engine is not None and \
+                exc.__cause__ is not None and _blame_rank(exc.__cause__) < 2:
+            # The first failure seen was an engine's own (a refusal, or no answer) before
+            # any collective broke: what fails later on other engines follows from it.
+            return exc
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
             time.sleep(0.01)

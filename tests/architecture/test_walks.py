@@ -118,7 +118,8 @@ def _touches_bytes(frame, event: str, arg) -> bool:
 
 def test_a_real_sync_moves_the_bytes_through_exactly_the_documented_modules(
         engine, tiny_model_dir):
-    from slime_like.engine.handle import EngineHandle
+    from slime_like.engine.address import EngineAddress
+    from slime_like.engine.session import EngineSession
     from slime_like.trainer.actor import TrainerRank
 
     rank = TrainerRank(0, 1, str(tiny_model_dir), lr=1e-3, seed=0,
@@ -135,7 +136,7 @@ def test_a_real_sync_moves_the_bytes_through_exactly_the_documented_modules(
 
     sys.setprofile(hook)
     try:
-        report = rank.push_weights([EngineHandle(engine.url, 1)], version=1, full=True)
+        report = rank.push_weights([EngineSession(EngineAddress(engine.url, 1))], version=1, full=True)
     finally:
         sys.setprofile(None)
         rank.shutdown()

@@ -243,7 +243,7 @@ def _generate_in_background(engine: EngineServer, max_new_tokens: int = 900):
 def test_flush_cache_aborts_stuck_requests_when_nothing_would_be_lost(shared_engine):
     engine = shared_engine
     t, result = _generate_in_background(engine)
-    # Frozen behind the handle's back (not through EngineHandle.pause_generation): stuck
+    # Frozen behind the handle's back (not through EngineSession.pause_generation): stuck
     # requests.
     engine.client.pause_generation("in_place")
     try:

@@ -118,7 +118,8 @@ def test_a_retry_leaves_out_an_engine_whose_scheduler_is_busy(fleet, tiny_model_
     import gc
     import threading
 
-    from slime_like.engine.handle import EngineHandle
+    from slime_like.engine.address import EngineAddress
+    from slime_like.engine.session import EngineSession
     from slime_like.protocol import io_struct as p
     from slime_like.protocol.weight_group import host_store
 
@@ -129,8 +130,8 @@ def test_a_retry_leaves_out_an_engine_whose_scheduler_is_busy(fleet, tiny_model_
     join = p.InitWeightsUpdateGroupRequest(
         master_address="127.0.0.1", master_port=held["store"].port, rank_offset=1,
         world_size=2, group_name="held", backend="gloo")
-    client = EngineHandle(held_engine.url, api_key=held_engine.handle.api_key,
-                          admin_api_key=held_engine.handle.admin_api_key)
+    client = EngineSession(EngineAddress(held_engine.url, api_key=held_engine.handle.api_key,
+                          admin_api_key=held_engine.handle.admin_api_key))
     stuck = threading.Thread(target=_quietly, args=(client.init_weights_update_group, join, 700),
                              daemon=True)
     stuck.start()

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
 from slime_like.observe.utilization import (
     BUSY,
     DOWN,
@@ -54,7 +55,7 @@ def two_engines(tiny_model_dir, tmp_path_factory):
 
 def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_engines, tmp_path):
     e0, e1 = two_engines
-    watched = [EngineHandle(e0.url, engine_id="e0")]
+    watched = [EngineSession(EngineAddress(e0.url, engine_id="e0"))]
     begun = time.time()
     log = UtilizationLog(tmp_path / "utilization.jsonl", origin=begun)
     util = EngineUtilization(lambda: list(watched), interval_s=0.05, log=log).start()
@@ -92,7 +93,7 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
 
         # A second engine joins the set, then is killed: down, not idle, and left out of
         # the idle ratio.
-        watched.append(EngineHandle(e1.url, engine_id="e1"))
+        watched.append(EngineSession(EngineAddress(e1.url, engine_id="e1")))
         _wait_for("e1 seen idle", lambda: util.state_of("e1") == IDLE)
         os.killpg(e1.proc.pid, signal.SIGKILL)
         _wait_for("e1 down", lambda: util.state_of("e1") == DOWN)
@@ -127,7 +128,7 @@ def test_a_failing_engine_set_or_stopped_engine_never_raises_into_the_job():
     assert not util._thread.is_alive() and util.intervals() == []
 
     # Nothing listens there: after `down_after` failed polls it is down, from the first.
-    port_free = EngineHandle("http://127.0.0.1:9")  # named by the mapping below
+    port_free = EngineSession(EngineAddress("http://127.0.0.1:9"))  # named by the mapping below
     clock = iter(float(t) for t in range(100))
     util = EngineUtilization(lambda: {"nowhere": port_free}, interval_s=0.01, timeout_s=0.2,
                              down_after=3, clock=lambda: next(clock))
@@ -194,7 +195,7 @@ def test_observers_start_the_sampler_and_close_stops_it_before_the_report(tmp_pa
     args = parse_args(["--config", "configs/quickstart.yaml", "--num-rollout", "1",
                        "--output-dir", str(tmp_path)])
     obs = RunObservers.start(observe_settings(args), tmp_path)
-    unreachable = EngineHandle("http://127.0.0.1:9", engine_id="e0")
+    unreachable = EngineSession(EngineAddress("http://127.0.0.1:9", engine_id="e0"))
     util = obs.start_utilization(lambda: [unreachable], interval_s=0.02)
     assert obs.start_utilization(lambda: []) is util  # one sampler per run
     begun = time.time()

@@ -127,14 +127,15 @@ def test_a_frozen_model_without_a_backup_keeps_its_weights_through_the_fleets_re
         plain_engine):
     """No sync ever refills a frozen model (a KL reference), so the fleet's release around a
     train step gives back everything but its weights; a trained engine gives back all."""
-    from slime_like.engine.handle import EngineHandle
+    from slime_like.engine.address import EngineAddress
+    from slime_like.engine.session import EngineSession
     from slime_like.fleet.lifecycle import ManagedEngine
     from slime_like.fleet.offload import Offload
 
     e = plain_engine
     before, sums = e.generate(GREEDY).json(), _checksums(e)
     frozen = ManagedEngine("ref/g0/e0", "ref", [], update_weights=False,
-                           handle=EngineHandle(e.url))
+                           handle=EngineSession(EngineAddress(e.url)))
     tags: dict = {}
     Offload._release(frozen, None, tags)
     assert tags["ref/g0/e0"] == ["kv_cache", "cuda_graph"]
@@ -143,7 +144,7 @@ def test_a_frozen_model_without_a_backup_keeps_its_weights_through_the_fleets_re
     assert e.generate(GREEDY).json()["output_ids"] == before["output_ids"]
 
     trained = ManagedEngine("actor/g0/e0", "actor", [], update_weights=True,
-                            handle=EngineHandle(e.url))
+                            handle=EngineSession(EngineAddress(e.url)))
     Offload._release(trained, None, tags)
     assert tags["actor/g0/e0"] is None  # all tags: the sync refills its weights
     assert _checksums(e) != sums

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
 from slime_like.protocol.checksums import tensor_checksum
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.trainer.serve_dtype import serve_dtype
@@ -42,7 +43,7 @@ def test_fp32_training_syncs_into_a_bf16_engine_as_bf16(bf16_checkpoint, tmp_pat
     assert all(p.dtype == torch.float32 for p in policy.model.parameters())
     policy.train_step([([5, 6, 7], [8, 9])], [1.0])
     engine = start_engine(bf16_checkpoint, tmp_path)
-    sync = WeightSync([EngineHandle(engine.url, 1)],
+    sync = WeightSync([EngineSession(EngineAddress(engine.url, 1))],
                       WeightSyncConfig(transport="distributed", http_timeout_s=60,
                                        group_timeout_s=60))
     try:

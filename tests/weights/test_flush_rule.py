@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
 from slime_like.weights import SyncReport, WeightSync
-from slime_like.weights.control import Control
 
 
-def engine(version: tuple[int, ...] | None) -> EngineHandle:
-    e = EngineHandle("http://127.0.0.1:9")  # never contacted: the rule needs no I/O
+def engine(version: tuple[int, ...] | None) -> EngineSession:
+    e = EngineSession(EngineAddress("http://127.0.0.1:9"))  # never contacted: the rule needs no I/O
     e.version = version
     e.server_info = {"version": ".".join(map(str, version)) if version else None}
     return e
@@ -35,6 +35,6 @@ def test_flush_follows_the_pause_mode_rule(mode, version, expected):
 
 
 def test_flush_is_folded_into_the_last_update_only_where_a_refusal_cannot_crash_the_engine():
-    assert Control.folds_flush(engine((0, 5, 23)))
-    assert not Control.folds_flush(engine((0, 5, 21)))  # asserts, i.e. crashes, on refusal
-    assert not Control.folds_flush(engine(None))
+    assert engine((0, 5, 23)).folds_flush
+    assert not engine((0, 5, 21)).folds_flush  # asserts, i.e. crashes, on refusal
+    assert not engine(None).folds_flush

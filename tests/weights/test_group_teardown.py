@@ -12,7 +12,8 @@ from __future__ import annotations
 import requests
 from weight_sync_helpers import start_engine, trainer_model
 
-from slime_like.engine.handle import EngineHandle
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
 from slime_like.weights import WeightSync
 
 USER, ADMIN = "user-key", "admin-key"
@@ -30,7 +31,7 @@ def test_a_regroup_and_a_close_destroy_every_left_group_on_keyed_engines(tiny_mo
     a = start_engine(tiny_model_dir, tmp_path, 1, *keys)
     b = start_engine(tiny_model_dir, tmp_path, 1, *keys)
     policy = trainer_model(tiny_model_dir, seed=3)
-    handle = lambda e: EngineHandle(e.url, api_key=USER, admin_api_key=ADMIN)  # noqa: E731
+    handle = lambda e: EngineSession(EngineAddress(e.url, api_key=USER, admin_api_key=ADMIN))  # noqa: E731
     sync = WeightSync([handle(a)], http_timeout_s=30, group_timeout_s=30)
     try:
         sync.update(policy)

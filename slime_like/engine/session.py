@@ -1,0 +1,453 @@
+"""EngineSession: every control call to one engine, and what this process did to it.
+
+Built only from an `EngineAddress` (so the keys come along, always) and one HTTP client
+(`EngineClient`). Beside the verbs, the session remembers what it changed on the engine:
+whether it paused it (and in which mode), whether a weight-update session is open, which
+weight groups it asked the engine to join. `undo()` puts all of that back, so a failed
+update, a regroup or a close cannot leave an engine paused, inside an update, or in a group
+nobody will use again. A session pickles as its address: what one process did belongs to
+that process.
+
+The session's calls can also be queued in its ordered lane (`submit`): each call is sent
+once the one before it was sent and its gate opened (by default: the one before was
+answered), on one thread pool shared by every session of the process. `each` and `on_all`
+fan one call out to many sessions at once and keep every engine's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.client import DEFAULT_TIMEOUT_S, EngineClient
+from slime_like.errors import EngineError, WeightSyncError
+from slime_like.protocol import io_struct as p
+from slime_like.protocol.compat import (
+    BEGIN_END_SINCE,
+    FLATTENED_DISTRIBUTED_SINCE,
+    FLUSH_AFTER_RETRACT_SINCE,
+    try_parse_version,
+)
+
+T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - an item
+
+# Whose requests survive a pause: a flush must never abort them.
+RESUMABLE_PAUSE_MODES = ("retract", "in_place")
+
+
+class CallCancelled(Exception):
+    """A queued engine call that was never sent because the update had already failed."""
+
+
+class EngineSession:
+    """One engine's verbs, its ordered lane, and the undo of what this process did to it."""
+
+    def __init__(self, address: EngineAddress, timeout: float = DEFAULT_TIMEOUT_S):
+        if not isinstance(address, EngineAddress):
+            raise TypeError(f"an EngineSession is built from an EngineAddress, got {address!r}")
+        self.address = address
+        self.http = EngineClient(address.url, api_key=address.api_key,
+                                 admin_api_key=address.admin_api_key, timeout=timeout)
+        # Read from /server_info by `probe`; None until then.
+        self.version: tuple[int, ...] | None = None
+        self.server_info: dict = {}
+        # What this process changed on the engine (undone by `undo`).
+        self.paused: str | None = None
+        self.in_update = False
+        self.groups: list[str] = []
+        self._lock = threading.Lock()
+        self._last: _Queued | None = None
+        self._generation = 0
+
+    def __reduce__(self) -> tuple:
+        return (EngineSession, (self.address, self.http.timeout))
+
+    def __repr__(self) -> str:
+        return f"EngineSession({self.address.engine_id} at {self.url})"
+
+    def __str__(self) -> str:
+        return self.url  # engines are named by URL in every message
+
+    # ---- the address -------------------------------------------------------------------------
+
+    url = property(lambda self: self.address.url)
+    tp_size = property(lambda self: self.address.tp_size)
+    engine_id = property(lambda self: self.address.engine_id)
+    worker_type = property(lambda self: self.address.worker_type)
+    bootstrap_port = property(lambda self: self.address.bootstrap_port)
+    api_key = property(lambda self: self.address.api_key)
+    admin_api_key = property(lambda self: self.address.admin_api_key)
+
+    @property
+    def timeout(self) -> float:
+        """The default timeout (seconds) of a verb called without one."""
+        return self.http.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.http.timeout = seconds
+
+    # ---- what this engine supports ----------------------------------------------------------
+
+    def probe(self, timeout: float | None = None) -> None:
+        """Read /server_info once: the sglang version and the TP size the engine really runs."""
+        self.server_info = self.http.server_info(timeout) or {}
+        info = p.ServerInfo.model_validate(self.server_info)
+        self.version = try_parse_version(info.version)
+        if info.tp_size is not None and info.tp_size != self.tp_size:
+            raise WeightSyncError("attach", f"the engine runs tp_size={info.tp_size} but the "
+                                  f"sync was configured with tp_size={self.tp_size}", self.url)
+        if (info.dp_size or 1) > 1:
+            raise WeightSyncError("attach", "weight updates need dp_size == 1 per engine "
+                                  "(sglang asserts it); run one server per DP replica", self.url)
+        if (info.pp_size or 1) > 1:
+            raise WeightSyncError("attach", "weight groups place ranks at rank_offset + "
+                                  "tp_rank only, so pp_size must be 1", self.url)
+
+    def _at_least(self, since: tuple[int, ...], unknown: bool) -> bool:
+        return unknown if self.version is None else self.version >= since
+
+    @property
+    def has_begin_end(self) -> bool:
+        return self._at_least(BEGIN_END_SINCE, unknown=True)
+
+    @property
+    def has_flattened_distributed(self) -> bool:
+        return self._at_least(FLATTENED_DISTRIBUTED_SINCE, unknown=True)
+
+    @property
+    def flushes_after_retract(self) -> bool:
+        return self._at_least(FLUSH_AFTER_RETRACT_SINCE, unknown=False)
+
+    @property
+    def folds_flush(self) -> bool:
+        """0.5.23 answers a refused post-update flush with 400 (weights kept); older engines
+        crash on it, so they get a separate /flush_cache, which is refused harmlessly."""
+        return self.version is not None and self.version >= FLUSH_AFTER_RETRACT_SINCE
+
+    # ---- health and info ---------------------------------------------------------------------
+
+    def ping(self, timeout: float = 5.0) -> bool:
+        """GET /ping: True while the server answers, even paused (unlike /health)."""
+        return self.http.ping(timeout)
+
+    def health_generate(self, timeout: float = 30.0) -> bool:
+        """One real generation step; raises EngineError on failure."""
+        self.http.health_generate(timeout)
+        return True
+
+    def model_info(self, timeout: float | None = None) -> dict:
+        return self.http.model_info(timeout)
+
+    def weight_version(self, timeout: float | None = None) -> str:
+        """The live weight version, from `/model_info` (`/get_weight_version` is gone)."""
+        return self.http.weight_version(timeout)
+
+    def loads(self, timeout: float | None = None) -> dict:
+        return self.http.loads(timeout)
+
+    def in_flight(self) -> int | None:
+        """Running plus waiting requests (what an abort-mode pause is about to abort)."""
+        with contextlib.suppress(EngineError, KeyError, TypeError, ValueError):
+            return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
+                       for x in self.loads().get("loads") or [])
+        return None
+
+    def weights_checker(self, req: p.WeightsCheckerRequest | None = None,
+                        timeout: float | None = None) -> dict:
+        """Per-rank checksums (`action="checksum"` by default), snapshot or compare."""
+        return self.http.weights_checker(req or p.WeightsCheckerRequest(), timeout)
+
+    def get_weights_by_name(self, req: p.GetWeightsByNameRequest,
+                            timeout: float | None = None) -> Any:
+        return self.http.get_weights_by_name(req, timeout)
+
+    def start_profile(self, req: p.ProfileRequest, timeout: float | None = None) -> str:
+        return self.http.start_profile(req, timeout)
+
+    def stop_profile(self, timeout: float | None = None) -> str:
+        return self.http.stop_profile(timeout)
+
+    # ---- generation control ------------------------------------------------------------------
+
+    def pause_generation(self, mode: p.PauseMode = "retract", timeout: float | None = None) -> dict:
+        self.paused = mode  # before the call: even one that timed out may have paused it
+        return self.http.pause_generation(mode, timeout)
+
+    def continue_generation(self, timeout: float | None = None) -> dict:
+        out = self.http.continue_generation(timeout=timeout)
+        self.paused = None
+        return out
+
+    def abort_request(self, rid: str = "", abort_all: bool = False,
+                      timeout: float | None = None) -> None:
+        self.http.abort_request(rid, abort_all, timeout)
+
+    def try_flush_cache(self) -> bool:
+        """One /flush_cache: True when flushed, False when the engine was not idle."""
+        return self.http.flush_cache()
+
+    def flush_cache(self, attempts: int = 20, interval: float = 0.5, abort_first: bool = True) -> bool:
+        """Flush the prefix cache, retrying while the engine is busy (bounded).
+
+        Stuck requests are aborted first when that loses nothing the caller wants to resume:
+        not while paused in `retract` or `in_place` mode, whose requests continue afterwards.
+        """
+        may_abort = abort_first and self.paused not in RESUMABLE_PAUSE_MODES
+        for attempt in range(attempts):
+            if self.http.flush_cache():
+                return True
+            if may_abort and attempt == 0:
+                self.http.abort_request(abort_all=True)
+            time.sleep(interval)
+        raise EngineError(self.url, "/flush_cache", 400,
+                          f"engine still busy after {attempts} attempts over "
+                          f"{attempts * interval:.1f}s", reason="busy")
+
+    def release_memory_occupation(self, tags: list[str] | None = None,
+                                  timeout: float | None = None) -> None:
+        self.http.release_memory_occupation(tags, timeout)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None,
+                                 timeout: float | None = None) -> None:
+        self.http.resume_memory_occupation(tags, timeout)
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def init_weights_update_group(self, req: p.InitWeightsUpdateGroupRequest,
+                                  timeout: float | None = None) -> dict:
+        with self._lock:  # before the call: a join that timed out may still have joined
+            if req.group_name not in self.groups:
+                self.groups.append(req.group_name)
+        return self.http.init_weights_update_group(req, timeout)
+
+    def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME,
+                                     timeout: float | None = None) -> dict:
+        out = self.http.destroy_weights_update_group(group_name, timeout)
+        with self._lock:
+            self.groups = [g for g in self.groups if g != group_name]
+        return out
+
+    def leave_groups(self, timeout: float = 10.0) -> list[str]:
+        """Destroy every group this session asked the engine to join; the names it could not
+        reach the engine about (it is gone or hung) are returned. An engine that answers
+        400 no longer has the group: that counts as left."""
+        unreached = []
+        for name in list(self.groups):
+            try:
+                self.destroy_weights_update_group(name, timeout=timeout)
+            except EngineError as e:
+                if e.status is None:
+                    unreached.append(name)
+                    continue
+            with self._lock:
+                self.groups = [g for g in self.groups if g != name]
+        return unreached
+
+    def begin_weight_update(self, timeout: float | None = None) -> dict | None:
+        """Open an update session. An engine without sessions (sglang < 0.5.21, 404) is
+        noted as such; one left open by an earlier failed update is closed and reopened."""
+        try:
+            answer = self.http.begin_weight_update(timeout)
+        except EngineError as e:
+            if e.status == 404:
+                self.version = self.version or (0, 5, 20)
+                return None
+            if e.status == 400 and "already open" in e.body:
+                self.http.end_weight_update(timeout)
+                answer = self.http.begin_weight_update(timeout)
+            else:
+                raise
+        self.in_update = True
+        return answer
+
+    def end_weight_update(self, timeout: float | None = None) -> dict:
+        out = self.http.end_weight_update(timeout)
+        self.in_update = False
+        return out
+
+    def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
+                                        timeout: float | None = None) -> dict:
+        return self.http.update_weights_from_distributed(req, timeout)
+
+    def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
+                                   timeout: float | None = None) -> dict:
+        return self.http.update_weights_from_tensor(req, timeout)
+
+    def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
+                                 timeout: float | None = None) -> dict:
+        return self.http.update_weights_from_disk(req, timeout)
+
+    def update_weight_version(self, req: p.UpdateWeightVersionRequest,
+                              timeout: float | None = None) -> dict:
+        return self.http.update_weight_version(req, timeout)
+
+    def verify_version(self, version: str) -> None:
+        got = self.weight_version()
+        if got != version:
+            raise WeightSyncError("verify_weight_version",
+                                  f"engine reports weight_version {got!r}, expected {version!r}",
+                                  self.url)
+
+    # ---- undo --------------------------------------------------------------------------------
+
+    def undo(self, *, resume: bool = True, timeout: float = 30.0) -> list[str]:
+        """Close what this process left open on the engine: its update session, then (when
+        `resume`) its pause. Problems are returned, never raised: an engine that cannot be
+        reached is the fleet's to recover, and the others must still be put back."""
+        problems = []
+        if self.in_update:
+            try:
+                self.end_weight_update(timeout=min(timeout, self.timeout))
+            except EngineError as e:
+                if e.status is not None:  # answered: nothing is open any more
+                    self.in_update = False
+                problems.append(f"end_weight_update: {e}")
+        if resume and self.paused is not None:
+            for attempt in range(2):  # continue is idempotent: an error answer is retried once
+                try:
+                    self.continue_generation(timeout=min(timeout, self.timeout))
+                    break
+                except EngineError as e:
+                    if e.status is None or attempt == 1:
+                        problems.append(f"continue_generation: {e}")
+                        break
+                    time.sleep(0.2)
+        return problems
+
+    # ---- the ordered lane --------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., T], *args: Any,
+               gate: Callable[[], bool] | None = None) -> Future[T]:
+        """Queue fn(*args) behind this session's earlier calls.
+
+        Order matters: consecutive bucket updates describe consecutive broadcasts, so update
+        k+1 must never reach an engine before update k. The call is sent once the previous
+        one was sent and its gate opens; the default gate is "the previous call was
+        answered". A transport may pass a weaker gate that still implies update k was taken
+        up (its broadcast completed), so update k+1 travels while the engine loads bucket k.
+        """
+        with self._lock:
+            prev, generation = self._last, self._generation
+            if gate is None:
+                gate = (lambda: True) if prev is None else prev.future.done
+            queued = _Queued(Future())
+            self._last = queued
+        _pool().submit(self._run, queued, prev, generation, gate, fn, args)
+        return queued.future
+
+    def cancel_pending(self) -> None:
+        """Every call still waiting for its gate fails with CallCancelled, never sent."""
+        with self._lock:
+            self._generation += 1
+            self._last = None
+
+    def _run(self, queued: _Queued, prev: _Queued | None, generation: int,
+             gate: Callable[[], bool], fn: Callable, args: tuple) -> None:
+        if prev is not None:
+            prev.sent.wait()
+        while generation == self._generation:
+            try:
+                if gate():
+                    break
+            except Exception:  # noqa: BLE001 - a broken gate (e.g. an aborted work): go
+                break
+            time.sleep(5e-5)
+        queued.sent.set()
+        if generation != self._generation:
+            queued.future.set_exception(CallCancelled("not sent: the update had already failed"))
+            return
+        if prev is not None and prev.future.done() and prev.future.exception() is not None:
+            # The chain broke: update k+1 must never reach an engine that did not take k.
+            queued.future.set_exception(CallCancelled("not sent: the call before it failed"))
+            return
+        if not queued.future.set_running_or_notify_cancel():
+            return
+        try:
+            queued.future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            queued.future.set_exception(e)
+
+
+class _Queued:
+    """A call in a session's lane: its future, and whether it left the lane (sent or not)."""
+
+    __slots__ = ("future", "sent")
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.sent = threading.Event()
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's one pool for engine calls. Threads start lazily, so its size is only a
+    ceiling: a waiting call holds a thread, and calls start in submission order, so the
+    call a waiter waits for has always started before it."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1024, thread_name_prefix="engine-call")
+        return _POOL
+
+
+def each(items: Sequence[I], fn: Callable[[I], T]) -> list[tuple[T | None, Exception | None]]:
+    """`fn(item)` for every item at once; per item, in order, (result, None) or (None, the
+    error). Every call has ended when this returns. One item runs in the caller's thread:
+    no hop on a hot path (a colocated sync's single engine)."""
+    def one(item: I) -> tuple[T | None, Exception | None]:
+        try:
+            return fn(item), None
+        except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
+            return None, err
+
+    if len(items) <= 1:
+        return [one(item) for item in items]
+    futures = [_pool().submit(one, item) for item in items]
+    return [f.result() for f in futures]
+
+
+def on_all(sessions: Sequence[EngineSession], step: str,
+           fn: Callable[[EngineSession], T]) -> list[T]:
+    """fn on every session at once; the first failure raises naming the engine and the step,
+    after every call ended (no engine is left with a half-issued call)."""
+    outcomes = each(sessions, fn)
+    errors = [(s, err) for s, (_, err) in zip(sessions, outcomes, strict=True) if err is not None]
+    if errors:
+        raise step_error(step, errors)
+    return [result for result, _ in outcomes]
+
+
+def step_error(step: str, errors: Sequence[tuple[EngineSession, BaseException]]) -> WeightSyncError:
+    """One WeightSyncError for failures on one or more engines (the first names the engine).
+
+    A WeightSyncError raised by the call itself (e.g. WeightMetadataError) is kept, type
+    and all, with the other engines' failures appended to its message.
+    """
+    first_engine, first = errors[0]
+    others = "; also failed on " + ", ".join(
+        f"{e.url} ({describe(x)})" for e, x in errors[1:]) if len(errors) > 1 else ""
+    if isinstance(first, WeightSyncError):
+        if others:
+            first.args = (str(first) + others,)
+        return first
+    err = WeightSyncError(step, describe(first) + others, first_engine.url)
+    err.__cause__ = first
+    return err
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, WeightSyncError):
+        return exc.detail
+    if isinstance(exc, EngineError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,135 @@
+"""A fault at each step of an update leaves no engine paused, inside an update session or in
+a weight group, and the next update lands.
+
+Two real reference engines with keys on (the default of the job), this process as the
+trainer (gloo). Engine B is reached through a `FaultProxy` that, at one call of one step,
+kills it (SIGKILL, real), hangs it (SIGSTOP, real) or answers 500 (the one fake: a real
+engine cannot be made to fail a given call). The steps are the update's calls in order:
+pause, begin, the first bucket, the last bucket (it carries the cache flush on sglang
+0.5.23, so a fault at the flush is a fault there), end and continue. Engine A is asked
+directly, with the admin key, what state it was left in.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import requests
+from fault_proxy import FaultProxy
+from weight_sync_helpers import start_engine, trainer_model
+
+from slime_like.engine.address import EngineAddress
+from slime_like.engine.session import EngineSession
+from slime_like.errors import WeightSyncError
+from slime_like.protocol.buckets import plan_buckets
+from slime_like.weights import ModelWeights, WeightSync
+
+USER, ADMIN = "user-key", "admin-key"
+KEYS = ("--api-key", USER, "--admin-api-key", ADMIN)
+BUCKET_BYTES = 1 << 16
+
+STEPS = {  # step -> (endpoint, which call of it; None: the last bucket)
+    "pause": ("/pause_generation", 1),
+    "begin": ("/begin_weight_update", 1),
+    "first bucket": ("/update_weights_from_distributed", 1),
+    "last bucket, with the flush": ("/update_weights_from_distributed", None),
+    "end": ("/end_weight_update", 1),
+    "continue": ("/continue_generation", 1),
+}
+
+
+class Fleet:
+    """Engine A (direct) and engine B (behind the fault proxy); B is relaunched when killed."""
+
+    def __init__(self, model_dir, log_dir):
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.a = start_engine(model_dir, log_dir, 1, *KEYS)
+        self.b = start_engine(model_dir, log_dir, 1, *KEYS)
+        self.proxy = FaultProxy(self.b.url, self.b.process)
+
+    def relaunch_b(self) -> None:
+        self.b.process.terminate(grace=5)
+        self.b = start_engine(self.model_dir, self.log_dir, 1, *KEYS)
+        self.proxy.retarget(self.b.url, self.b.process)
+
+    def sessions(self) -> list[EngineSession]:
+        return [EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN))
+                for url in (self.a.url, self.proxy.url)]
+
+    def close(self) -> None:
+        self.proxy.close()
+        for e in (self.a, self.b):
+            e.process.terminate(grace=5)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir, tmp_path_factory):
+    f = Fleet(tiny_model_dir, tmp_path_factory.mktemp("undo-engines"))
+    yield f
+    f.close()
+
+
+def _admin(url: str, endpoint: str, body: dict | None = None) -> requests.Response:
+    return requests.post(url + endpoint, json=body or {}, timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def assert_left_clean(url: str, groups: list[str], keep: str | None = None) -> None:
+    """Not paused, no update session open, in no group this test's trainer made (but `keep`)."""
+    loads = requests.get(url + "/v1/loads", timeout=30,
+                         headers={"Authorization": f"Bearer {USER}"}).json()["loads"]
+    assert not any(x["paused"] for x in loads), (url, "left paused")
+    r = _admin(url, "/end_weight_update")
+    assert r.status_code == 400 and "no weight-update session is open" in r.text, (url, r.text)
+    for name in groups:
+        if name != keep:
+            r = _admin(url, "/destroy_weights_update_group", {"group_name": name})
+            assert r.status_code == 400 and "does not exist" in r.text, (url, name, r.text)
+
+
+CASES = [(step, fault) for step in STEPS for fault in ("500", "kill", "hang")]
+
+
+@pytest.mark.parametrize(("step", "fault"), CASES, ids=[f"{s}-{f}" for s, f in CASES])
+def test_a_fault_at_each_step_is_undone_and_the_next_update_lands(fleet, tiny_model_dir,
+                                                                   step, fault):
+    endpoint, n = STEPS[step]
+    policy = trainer_model(tiny_model_dir, seed=11)
+    if n is None:
+        n = len(plan_buckets(ModelWeights(policy).metadata(), BUCKET_BYTES))
+    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
+                      http_timeout_s=3, group_timeout_s=30, liveness_timeout_s=1)
+    try:
+        sync.update(policy, "1")  # forms the group: the faults land in a running fleet
+        fleet.proxy.arm(endpoint, n, fault)
+        retried = step == "continue" and fault == "500"  # continue is idempotent: retried once
+        if retried:
+            sync.update(trainer_model(tiny_model_dir, seed=12), "2")
+        else:
+            with pytest.raises(WeightSyncError) as failure:
+                sync.update(trainer_model(tiny_model_dir, seed=12), "2")
+            assert failure.value.engine == fleet.proxy.url, failure.value  # names engine B
+        assert fleet.proxy.fired.is_set()
+        # The healthy engine at once: serving, no session, out of every group (the
+        # continue step failed after the update landed: its group is still the current one).
+        current = sync.transport.group_name if step == "continue" else None
+        assert_left_clean(fleet.a.url, fleet.proxy.groups, keep=current)
+        if fault == "hang":
+            fleet.b.process.kill(signal.SIGCONT)
+        if fault == "kill":
+            fleet.relaunch_b()
+        for url in sync.take_dropped():
+            sync.add_engine(EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN)))
+        final = trainer_model(tiny_model_dir, seed=13)
+        sync.update(final, "3")
+        for url in (fleet.a.url, fleet.b.url):
+            got = requests.get(url + "/model_info", timeout=30,
+                               headers={"Authorization": f"Bearer {USER}"}).json()
+            assert got["weight_version"] == "3", (url, got)
+            assert_left_clean(url, fleet.proxy.groups, keep=sync.transport.group_name)
+    finally:
+        fleet.proxy.disarm()
+        sync.close()
+    for url in (fleet.a.url, fleet.b.url):
+        assert_left_clean(url, fleet.proxy.groups)
