@@ -39,6 +39,8 @@ I = TypeVar("I")  # noqa: E741 - an item
 
 # Whose requests survive a pause: a flush must never abort them.
 RESUMABLE_PAUSE_MODES = ("retract", "in_place")
+# sglang 0.5.23's answer when the weights landed but the flush after them was refused.
+FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
 
 
 class CallCancelled(Exception):
@@ -274,15 +276,27 @@ class EngineSession:
 
     def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
                                         timeout: float | None = None) -> dict:
-        return self.http.update_weights_from_distributed(req, timeout)
+        return self._update(self.http.update_weights_from_distributed, req, timeout)
 
     def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
                                    timeout: float | None = None) -> dict:
-        return self.http.update_weights_from_tensor(req, timeout)
+        return self._update(self.http.update_weights_from_tensor, req, timeout)
 
     def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
                                  timeout: float | None = None) -> dict:
-        return self.http.update_weights_from_disk(req, timeout)
+        return self._update(self.http.update_weights_from_disk, req, timeout)
+
+    @staticmethod
+    def _update(call: Callable[[Any, float | None], dict], req: Any, timeout: float | None) -> dict:
+        """An update's answer; one whose weights landed but whose folded flush was refused
+        (sglang 0.5.23 answers 400) is a success with `flush_refused` set: the weights serve."""
+        try:
+            return call(req, timeout)
+        except EngineError as e:
+            if getattr(req, "flush_cache", False) and e.status == 400 and \
+                    FLUSH_REFUSED_MARK in e.body:
+                return {"success": True, "message": e.body, "flush_refused": True}
+            raise
 
     def update_weight_version(self, req: p.UpdateWeightVersionRequest,
                               timeout: float | None = None) -> dict:
@@ -367,12 +381,19 @@ class EngineSession:
             # The chain broke: update k+1 must never reach an engine that did not take k.
             queued.future.set_exception(CallCancelled("not sent: the call before it failed"))
             return
-        if not queued.future.set_running_or_notify_cancel():
+        future = queued.future
+        if not future.set_running_or_notify_cancel():
             return
+        # When it was sent and how long its round trip took, for whoever times the calls.
+        future.sent_at = time.perf_counter()  # type: ignore[attr-defined]
         try:
-            queued.future.set_result(fn(*args))
+            result = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            queued.future.set_exception(e)
+            future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
+            future.set_exception(e)
+            return
+        future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
+        future.set_result(result)
 
 
 class _Queued:

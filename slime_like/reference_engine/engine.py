@@ -26,7 +26,7 @@ from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.scheduler import Scheduler
 from slime_like.reference_engine.step_floor import min_step_seconds
 from slime_like.reference_engine.tp import TPGroup
-from slime_like.reference_engine.weight_control import WeightControl
+from slime_like.reference_engine.weight_api import WeightControl
 from slime_like.reference_engine.weight_receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from slime_like.reference_engine.frontend import EngineUnavailable
 from slime_like.reference_engine.openai_api import register_openai_routes
 from slime_like.reference_engine.profiler import Profiler
 from slime_like.reference_engine.sampling import SchemaError
-from slime_like.reference_engine.weight_control import WeightControl
+from slime_like.reference_engine.weight_api import register_weight_routes
+from slime_like.reference_engine.weight_state import register_weight_state_routes
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     """The HTTP surface of one reference engine."""
     frontend = engine.frontend
     scheduler = engine.scheduler
-    weights: WeightControl = engine.weight_control
     profiler = Profiler(scheduler)
 
     @contextlib.asynccontextmanager
@@ -152,9 +152,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     def error_400(e: Exception) -> JSONResponse:
         return JSONResponse(p.error_response_body(str(e)), status_code=getattr(e, "status_code", 400))
-
-    def success(ok: bool, message: str, **extra: Any) -> JSONResponse:
-        return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -302,79 +299,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise HTTPException(500, str(e)) from e
         return Response("Stop profiling. This will take some time.\n", media_type="text/plain")
 
-    # ---- weights ---------------------------------------------------------------------------
-
-    @app.post(paths.INIT_WEIGHTS_UPDATE_GROUP)
-    async def init_weights_update_group(obj: Annotated[p.InitWeightsUpdateGroupRequest, Body()]):
-        return success(*await weights.init_group(obj))
-
-    @app.post(paths.DESTROY_WEIGHTS_UPDATE_GROUP)
-    async def destroy_weights_update_group(obj: Annotated[p.DestroyWeightsUpdateGroupRequest, Body()]):
-        return success(*await weights.destroy_group(obj))
-
-    @app.post(paths.BEGIN_WEIGHT_UPDATE)
-    async def begin_weight_update(obj: Annotated[p.BeginWeightUpdateRequest, Body()]):
-        return success(*await weights.begin())
-
-    @app.post(paths.END_WEIGHT_UPDATE)
-    async def end_weight_update(obj: Annotated[p.EndWeightUpdateRequest, Body()]):
-        return success(*await weights.end())
-
-    @app.post(paths.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
-    async def update_weights_from_distributed(obj: Annotated[p.UpdateWeightsFromDistributedRequest, Body()]):
-        return success(*await weights.update_from_distributed(obj))
-
-    @app.post(paths.UPDATE_WEIGHTS_FROM_TENSOR)
-    async def update_weights_from_tensor(obj: Annotated[p.UpdateWeightsFromTensorRequest, Body()]):
-        try:
-            return success(*await weights.update_from_tensor(obj))
-        except Exception as e:  # noqa: BLE001 - sglang's scheduler crashes here; we answer 400
-            return success(False, f"Failed to update weights from tensor: {e}")
-
-    @app.post(paths.UPDATE_WEIGHTS_FROM_DISK)
-    async def update_weights_from_disk(obj: Annotated[p.UpdateWeightsFromDiskRequest, Body()]):
-        ok, message = await weights.update_from_disk(obj)
-        if ok:
-            engine.model_path = engine.served_model_name = obj.model_path
-            if obj.load_format:
-                engine.load_format = obj.load_format
-        return success(ok, message, num_paused_requests=0)
-
-    @app.post(paths.UPDATE_WEIGHT_VERSION)
-    async def update_weight_version(obj: Annotated[p.UpdateWeightVersionRequest, Body()]):
-        ok, message = await weights.update_weight_version(obj)
-        return success(ok, message, **({"new_version": obj.new_version} if ok else {}))
-
-    @app.api_route(paths.GET_WEIGHTS_BY_NAME, methods=["GET", "POST"])
-    async def get_weights_by_name(obj: Annotated[p.GetWeightsByNameRequest, Body()]):
-        try:
-            value = await weights.get_weights_by_name(obj)
-        except Exception as e:  # noqa: BLE001
-            return error_400(e)
-        if value is None:
-            return error_400(ValueError("Get parameter by name failed"))
-        return value
-
-    @app.api_route(paths.WEIGHTS_CHECKER, methods=["GET", "POST"])
-    async def weights_checker(obj: Annotated[p.WeightsCheckerRequest | None, Body()] = None):
-        body = await weights.check_weights(obj or p.WeightsCheckerRequest())
-        return JSONResponse(body, status_code=200 if body["success"] else 400)
-
-    @app.api_route(paths.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
-    async def release_memory_occupation(obj: Annotated[p.MemoryOccupationRequest, Body()]):
-        try:
-            await weights.release_memory(obj.tags)
-        except Exception as e:  # noqa: BLE001
-            return error_400(e)
-        return None
-
-    @app.api_route(paths.RESUME_MEMORY_OCCUPATION, methods=["GET", "POST"])
-    async def resume_memory_occupation(obj: Annotated[p.MemoryOccupationRequest, Body()]):
-        try:
-            await weights.resume_memory(obj.tags)
-        except Exception as e:  # noqa: BLE001
-            return error_400(e)
-        return None
-
+    register_weight_routes(app, engine)
+    register_weight_state_routes(app, engine)
     register_openai_routes(app, engine)
     return app

@@ -123,14 +123,21 @@ class PlanCache:
     def clear(self) -> None:
         self._plans.clear()
 
-    def get(self, key: tuple, build) -> LoadPlan:
+    def get(self, key: tuple) -> LoadPlan | None:
+        """The plan cached for `key`, or None (a miss: the caller builds it and `put`s it).
+
+        No build callback: the receiver builds the plan itself, so its walk goes down into
+        this module and back, never through it and back up into the receiver."""
         plan = self._plans.get(key)
-        if plan is not None:
-            self.hits += 1
-            self._plans.move_to_end(key)
-            return plan
-        self.misses += 1
-        plan = build()
+        if plan is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: tuple, plan: LoadPlan) -> LoadPlan:
+        """Cache `plan` for `key` (the oldest plan out past MAX_PLANS); returns it."""
         self._plans[key] = plan
         if len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)

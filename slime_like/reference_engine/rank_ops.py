@@ -2,15 +2,13 @@
 
 The engine sends every rank the same kind of message, sglang's io_struct style: a frozen
 dataclass per operation, picklable through a rank's pipe, run by its type
-(`WeightReceiver.run`), never a method name looked up with `getattr`. `Completion` is the
-outcome of an operation whose CUDA copy may still be running.
+(`WeightReceiver.run`), never a method name looked up with `getattr`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -77,19 +75,3 @@ class EndSession:
 
 RankOp = (InitGroup | DestroyGroup | ReceiveDistributed | LoadTensorPayload | LoadFromDisk
           | Checksums | ReleaseWeights | ResumeWeights | EndSession)
-
-
-class Completion:
-    """The outcome of a rank operation; on CUDA it may still be running on a stream."""
-
-    def __init__(self, ok: bool, message: str, event: Any = None, keep: Any = None):
-        self.ok, self.message = ok, message
-        self._event = event
-        self._keep = keep  # buffers that must outlive the asynchronous copy
-
-    def wait(self) -> tuple[bool, str]:
-        """Block until the copy finished; (success, message)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event, self._keep = None, None
-        return self.ok, self.message

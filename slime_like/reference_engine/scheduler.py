@@ -10,6 +10,7 @@ same thread between steps, in arrival order, so they never race a forward pass.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import sys
 import threading
@@ -138,6 +139,10 @@ class Scheduler:
     def resume(self) -> concurrent.futures.Future:
         """Leave the paused state."""
         return self.call(self._resume)
+
+    def set_weight_version(self, new_version: str) -> concurrent.futures.Future:
+        """Record a new weight version between two steps (`record_weight_version`)."""
+        return self.call(functools.partial(self.record_weight_version, new_version))
 
     def flush(self, timeout_s: float = 0.0) -> concurrent.futures.Future:
         """Future of (flushed, message); waits up to timeout_s for the engine to become idle."""

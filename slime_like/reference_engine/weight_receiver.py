@@ -1,7 +1,9 @@
-"""The per-TP-rank half of sglang's weight API: groups, receives, loads, checksums, memory.
+"""The per-TP-rank half of sglang's weight API: receives, loads, checksums (groups in
+`weight_groups.py`, memory release and resume in `weight_memory.py`).
 
 One `WeightReceiver` lives on every TP rank (rank 0 in the HTTP process, the others in
-their own processes); the engine fans each operation out to all of them. Loading always
+their own processes); the engine fans each operation (`rank_ops`) out to all of them and
+`run` runs it by its type. Loading always
 goes by HF parameter name, and every name and shape is checked before the first byte of a
 parameter changes, so a bad request never leaves a half-written model.
 
@@ -16,13 +18,11 @@ per-tensor format stays sglang's: each tensor received into a fresh tensor, then
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import operator
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,14 +33,6 @@ from slime_like.models.transformer import hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.protocol.io_struct import FLATTENED_BUCKET
-from slime_like.protocol.socket_ifname import check_reachable
-from slime_like.protocol.weight_group import (
-    abort_process_group,
-    check_store_listening,
-    destroy_process_group,
-    init_custom_process_group,
-    tcp_init_method,
-)
 from slime_like.reference_engine import rank_ops as op
 from slime_like.reference_engine.load_plan import (
     LoadPlan,
@@ -51,20 +43,35 @@ from slime_like.reference_engine.load_plan import (
     distributed_entries,
     request_key,
 )
-from slime_like.reference_engine.rank_ops import Completion
+from slime_like.reference_engine.weight_groups import WeightGroups
 from slime_like.reference_engine.weight_memory import Released, WeightMemory
 
 logger = logging.getLogger(__name__)
 
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
-DEFAULT_GROUP_TIMEOUT_S = 600.0
 MAX_BUCKETS_IN_FLIGHT = 2
 IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank within a session
 # A flattened bucket's signature, tensor by tensor (sglang's FlattenedTensorMetadata fields)
 _METADATA_KEY = operator.attrgetter("name", "dtype", "shape", "start_idx", "end_idx")
 
 
-class WeightReceiver(WeightMemory):
+class Completion:
+    """The outcome of a rank operation; on CUDA its copy may still be running on a stream."""
+
+    def __init__(self, ok: bool, message: str, event: Any = None, keep: Any = None):
+        self.ok, self.message = ok, message
+        self._event = event
+        self._keep = keep  # buffers that must outlive the asynchronous copy
+
+    def wait(self) -> tuple[bool, str]:
+        """Block until the copy finished; (success, message)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event, self._keep = None, None
+        return self.ok, self.message
+
+
+class WeightReceiver(WeightGroups, WeightMemory):
     """Weight operations on one TP rank's copy of the model."""
 
     def __init__(self, model: torch.nn.Module, *, tp_rank: int, tp_size: int, device: torch.device,
@@ -127,49 +134,6 @@ class WeightReceiver(WeightMemory):
         self.arena = ParamArena(list(self.params.values()), copy=copy)
         self.plans.clear()
 
-    # ---- groups ----------------------------------------------------------------------------
-
-    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> tuple[bool, str]:
-        """Join weight group `group_name` as rank rank_offset + tp_rank."""
-        rank = rank_offset + self.tp_rank
-        try:
-            if backend == "nccl" and self.device.type != "cuda":
-                raise ValueError("backend 'nccl' needs a CUDA engine; this engine runs on cpu "
-                                 "(use backend 'gloo')")
-            check_store_listening(master_address, master_port)
-            # A wrong interface fails here in seconds, not in the rendezvous after minutes.
-            choice = check_reachable(backend, [(master_address, master_port)],
-                                     who=f"engine rank {rank}")
-            if choice is not None:
-                logger.info("weight group %s: rank %d binds %s; the trainer's store %s:%d "
-                         "reached from it", group_name, rank, choice.describe(),
-                         master_address, master_port)
-            pg = init_custom_process_group(
-                backend=backend, init_method=tcp_init_method(master_address, master_port),
-                world_size=world_size, rank=rank, group_name=group_name,
-                # No device_id, as sglang: a bound device makes NCCL connect eagerly inside
-                # this call, which then blocks until the trainer's first collective, while
-                # the trainer (like sglang's) waits for this call's answer before sending.
-                timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 - answered as sglang's 400 message
-            return False, f"Failed to initialize custom process group: {e}."
-        self.groups[group_name] = pg
-        return True, "Succeeded to initialize custom process group."
-
-    def destroy_group(self, group_name: str) -> tuple[bool, str]:
-        """Leave a weight group; unknown names are sglang's 400."""
-        pg = self.groups.pop(group_name, None)
-        if pg is None:
-            return False, "The group to be destroyed does not exist."
-        destroy_process_group(pg)
-        return True, "Succeeded to destroy custom process group."
-
-    def destroy_all_groups(self) -> None:
-        """Leave every weight group (shutdown)."""
-        for name in list(self.groups):
-            self.destroy_group(name)
-
     # ---- loading ---------------------------------------------------------------------------
 
     def check_loadable(self, named: Iterable[tuple[str, torch.Size | tuple[int, ...]]]) -> list[str]:
@@ -229,17 +193,6 @@ class WeightReceiver(WeightMemory):
         self.abandon_group(group_name)
         return Completion(False, message)
 
-    def abandon_group(self, group_name: str) -> None:
-        """Abort and drop a group whose collective failed, closing its connections now."""
-        pg = self.groups.pop(group_name, None)
-        if pg is None:
-            return
-        abort_process_group(pg)
-        destroy_process_group(pg)
-        del pg
-        gc.collect()  # the last reference gone, gloo closes its connections
-        logger.warning("left weight group %s after a failed receive", group_name)
-
     def _receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                              group_name: str, load_format: str | None) -> Completion:
         pg = self.groups[group_name]
@@ -271,7 +224,8 @@ class WeightReceiver(WeightMemory):
         return self._load_async(lambda: self._copy_in(named), [t for _, t in named])
 
     def _plan(self, key: tuple) -> LoadPlan:
-        return self.plans.get(key, lambda: build_plan(
+        """The cached plan of a distributed bucket's signature (built on its first sync)."""
+        return self.plans.get(key) or self.plans.put(key, build_plan(
             distributed_entries(key), self.params, self.arena, tied=self.tied,
             architecture=self.model.config.architecture))
 
@@ -361,7 +315,7 @@ class WeightReceiver(WeightMemory):
         # The signature is built at C speed (a 3B model's 255 tensors: tens of µs); every
         # check on its values runs once, when its plan is built.
         key = tuple(map(_METADATA_KEY, metadata))
-        plan = self.plans.get(("payload", key), lambda: build_plan(
+        plan = self.plans.get(("payload", key)) or self.plans.put(("payload", key), build_plan(
             key, self.params, self.arena, tied=self.tied,
             architecture=self.model.config.architecture))
         if plan.problems:

@@ -15,12 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from slime_like.engine.session import CallCancelled, EngineSession, on_all
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.weights.sync_config import SyncReport, WeightSyncConfig
-from slime_like.weights.transport import TransferContext, TransferStats
+from slime_like.weights.transport import TransferStats
 from slime_like.weights.watch import EngineCall
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class Control:
             return engine.pause_generation(mode, timeout=self.config.http_timeout_s)
 
         for engine in engines:
-            call = None
+            engine.cancel_pending()  # a new chain: a call that failed in the last update
+            call = None              # does not stop this one's
             if engine.url in quiet:
                 report.not_paused.append(engine.url)
             else:
@@ -65,10 +67,10 @@ class Control:
         return out
 
     def can_pipeline_end(self, engines: list[EngineSession], folded: frozenset[str],
-                          ctx: TransferContext, report: SyncReport) -> bool:
+                         answers: LastAnswers, report: SyncReport) -> bool:
         """True when nothing but end and continue is left: versions seen, no separate flush."""
-        return all(ctx.version_set(e) and (e.url in folded or self.flush_plan(e, report) is not None)
-                   for e in engines)
+        return all(answers.version_set(e) and
+                   (e.url in folded or self.flush_plan(e, report) is not None) for e in engines)
 
     @staticmethod
     def submit_end(engines: list[EngineSession]) -> list[EngineCall]:
@@ -152,28 +154,33 @@ class Control:
         return problems
 
 
-class _Timed:
-    """An engine call that remembers how long its HTTP round trip took once sent."""
+class LastAnswers:
+    """Each engine's answer to its last update: whether it now serves the version, and
+    whether the flush folded into that update was refused (the weights landed anyway)."""
 
-    def __init__(self, fn: Callable[[EngineSession], Any]):
-        self.fn = fn
-        self.seconds: float | None = None
+    def __init__(self, version: str):
+        self.version = version
+        self.answers: dict[str, Any] = {}
+        self.refused: dict[str, str] = {}
 
-    def __call__(self, engine: EngineSession) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.fn(engine)
-        finally:
-            self.seconds = time.perf_counter() - t0
+    def record(self, url: str, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        answer = future.result()
+        self.answers[url] = answer
+        if isinstance(answer, dict) and answer.get("flush_refused"):
+            self.refused[url] = str(answer.get("message", ""))
+
+    def version_set(self, engine: EngineSession) -> bool:
+        answer = self.answers.get(engine.url)
+        message = answer.get("message", "") if isinstance(answer, dict) else ""
+        return f"Weight version updated to {self.version}" in str(message)
 
 
 def _call(engine: EngineSession, step: str, fn: Callable[[EngineSession], Any],
           gate: Callable[[], bool] | None = None) -> EngineCall:
     """Queue fn(engine) in the engine's ordered lane (after everything queued before it)."""
-    timer = _Timed(fn)
-    call = EngineCall(engine, step, engine.submit(timer, engine, gate=gate))
-    call.timer = timer
-    return call
+    return EngineCall(engine, step, engine.submit(fn, engine, gate=gate))
 
 
 def settle(sent: Sequence[EngineCall], timeout_s: float) -> None:
@@ -188,7 +195,7 @@ def round_trips(sent: Sequence[EngineCall], stats: TransferStats) -> dict[str, f
     """Seconds per control round trip (slowest engine) and per bucket update (mean)."""
     out: dict[str, float] = {}
     for call in sent:
-        seconds = getattr(call.timer, "seconds", None)
+        seconds = getattr(call.future, "seconds", None)
         if seconds is not None:
             step = call.step.removesuffix("_generation").removesuffix("_weight_update")
             out[step] = max(out.get(step, 0.0), seconds)

@@ -13,12 +13,16 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from slime_like.engine.session import EngineSession
 from slime_like.models.loading import save_state_dict_atomic
 from slime_like.protocol import io_struct as p
-from slime_like.weights.transport import TransferContext, Transport
-from slime_like.weights.watch import EngineCall
+from slime_like.protocol.buckets import Bucket
+from slime_like.weights.packing import WeightSource
+from slime_like.weights.transport import Payload, TransferStats, Transport
+from slime_like.weights.watch import Watch
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _MAX_EXTRA_FILE_BYTES = 64 << 20
@@ -55,26 +59,26 @@ class DiskTransport(Transport):
         self.keep = max(2, keep)
         self.written: list[Path] = []
 
-    def transfer(self, ctx: TransferContext) -> None:
+    def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
+                 buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
+                 ) -> Iterator[Payload]:
         t0 = time.perf_counter()
-        state = dict(ctx.source.tensors())
-        extra = model_side_files(self.model_dir or _engine_model_dir(ctx))
-        out = save_state_dict_atomic(
-            state, self.directory / f"weights-{_safe_version(ctx.weight_version)}",
-            extra_files=extra)
-        ctx.stats.pack_s += time.perf_counter() - t0  # "pack" = writing the checkpoint
-        ctx.stats.bytes += sum(t.numel() * t.element_size() for t in state.values())
-        ctx.stats.buckets += 1
+        state = dict(source.tensors())
+        extra = model_side_files(self.model_dir or _engine_model_dir(engines))
+        out = save_state_dict_atomic(state, self.directory / f"weights-{_safe_version(version)}",
+                                     extra_files=extra)
+        stats.pack_s += time.perf_counter() - t0  # "pack" = writing the checkpoint
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        stats.bytes += nbytes
+        stats.buckets += 1
         del state
-        calls = []
-        for e in ctx.engines:
-            req = p.UpdateWeightsFromDiskRequest(model_path=str(out),
-                                                 flush_cache=ctx.flush_flag(e, True),
-                                                 weight_version=ctx.weight_version)
-            call = ctx.update_call(e.update_weights_from_disk, e, True)
-            calls.append(ctx.watch.add(EngineCall(e, "update_weights_from_disk", e.submit(
-                call, req, ctx.http_timeout_s))))
-        ctx.watch.wait_calls(calls)
+
+        def request(engine: EngineSession, flush: bool, version: str | None):
+            return p.UpdateWeightsFromDiskRequest(model_path=str(out), flush_cache=flush,
+                                                  weight_version=version)
+
+        yield Payload("update_weights_from_disk", "update_weights_from_disk", request, nbytes,
+                      last=True)
         if out in self.written:
             self.written.remove(out)
         self.written.append(out)
@@ -82,9 +86,9 @@ class DiskTransport(Transport):
             shutil.rmtree(self.written.pop(0), ignore_errors=True)
 
 
-def _engine_model_dir(ctx: TransferContext) -> str | None:
+def _engine_model_dir(engines: Sequence[EngineSession]) -> str | None:
     """The first engine's checkpoint directory, when this host can read it."""
-    for engine in ctx.engines:
+    for engine in engines:
         try:
             path = engine.model_info().get("model_path")
         except Exception:  # noqa: BLE001 - only a source of side files

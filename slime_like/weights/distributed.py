@@ -5,8 +5,9 @@ Layout (sglang's): trainer rank 0, engine i's TP ranks at `1 + sum(earlier tp) +
 engine was asked to join is remembered and destroyed on re-attach, so a rebuilt group
 (after a dead peer was dropped, or an engine came back) never collides with a stale one.
 
-Per bucket: post `update_weights_from_distributed` (`flattened_bucket`) to every engine,
-each engine's posts strictly in order, and broadcast the flat buffer. Bucket k+1 is packed
+Per bucket, a payload: the `update_weights_from_distributed` request (`flattened_bucket`)
+the sync posts through every engine's session, each engine's posts strictly in order; then
+the flat buffer is broadcast. Bucket k+1 is packed
 while bucket k is on the wire; on GPU packing runs on its own stream and the broadcast
 waits for it by stream order, so the host never blocks between buckets.
 """
@@ -21,9 +22,8 @@ import os
 import socket
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from urllib.parse import urlparse
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from slime_like.engine.session import EngineSession, on_all
 from slime_like.errors import WeightSyncError
 from slime_like.protocol import io_struct as p
+from slime_like.protocol.buckets import Bucket
 from slime_like.protocol.socket_ifname import InterfaceError, check_reachable
 from slime_like.protocol.weight_group import (
     abort_process_group,
@@ -41,8 +42,14 @@ from slime_like.protocol.weight_group import (
     init_custom_process_group,
     join_store,
 )
-from slime_like.weights.packing import BucketPacker, bucket_tensors, direct_view, metas_body
-from slime_like.weights.transport import TransferContext, Transport
+from slime_like.weights.packing import (
+    BucketPacker,
+    WeightSource,
+    bucket_tensors,
+    direct_view,
+    metas_body,
+)
+from slime_like.weights.transport import Payload, TransferStats, Transport
 from slime_like.weights.watch import EngineCall, Watch, no_answer
 
 log = logging.getLogger(__name__)
@@ -164,6 +171,7 @@ class DistributedTransport(Transport):
         self.master_port = master_port
         self.group_timeout_s = group_timeout_s
         self.packer = BucketPacker(self.device, bucket_bytes)
+        self._closing: threading.Thread | None = None  # a failed group, closing
         self.pg: dist.ProcessGroup | None = None
         self.group_name: str | None = None
         self.members: tuple[tuple[str, int], ...] = ()
@@ -271,6 +279,7 @@ class DistributedTransport(Transport):
 
     def _teardown(self, leave_timeout_s: float = 10.0) -> None:
         """Drop our side of the current group and ask engines to destroy every group they joined."""
+        self._closed()
         if self.pg is not None:
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members, self._store = None, None, (), None
@@ -294,49 +303,57 @@ class DistributedTransport(Transport):
         pg, self.pg, self._store = self.pg, None, None
         if pg is not None:
             abort_process_group(pg)
-            destroy_process_group(pg)
+            # gloo cannot abort: its destroy waits for every pending send, and a send to a
+            # live engine that never joined (it refused the update, or was never asked)
+            # waits until that engine leaves the group, which `abandon` asks it to do next.
+            # So the group closes on a thread of its own; the next group waits for it.
+            self._closing = threading.Thread(target=_close_group, args=(pg,), daemon=True,
+                                             name="weight-group-close")
             del pg
-            gc.collect()  # the last reference gone, gloo closes its connections
+            self._closing.start()
+
+    def _closed(self) -> None:
+        """Wait (bounded by the group timeout) until a failed group has closed."""
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            closing.join(self.group_timeout_s)
 
     def abandon(self) -> None:
         """Every engine leaves the failed sync's group now, not at the next regroup: a group
         no sync will use again must not outlive the failure (on GPUs, an NCCL communicator).
         A short wait each: an engine that does not answer is the fleet's to recover."""
-        self._teardown(leave_timeout_s=3.0)
+        closing, self._closing = self._closing, None  # the engines leave first: that ends
+        self._teardown(leave_timeout_s=3.0)             # a send the group's close waits on
+        self._closing = closing
 
     def close(self, engines: Sequence[EngineSession]) -> None:
         self._teardown()
         self.packer.release()
 
-    # ---- the transfer ------------------------------------------------------------------------
+    # ---- the payloads ------------------------------------------------------------------------
 
-    def transfer(self, ctx: TransferContext) -> None:
-        if self.pg is None or self.members != tuple((e.url, e.tp_size) for e in ctx.engines):
+    def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
+                 buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
+                 ) -> Iterator[Payload]:
+        if self.pg is None or self.members != tuple((e.url, e.tp_size) for e in engines):
             raise WeightSyncError("transfer", "the weight group does not match the engines; "
                                   "attach before transferring")
         flattened = self.load_format == FLATTENED
-        old = [e.url for e in ctx.engines if not e.has_flattened_distributed]
+        old = [e.url for e in engines if not e.has_flattened_distributed]
         if flattened and old:
             if not self._warned_per_tensor:
                 log.warning("engines %s predate flattened_bucket over distributed updates "
                             "(sglang < 0.5.9); sending one broadcast per tensor", old)
                 self._warned_per_tensor = True
             flattened = False
-        try:
-            (self._send_flattened if flattened else self._send_per_tensor)(ctx)
-        except Exception as e:
-            # The traceback's frames hold the pending works, which keep rank 0's sockets
-            # open; clear them so failed() really closes the group.
-            traceback.clear_frames(e.__traceback__)
-            self.failed()
-            # Whichever failure surfaced first, blame the engine that most likely caused it.
-            err = ctx.watch.explain(e)
-            hint = _hint(self.backend)
-            if hint and hint not in str(err.args[0] if err.args else ""):
-                err.args = (f"{err.args[0] if err.args else err}{hint}",)
-            if err is e:
-                raise
-            raise err from e
+        send = self._flattened if flattened else self._per_tensor
+        yield from send(source, buckets, watch, stats)
+
+    def explain(self, err: WeightSyncError) -> WeightSyncError:
+        hint = _hint(self.backend)
+        if hint and hint not in str(err.args[0] if err.args else ""):
+            err.args = (f"{err.args[0] if err.args else err}{hint}",)
+        return err
 
     def _broadcast(self, buf: torch.Tensor, stream: torch.cuda.Stream | None):
         if stream is None:
@@ -344,31 +361,29 @@ class DistributedTransport(Transport):
         with torch.cuda.stream(stream):  # NCCL waits for what is queued on this stream
             return dist.broadcast(buf, src=0, group=self.pg, async_op=True)
 
-    def _post(self, ctx: TransferContext, k: int, metas, load_format: str | None,
-              gate=None) -> list:
-        last = k == len(ctx.buckets) - 1
-        step = f"update_weights_from_distributed (bucket {k + 1}/{len(ctx.buckets)})"
-        calls = []
-        for e in ctx.engines:
-            req = p.UpdateWeightsFromDistributedRequest(
-                **metas_body(metas), group_name=self.group_name,
-                flush_cache=ctx.flush_flag(e, last),
-                weight_version=ctx.weight_version if last else None, load_format=load_format)
-            call = ctx.update_call(e.update_weights_from_distributed, e, last)
-            calls.append(ctx.watch.add(EngineCall(e, step, e.submit(
-                call, req, ctx.http_timeout_s, gate=gate))))
-        return calls
+    def _payload(self, k: int, count: int, metas, load_format: str | None) -> Payload:
+        body, group = metas_body(metas), self.group_name
 
-    def _send_flattened(self, ctx: TransferContext) -> None:
-        packer, watch, stats = self.packer, ctx.watch, ctx.stats
+        def request(engine: EngineSession, flush: bool, version: str | None):
+            return p.UpdateWeightsFromDistributedRequest(
+                **body, group_name=group, flush_cache=flush, weight_version=version,
+                load_format=load_format)
+
+        return Payload(f"update_weights_from_distributed (bucket {k + 1}/{count})",
+                       "update_weights_from_distributed", request,
+                       sum(m.nbytes for m in metas), last=k == count - 1)
+
+    def _flattened(self, source: WeightSource, buckets: Sequence[Bucket], watch: Watch,
+                   stats: TransferStats) -> Iterator[Payload]:
+        packer = self.packer
         cuda = packer.stream is not None
         packer.begin()
         start_ev = _record(packer.stream) if cuda else None
-        src = iter(ctx.source.tensors())
-        sent = getattr(ctx.source, "bucket_sent", None)  # a source reusing its buffers
+        src = iter(source.tensors())
+        sent = getattr(source, "bucket_sent", None)  # a source reusing its buffers
         slot_work: list = [None] * packer.slots
         works, wire = [], _WireClock(self._timing_stream)
-        for k, bucket in enumerate(ctx.buckets):
+        for k, bucket in enumerate(buckets):
             tensors = bucket_tensors(src, bucket)
             buf = direct_view(tensors, self.device)
             slot = k % packer.slots
@@ -382,7 +397,7 @@ class DistributedTransport(Transport):
                     else:
                         t0 = time.perf_counter()
                         watch.wait(prev.is_completed, f"broadcast (bucket {k + 1 - packer.slots}"
-                                   f"/{len(ctx.buckets)})")
+                                   f"/{len(buckets)})")
                         prev.wait()
                         stats.wait_s += time.perf_counter() - t0
                 buf = packer.pack(slot, tensors, bucket.nbytes)
@@ -390,7 +405,7 @@ class DistributedTransport(Transport):
             # Update k+1 goes out once the engine answered update k. On GPUs an engine
             # (sglang, and the reference engine) answers as soon as it has enqueued the
             # receive and the load, so update k+1 travels while bucket k is on the wire.
-            self._post(ctx, k, bucket.metas, FLATTENED)
+            yield self._payload(k, len(buckets), bucket.metas, FLATTENED)
             work = self._broadcast(buf, packer.stream)
             wire.launched(work, pack_end)
             if packed:
@@ -400,41 +415,40 @@ class DistributedTransport(Transport):
                 sent(k, (work,))
             stats.bytes += bucket.nbytes
             stats.buckets += 1
-        self._finish(ctx, works)
+        self._drain(watch, stats, works)
         packer.finish()
         stats.pack_s += packer.pack_seconds()
         wire_s = wire.seconds(start_ev)
         if wire_s is not None:
             stats.wire_s = (stats.wire_s or 0.0) + wire_s
 
-    def _send_per_tensor(self, ctx: TransferContext) -> None:
+    def _per_tensor(self, source: WeightSource, buckets: Sequence[Bucket], watch: Watch,
+                    stats: TransferStats) -> Iterator[Payload]:
         """sglang's per-tensor mode: one request per bucket, one broadcast per tensor."""
-        src = iter(ctx.source.tensors())
-        sent = getattr(ctx.source, "bucket_sent", None)
+        src = iter(source.tensors())
+        sent = getattr(source, "bucket_sent", None)
         works = []
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for k, bucket in enumerate(ctx.buckets):
+        for k, bucket in enumerate(buckets):
             tensors = bucket_tensors(src, bucket)
-            self._post(ctx, k, bucket.metas, None)
+            yield self._payload(k, len(buckets), bucket.metas, None)
             for t in tensors:
                 t = t.detach().to(self.device).contiguous()
                 works.append((self._broadcast(t, stream), t))
             if sent is not None:
                 sent(k, [w for w, _ in works[-len(tensors):]])
-            ctx.stats.bytes += bucket.nbytes
-            ctx.stats.buckets += 1
-        self._finish(ctx, works)
+            stats.bytes += bucket.nbytes
+            stats.buckets += 1
+        self._drain(watch, stats, works)
 
-    def _finish(self, ctx: TransferContext, works: list) -> None:
-        """Every broadcast done and every engine answered, or the first failure raised."""
+    @staticmethod
+    def _drain(watch: Watch, stats: TransferStats, works: list) -> None:
+        """Every broadcast done (or the first failure of an engine call raised)."""
         t0 = time.perf_counter()
-        ctx.watch.wait(lambda: all(w.is_completed() for w, _ in works), "broadcast")
+        watch.wait(lambda: all(w.is_completed() for w, _ in works), "broadcast")
         for w, _ in works:
             w.wait()  # surfaces a collective's error (e.g. a peer that died)
-        ctx.watch.wait(lambda: all(c.future.done() for c in ctx.watch.calls),
-                       "update_weights_from_distributed")
-        ctx.watch.check()
-        ctx.stats.wait_s += time.perf_counter() - t0
+        stats.wait_s += time.perf_counter() - t0
 
 
 def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -472,3 +486,9 @@ class _WireClock:
             total += max(0.0, d - max(r, prev_done))
             prev_done = d
         return total / 1e3
+
+
+def _close_group(pg: dist.ProcessGroup) -> None:
+    destroy_process_group(pg)
+    del pg
+    gc.collect()  # the last reference gone, gloo closes its connections

@@ -29,7 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -38,9 +40,9 @@ from slime_like.engine.address import EngineAddress
 from slime_like.engine.session import EngineSession, each, on_all
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
-from slime_like.weights.control import Control, round_trips, settle
+from slime_like.weights.control import Control, LastAnswers, round_trips, settle
 from slime_like.weights.handshake import check_same_metadata, engine_model_metadata
-from slime_like.weights.packing import as_source
+from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
     DEFAULT_BUFFER_BYTES,
     LOAD_FORMATS,
@@ -50,7 +52,7 @@ from slime_like.weights.sync_config import (
     SyncReport,
     WeightSyncConfig,
 )
-from slime_like.weights.transport import TransferContext, TransferStats, Transport
+from slime_like.weights.transport import Payload, TransferStats, Transport
 from slime_like.weights.watch import EngineCall, Watch
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", "SyncReport",
@@ -317,14 +319,12 @@ class WeightSync:
                 stats = TransferStats()
                 folded = frozenset(e.url for e in engines if e.folds_flush
                                    and self.control.flush_plan(e, report) is None)
-                ctx = TransferContext(
-                    engines=engines, buckets=buckets, source=source, weight_version=version,
-                    watch=watch, stats=stats, http_timeout_s=cfg.http_timeout_s,
-                    flush_last=folded, control={c.engine.url: c.future for c in control})
-                self._transport().transfer(ctx)
+                answers = LastAnswers(version)
+                self._transfer(engines, source, buckets, version, watch, stats, folded,
+                               {c.engine.url: c.future for c in control}, answers)
                 watch.wait_calls(control)  # answered long before, unless a transport sent nothing
                 report.transfer = stats.as_dict()
-            if self.control.can_pipeline_end(engines, folded, ctx, report):
+            if self.control.can_pipeline_end(engines, folded, answers, report):
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
@@ -337,16 +337,16 @@ class WeightSync:
                         closing.add(c)
                     closing.wait_calls(ends)  # a failure names the engine and the step
                 with steps("flush"):
-                    self.control.flush(engines, folded, ctx.flush_refused, report)
+                    self.control.flush(engines, folded, answers.refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so
             else:
                 with steps("end"):
                     on_all([e for e in engines if e.in_update], "end_weight_update",
                            lambda e: e.end_weight_update())
                 with steps("flush"):
-                    self.control.flush(engines, folded, ctx.flush_refused, report)
+                    self.control.flush(engines, folded, answers.refused, report)
                 with steps("verify"):
-                    unverified = [e for e in engines if not ctx.version_set(e)]
+                    unverified = [e for e in engines if not answers.version_set(e)]
                     on_all(unverified, "verify_weight_version", lambda e: e.verify_version(version))
         except BaseException as e:
             failure = e
@@ -380,6 +380,51 @@ class WeightSync:
         report.total_s = time.perf_counter() - start
         self.last_report = report
         return report
+
+    def _transfer(self, engines: list[EngineSession], source: WeightSource,
+                  buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,
+                  folded: frozenset[str], control: dict[str, Future],
+                  answers: LastAnswers) -> None:
+        """Every payload the transport makes of the buckets, posted through every engine's
+        session before the next is asked for; then every answer, or the first failure,
+        blamed on the engine that most likely caused it."""
+        transport = self._transport()
+        payloads = transport.payloads(engines, source, buckets, version, watch, stats)
+        posted: list[EngineCall] = []
+        try:
+            for payload in payloads:
+                payload.calls = [self._post(e, payload, version, e.url in folded,
+                                            control.get(e.url), watch, stats, answers)
+                                 for e in engines]
+                posted += payload.calls
+            t0 = time.perf_counter()
+            watch.wait_calls(posted)
+            stats.wait_s += time.perf_counter() - t0
+        except Exception as e:
+            payloads.close()  # its frames hold pending works, which keep rank 0's sockets open
+            traceback.clear_frames(e.__traceback__)
+            transport.failed()
+            err = transport.explain(watch.explain(e))
+            if err is e:
+                raise
+            raise err from e
+
+    def _post(self, engine: EngineSession, payload: Payload, version: str, folded: bool,
+              before: Future | None, watch: Watch, stats: TransferStats,
+              answers: LastAnswers) -> EngineCall:
+        """One payload into one engine's lane; the last one carries the version (and the
+        flush, where it is folded into the update)."""
+        last = payload.last
+        req = payload.request(engine, last and folded, version if last else None)
+        gate = payload.gate
+        if gate is not None and before is not None:  # a weak gate still waits for pause/begin
+            gate = _after(before, gate)
+        future = engine.submit(getattr(engine, payload.verb), req, self.config.http_timeout_s,
+                               gate=gate)
+        future.add_done_callback(lambda f, url=engine.url: _timed(stats, url, f))
+        if last:
+            future.add_done_callback(lambda f, url=engine.url: answers.record(url, f))
+        return watch.add(EngineCall(engine, payload.step, future))
 
     def _failed(self, exc: BaseException, step: str,
                 engines: list[EngineSession]) -> WeightSyncError:
@@ -435,3 +480,14 @@ class WeightSync:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _timed(stats: TransferStats, url: str, future: Future) -> None:
+    """An update's round trip into the transfer's stats, once answered (never if not sent)."""
+    seconds = getattr(future, "seconds", None)
+    if seconds is not None:
+        stats.add_http(url, future.sent_at, seconds)
+
+
+def _after(before: Future, gate: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: before.done() and gate()

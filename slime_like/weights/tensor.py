@@ -23,16 +23,18 @@ answers, which synchronizes its stream (torch's IPC deleter does).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from slime_like.engine.session import EngineSession
 from slime_like.protocol import io_struct as p
-from slime_like.protocol.buckets import layout
+from slime_like.protocol.buckets import Bucket, layout
 from slime_like.protocol.tensor_payload import FlattenedPayloads
 from slime_like.weights.direct import DirectRequests
-from slime_like.weights.packing import BucketPacker, send_groups
-from slime_like.weights.transport import TransferContext, Transport
-from slime_like.weights.watch import EngineCall
+from slime_like.weights.packing import BucketPacker, SendGroup, WeightSource, send_groups
+from slime_like.weights.transport import Payload, TransferStats, Transport, all_answered
+from slime_like.weights.watch import Watch
 
 RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
 
@@ -47,28 +49,32 @@ class TensorTransport(Transport):
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
         self._syncs = 0
         # The same requests come back every sync: their metadata is laid out and pickled once.
-        self.payloads = FlattenedPayloads()
+        self.serialized = FlattenedPayloads()
         self.direct = DirectRequests()
 
-    def transfer(self, ctx: TransferContext) -> None:
-        packer, watch, stats = self.packer, ctx.watch, ctx.stats
+    def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
+                 buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
+                 ) -> Iterator[Payload]:
+        packer = self.packer
         cuda = packer.stream is not None
         if cuda:
             self._renew_buffers()
         packer.begin()
-        slot_calls: list[list[EngineCall]] = [[] for _ in range(packer.slots)]
-        all_calls: list[EngineCall] = []
-        groups = self.direct.reuse(ctx.source, ctx.buckets, self.device) if cuda else None
+        slots: list[Payload | None] = [None] * packer.slots
+        posted: list[Payload] = []
+        groups = self.direct.reuse(source, buckets, self.device) if cuda else None
         if groups is None:  # else: the same storages at the same places, last sync's requests
-            groups = self.direct.record(ctx.source, ctx.buckets, self.device, send_groups(
-                iter(ctx.source.tensors()), ctx.buckets, self.device, merge_direct=cuda))
+            groups = self.direct.record(source, buckets, self.device, send_groups(
+                iter(source.tensors()), buckets, self.device, merge_direct=cuda))
         t_prep = time.perf_counter()
         for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
             t0 = time.perf_counter()
             stats.prep_s += t0 - t_prep
             # At most two requests in flight: the engines answered the one before the last.
-            watch.wait_calls(slot_calls[slot])
+            before = slots[slot]
+            if before is not None:
+                watch.wait_calls(before.calls)
             t_prep = time.perf_counter()
             stats.wait_s += t_prep - t0
             # The slot's last bucket was answered, so the engines are done reading it (the
@@ -82,35 +88,35 @@ class TensorTransport(Transport):
                 buf = packer.pack(slot, group.pack_sources(), group.nbytes)
                 if cuda:
                     packer.wait_packed()  # the engine reads it from another process, off our streams
-            key = group.signature or tuple(group.metas)
-            metas = group.metas
-            step = f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)"
             # Each request carries its own handles and layout, so requests may reach an
             # engine in any order; only the last one (it sets weight_version) waits for the
             # others.
-            gate = _all_done(list(all_calls)) if last else _always
-            calls = []
-            for engine in ctx.engines:
-                req = p.UpdateWeightsFromTensorRequest(
-                    serialized_named_tensors=[
-                        self.payloads.serialize(buf, key, lambda metas=metas: layout(metas))
-                        for _ in range(engine.tp_size)],
-                    load_format=p.FLATTENED_BUCKET, flush_cache=ctx.flush_flag(engine, last),
-                    weight_version=ctx.weight_version if last else None)
-                call = ctx.update_call(engine.update_weights_from_tensor, engine, last)
-                calls.append(watch.add(EngineCall(engine, step, engine.submit(
-                    call, req, ctx.http_timeout_s, gate=ctx.gate(engine, gate)))))
-            slot_calls[slot] = calls
-            all_calls += calls
+            payload = Payload(
+                f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)",
+                "update_weights_from_tensor", self._request(buf, group), group.nbytes, last,
+                gate=all_answered(list(posted)) if last else _always)
+            yield payload
+            slots[slot] = payload
+            posted.append(payload)
             del buf
             stats.bytes += group.nbytes
             stats.buckets += 1
         stats.prep_s += time.perf_counter() - t_prep
-        t0 = time.perf_counter()
-        watch.wait_calls(all_calls)
-        stats.wait_s += time.perf_counter() - t0
         packer.finish()
         stats.pack_s += packer.pack_seconds()
+
+    def _request(self, buf: torch.Tensor, group: SendGroup):
+        """The request builder of one flat buffer: one handle per TP rank, the layout
+        pickled once per bucket signature (the same requests come back every sync)."""
+        key, metas = group.signature or tuple(group.metas), group.metas
+
+        def request(engine: EngineSession, flush: bool, version: str | None):
+            return p.UpdateWeightsFromTensorRequest(
+                serialized_named_tensors=[
+                    self.serialized.serialize(buf, key, lambda: layout(metas))
+                    for _ in range(engine.tp_size)],
+                load_format=p.FLATTENED_BUCKET, flush_cache=flush, weight_version=version)
+        return request
 
     def _renew_buffers(self) -> None:
         """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.
@@ -141,7 +147,3 @@ class TensorTransport(Transport):
 
 def _always() -> bool:
     return True
-
-
-def _all_done(calls: list[EngineCall]):
-    return lambda: all(c.future.done() for c in calls)

@@ -1,26 +1,30 @@
-"""What every transport gets for one transfer (and where its time went), and what it must
-provide."""
+"""What a transport is: a bucket in, a payload out (and where the transfer's time went).
+
+A transport turns the planned buckets of one sync into payloads, one at a time: each names
+the session verb that carries it and builds the request every engine is sent. The
+transaction (`sync.py`) posts each payload through every engine's session before asking for
+the next one, so a transport never calls an engine itself, and its own waits between
+payloads (a free pack buffer, the answers to an earlier request) see the calls it posted.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from slime_like.engine.session import EngineSession
-from slime_like.errors import EngineError
 from slime_like.protocol.buckets import Bucket
 from slime_like.weights.packing import WeightSource
-from slime_like.weights.watch import Watch
+from slime_like.weights.watch import EngineCall, Watch
 
 
 @dataclass
 class TransferStats:
-    """Where the transfer's time went (seconds); filled by the transports."""
+    """Where the transfer's time went (seconds); filled by the transports and the sync."""
 
     bytes: int = 0
     buckets: int = 0
@@ -34,8 +38,10 @@ class TransferStats:
     per_engine_http_s: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_http(self, url: str, seconds: float) -> None:
+    def add_http(self, url: str, sent_at: float, seconds: float) -> None:
         with self._lock:
+            if self.first_call_s is None or sent_at - self.started < self.first_call_s:
+                self.first_call_s = sent_at - self.started
             self.http_s += seconds
             self.per_engine_http_s[url] = self.per_engine_http_s.get(url, 0.0) + seconds
 
@@ -47,82 +53,34 @@ class TransferStats:
                 "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
 
 
-def timed(fn: Callable, stats: TransferStats, url: str) -> Callable:
-    """Wrap an engine call so its latency lands in the stats."""
-    def run(*args, **kwargs):
-        start = time.perf_counter()
-        if stats.first_call_s is None:
-            stats.first_call_s = start - stats.started
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            stats.add_http(url, time.perf_counter() - start)
-    return run
-
-
-# sglang 0.5.23's answer when the weights landed but the flush after them was refused.
-FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
-
-
 @dataclass
-class TransferContext:
-    """One sync's transfer: runs between begin_weight_update and end_weight_update."""
+class Payload:
+    """One request's worth of a sync, as every engine is sent it.
 
-    engines: Sequence[EngineSession]
-    buckets: Sequence[Bucket]
-    source: WeightSource
-    weight_version: str
-    watch: Watch
-    stats: TransferStats
-    http_timeout_s: float
-    #: engines whose last update carries flush_cache=true (saves the separate /flush_cache)
-    flush_last: frozenset[str] = frozenset()
-    #: engine url -> why the flush folded into its last update was refused (weights landed)
-    flush_refused: dict[str, str] = field(default_factory=dict)
+    `request(engine, flush, version)` builds the engine's request: `flush` and `version` are
+    set on the sync's last payload only (the engine then flushes, and serves the version).
+    `gate`, when given, replaces the lane's strict order (the previous call answered) with a
+    weaker condition that still implies the engine took up the payload before it. The sync
+    fills `calls` once it posted the payload.
+    """
 
-    #: engine url -> its last control call (pause or begin), sent ahead and not awaited
-    control: dict[str, Future] = field(default_factory=dict)
-    #: engine url -> the answer to its last update (it says whether the version was set)
-    last_answers: dict[str, Any] = field(default_factory=dict)
+    step: str
+    verb: str
+    request: Callable[[EngineSession, bool, str | None], Any]
+    nbytes: int
+    last: bool
+    gate: Callable[[], bool] | None = None
+    calls: list[EngineCall] = field(default_factory=list)
 
-    def update_call(self, fn: Callable, engine: EngineSession, last: bool) -> Callable:
-        """The engine call for one update; a refused folded flush is recorded, not raised."""
-        timed_fn = timed(fn, self.stats, engine.url)
-        if not last:
-            return timed_fn
-        folded = engine.url in self.flush_last
 
-        def call(req, timeout):
-            try:
-                out = timed_fn(req, timeout)
-            except EngineError as e:
-                if folded and e.status == 400 and FLUSH_REFUSED_MARK in e.body:
-                    self.flush_refused[engine.url] = e.body
-                    return None
-                raise
-            self.last_answers[engine.url] = out
-            return out
-        return call
-
-    def version_set(self, engine: EngineSession) -> bool:
-        """Whether the engine's answer to its last update says it now serves weight_version."""
-        answer = self.last_answers.get(engine.url)
-        message = answer.get("message", "") if isinstance(answer, dict) else ""
-        return f"Weight version updated to {self.weight_version}" in str(message)
-
-    def gate(self, engine: EngineSession, gate: Callable[[], bool] | None) -> Callable[[], bool] | None:
-        """`gate`, also waiting for the engine's pause/begin (a strict lane gate already does)."""
-        before = self.control.get(engine.url)
-        if gate is None or before is None:
-            return gate
-        return lambda: before.done() and gate()
-
-    def flush_flag(self, engine: EngineSession, last: bool) -> bool:
-        return last and engine.url in self.flush_last
+def all_answered(payloads: Sequence[Payload]) -> Callable[[], bool]:
+    """A gate: every call of these payloads answered."""
+    calls = [c for payload in payloads for c in payload.calls]
+    return lambda: all(c.future.done() for c in calls)
 
 
 class Transport(ABC):
-    """Moves the bytes of one sync into every engine; the transaction does the rest."""
+    """Turns buckets into payloads; the transaction does the rest."""
 
     name: str = ""
     #: whether engines need begin/end_weight_update around it (sglang gates only some)
@@ -135,8 +93,15 @@ class Transport(ABC):
         """Allocate what the planned buckets need (at attach, not in the first sync)."""
 
     @abstractmethod
-    def transfer(self, ctx: TransferContext) -> None:
-        """Send every bucket; the last update to each engine carries `weight_version`."""
+    def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
+                 buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
+                 ) -> Iterator[Payload]:
+        """Every bucket's payload, in order; done when every byte is on its way (the sync
+        then waits for the engines' answers)."""
+
+    def explain(self, err: Any) -> Any:
+        """A failed transfer's error, with what this transport knows about such failures."""
+        return err
 
     def failed(self) -> None:  # noqa: B027
         """A transfer failed: stop pending I/O so engines stuck receiving fail fast."""

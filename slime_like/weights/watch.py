@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from slime_like.engine.session import CallCancelled, EngineSession, describe
 from slime_like.errors import EngineError, WeightSyncError
@@ -26,7 +25,6 @@ class EngineCall:
     future: Future
     started: float = field(default_factory=time.monotonic)
     done_at: float | None = None
-    timer: Any = None  # what measured the call's round trip, if anything
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._mark)
@@ -91,14 +89,14 @@ class Watch:
         engine that no longer answers, an engine whose refusal is not itself a broken
         connection, then the earliest failure.
         """
-        if isinstance(exc, WeightSyncError) and exc.engine is not None and \
-                exc.__cause__ is not None and _blame_rank(exc.__cause__) < 2:
-            # The first failure seen was an engine's own (a refusal, or no answer) before
-            # any collective broke: what fails later on other engines follows from it.
-            return exc
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
             time.sleep(0.01)
+        if isinstance(exc, WeightSyncError) and exc.engine is not None and \
+                exc.__cause__ is not None and _blame_rank(exc.__cause__) < 2:
+            # The first failure seen was an engine's own (a refusal, or no answer) before
+            # any collective broke: what failed later on other engines followed from it.
+            return exc
         failed = sorted((c for c in self.calls if c.error is not None),
                         key=lambda c: (_blame_rank(c.error), c.done_at or 0.0))
         if not failed:

@@ -54,10 +54,12 @@ class RunningEngine:
 
 
 def start_engine(model_dir: Path, log_dir: Path, *extra: str, env: dict | None = None,
-                 wait_healthy: bool = True, timeout: float = 90.0) -> RunningEngine:
-    """Launch `python -m slime_like.reference_engine` and wait until /health answers 200."""
+                 wait_healthy: bool = True, timeout: float = 90.0,
+                 program: tuple[str, ...] = ("-m", "slime_like.reference_engine")) -> RunningEngine:
+    """Launch `python -m slime_like.reference_engine` (or `program`, which takes the same
+    flags: a wrapper that runs it) and wait until /health answers 200."""
     port = free_port()
-    argv = [sys.executable, "-m", "slime_like.reference_engine", "--model-path", str(model_dir),
+    argv = [sys.executable, *program, "--model-path", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), *extra]
     log_path = log_dir / f"engine-{port}.log"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -1,9 +1,13 @@
-"""Engine-level weight operations: sglang's gate, locking, versioning and flush semantics.
+"""sglang's weight-update endpoints, route and engine-level semantics in one place.
 
-Each endpoint turns its request into a typed rank operation (`rank_ops`) and hands it to
-the scheduler thread, which runs it between forward steps, in arrival order, like
-sglang's scheduler: on rank 0 there, and on TP ranks 1..N-1 through their pipes
-(`TPGroup.run`). Answers are `(success, message)` with sglang 0.5.23's texts.
+Each route hands its request struct to `WeightControl`, which applies sglang's gate, takes
+the update lock and turns the request into a typed rank operation (`rank_ops`) for the
+scheduler thread, which runs it between forward steps, in arrival order, like sglang's
+scheduler: on rank 0 there, and on TP ranks 1..N-1 through their pipes (`TPGroup.run`).
+Answers are `(success, message)` with sglang 0.5.23's texts. The route and its semantics
+share a module because a weight's walk through the engine should be short: route, lock and
+fan-out are one step of it (docs/ARCHITECTURE.md, "A weight tensor's walk"). Inspection and
+memory endpoints are `weight_state.py`.
 """
 
 from __future__ import annotations
@@ -13,15 +17,19 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI
+from fastapi.responses import JSONResponse
 
 from slime_like.protocol import io_struct as p
+from slime_like.protocol import paths
 from slime_like.reference_engine import rank_ops as op
 from slime_like.reference_engine.frontend import Frontend
-from slime_like.reference_engine.rank_ops import Completion, RankOp
+from slime_like.reference_engine.rank_ops import RankOp
 from slime_like.reference_engine.scheduler import Scheduler
 from slime_like.reference_engine.tp import TPGroup
-from slime_like.reference_engine.weight_receiver import WeightReceiver
+from slime_like.reference_engine.weight_receiver import Completion, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +56,23 @@ class WeightControl:
         self._pending_copies: list[Completion] = []
         self._session_loaded = False
         self._tensor_loads = False  # tensor payloads loaded in this session (IPC storages)
-        self.released_tags: set[str] = set()
-        self._snapshot: dict | None = None
 
     # ---- fan-out ---------------------------------------------------------------------------
 
     def _per_rank(self, ops: RankOp | Sequence[RankOp]) -> list[RankOp]:
         return list(ops) if isinstance(ops, list | tuple) else [ops] * self.tp.size
 
-    def _fanout_here(self, ops: RankOp | Sequence[RankOp]) -> list[tuple[bool, Any]]:
+    def fanout_here(self, ops: RankOp | Sequence[RankOp]) -> list[tuple[bool, Any]]:
         """Already on the scheduler thread: run the operation on every rank."""
         return self.tp.run(self._per_rank(ops), self.receiver.run)
 
-    async def _fanout(self, ops: RankOp | Sequence[RankOp]) -> list[tuple[bool, Any]]:
+    async def fanout(self, ops: RankOp | Sequence[RankOp]) -> list[tuple[bool, Any]]:
         """The operation on every rank, on the scheduler thread; [(ok, result)] by rank."""
         return await asyncio.wrap_future(self.scheduler.call(
             functools.partial(self.tp.run, self._per_rank(ops), self.receiver.run)))
 
     @staticmethod
-    def _merge(results: list[tuple[bool, Any]]) -> tuple[bool, str]:
+    def merge(results: list[tuple[bool, Any]]) -> tuple[bool, str]:
         """sglang's merge: success only if every rank succeeded; messages joined with ' | '."""
         oks, messages = [], []
         for ok, value in results:
@@ -93,8 +99,7 @@ class WeightControl:
         else:
             self.scheduler.weights_ready = True
         if weight_version is not None:
-            await asyncio.wrap_future(self.scheduler.call(
-                lambda: self.scheduler.record_weight_version(weight_version)))
+            await asyncio.wrap_future(self.scheduler.set_weight_version(weight_version))
             message += f" Weight version updated to {weight_version}."
         if flush_cache:
             flushed, _ = await asyncio.wrap_future(self.scheduler.flush(0.0))
@@ -114,18 +119,18 @@ class WeightControl:
 
     async def init_group(self, req: p.InitWeightsUpdateGroupRequest) -> tuple[bool, str]:
         """/init_weights_update_group on every TP rank (blocks until the rendezvous)."""
-        results = await self._fanout(op.InitGroup(
+        results = await self.fanout(op.InitGroup(
             master_address=req.master_address, master_port=req.master_port,
             rank_offset=req.rank_offset, world_size=req.world_size,
             group_name=req.group_name, backend=req.backend))
-        ok, message = self._merge(results)
+        ok, message = self.merge(results)
         if not ok:  # do not leave some ranks in a group the others failed to join
-            await self._fanout(op.DestroyGroup(req.group_name))
+            await self.fanout(op.DestroyGroup(req.group_name))
         return ok, message
 
     async def destroy_group(self, req: p.DestroyWeightsUpdateGroupRequest) -> tuple[bool, str]:
         """/destroy_weights_update_group on every TP rank."""
-        return self._merge(await self._fanout(op.DestroyGroup(req.group_name)))
+        return self.merge(await self.fanout(op.DestroyGroup(req.group_name)))
 
     # ---- sessions --------------------------------------------------------------------------
 
@@ -146,7 +151,7 @@ class WeightControl:
             failed = await self._settle_copies()
             if self._tensor_loads:  # only then can a rank hold IPC storages to let go of
                 self._tensor_loads = False
-                await self._fanout(op.EndSession())
+                await self.fanout(op.EndSession())
             self.session_open = False
             if failed:
                 return False, "; ".join(str(m) for _, m in failed)
@@ -165,7 +170,7 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            results = await self._fanout(op.ReceiveDistributed(
+            results = await self.fanout(op.ReceiveDistributed(
                 names=req.names, dtypes=req.dtypes, shapes=req.shapes,
                 group_name=req.group_name, load_format=req.load_format))
             answered = []
@@ -180,7 +185,7 @@ class WeightControl:
                     answered.append((ok, value))
             if req.weight_version is not None or not self.session_open:
                 answered = [(ok, v) for ok, v in answered] + await self._settle_copies()
-            ok, message = self._merge(answered)
+            ok, message = self.merge(answered)
             self.metrics.weight_load(time.perf_counter() - t0)
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
 
@@ -199,9 +204,9 @@ class WeightControl:
         async with self.frontend.model_update():
             t0 = time.perf_counter()
             self._tensor_loads = self.session_open
-            results = await self._fanout([op.LoadTensorPayload(payloads[r], req.load_format)
+            results = await self.fanout([op.LoadTensorPayload(payloads[r], req.load_format)
                                           for r in range(self.tp.size)])
-            ok, message = self._merge(results)
+            ok, message = self.merge(results)
             t1 = time.perf_counter()
             self.metrics.weight_load(t1 - t0)
             answer = await self._after_update(ok, message, req.weight_version, req.flush_cache)
@@ -216,8 +221,8 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            results = await self._fanout(op.LoadFromDisk(req.model_path, req.load_format))
-            ok, message = self._merge(results)
+            results = await self.fanout(op.LoadFromDisk(req.model_path, req.load_format))
+            ok, message = self.merge(results)
             self.metrics.weight_load(time.perf_counter() - t0)
             if ok:
                 self.scheduler.weights_ready = True
@@ -227,92 +232,56 @@ class WeightControl:
         """/update_weight_version: record a new version (aborting everything by default)."""
         if req.abort_all_requests:
             await self.frontend.abort_request("", True)
-        await asyncio.wrap_future(self.scheduler.call(
-            lambda: self.scheduler.record_weight_version(req.new_version)))
+        await asyncio.wrap_future(self.scheduler.set_weight_version(req.new_version))
         return True, f"Weight version updated to {req.new_version}"
 
-    # ---- inspection ------------------------------------------------------------------------
 
-    async def get_weights_by_name(self, req: p.GetWeightsByNameRequest) -> list | None:
-        """/get_weights_by_name: the first rows of one parameter on rank 0."""
-        return await asyncio.wrap_future(self.scheduler.call(
-            lambda: self.receiver.get_weights_by_name(req.name, req.truncate_size)))
+def success(ok: bool, message: str, **extra: Any) -> JSONResponse:
+    """sglang's answer to a weight call: 200 with success true, else 400."""
+    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
-    async def check_weights(self, req: p.WeightsCheckerRequest) -> dict:
-        """/weights_checker: per-rank checksums, snapshot and compare."""
-        if req.action == "checksum":
-            results = await self._fanout(op.Checksums(req.skip_tensor_list))
-            if not all(ok for ok, _ in results):
-                return {"success": False, "message": self._merge(results)[1]}
-            ranks = [value for _, value in results]
-            import hashlib
 
-            h = hashlib.sha256()
-            for r in ranks:
-                h.update(r["per_gpu_checksum"].encode())
-            return {"success": True, "message": "Success.", "ranks": ranks,
-                    "per_engine_checksum": h.hexdigest()}
-        if req.action == "snapshot":
-            results = await self._fanout(op.Checksums(req.skip_tensor_list))
-            self._snapshot = {i: v["checksums"] for i, (_, v) in enumerate(results)}
-            return {"success": True, "message": "Success."}
-        if req.action == "compare":
-            if self._snapshot is None:
-                return {"success": False, "message": "compare needs a snapshot: call action='snapshot' first"}
-            results = await self._fanout(op.Checksums(req.skip_tensor_list))
-            diff = [f"tp{i}:{name}" for i, (_, v) in enumerate(results)
-                    for name, c in v["checksums"].items() if self._snapshot.get(i, {}).get(name) != c]
-            if diff:
-                return {"success": False, "message": f"{len(diff)} tensors differ from the snapshot: {diff[:10]}"}
-            return {"success": True, "message": "Success."}
-        return {"success": False, "message": f"action {req.action!r} is not supported by the reference engine"}
+def register_weight_routes(app: FastAPI, engine: Any) -> None:
+    """The weight-update routes of one engine (`engine.weight_control` answers them)."""
+    weights: WeightControl = engine.weight_control
 
-    # ---- memory ----------------------------------------------------------------------------
+    @app.post(paths.INIT_WEIGHTS_UPDATE_GROUP)
+    async def init_weights_update_group(obj: Annotated[p.InitWeightsUpdateGroupRequest, Body()]):
+        return success(*await weights.init_group(obj))
 
-    async def release_memory(self, tags: list[str] | None) -> None:
-        """/release_memory_occupation: drop weights / KV (idle engine only)."""
-        tags = list(tags or p.ALL_MEMORY_TAGS)
+    @app.post(paths.DESTROY_WEIGHTS_UPDATE_GROUP)
+    async def destroy_weights_update_group(obj: Annotated[p.DestroyWeightsUpdateGroupRequest, Body()]):
+        return success(*await weights.destroy_group(obj))
 
-        def release() -> None:
-            if not self.scheduler.is_idle():
-                raise ValueError(
-                    "release_memory_occupation needs an idle engine (no running requests; "
-                    "pause and drain first); sglang asserts this and crashes")
-            already = [t for t in tags if t in self.released_tags]
-            if already:
-                raise ValueError(f"memory tags {already} are already released")
-            if "kv_cache" in tags:
-                self.scheduler.flush_now()
-                self.scheduler.pool.release()
-            if "weights" in tags:
-                results = self._fanout_here(op.ReleaseWeights())
-                ok, message = self._merge(results)
-                if not ok:
-                    raise ValueError(f"releasing weights failed: {message}")
-                self.scheduler.weights_ready = False
-            self.released_tags.update(tags)
+    @app.post(paths.BEGIN_WEIGHT_UPDATE)
+    async def begin_weight_update(obj: Annotated[p.BeginWeightUpdateRequest, Body()]):
+        return success(*await weights.begin())
 
-        await asyncio.wrap_future(self.scheduler.call(release))
+    @app.post(paths.END_WEIGHT_UPDATE)
+    async def end_weight_update(obj: Annotated[p.EndWeightUpdateRequest, Body()]):
+        return success(*await weights.end())
 
-    async def resume_memory(self, tags: list[str] | None) -> None:
-        """/resume_memory_occupation: give released storage back."""
-        tags = list(tags or p.ALL_MEMORY_TAGS)
+    @app.post(paths.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+    async def update_weights_from_distributed(obj: Annotated[p.UpdateWeightsFromDistributedRequest, Body()]):
+        return success(*await weights.update_from_distributed(obj))
 
-        def resume() -> None:
-            missing = [t for t in tags if t not in self.released_tags]
-            if missing:
-                raise ValueError(f"memory tags {missing} were not released (released: "
-                                 f"{sorted(self.released_tags)}); sglang raises KeyError here")
-            if "weights" in tags:
-                results = self._fanout_here(op.ResumeWeights())
-                ok, message = self._merge(results)
-                if not ok:
-                    raise ValueError(f"resuming weights failed: {message}")
-                # Contents came back only with --enable-weights-cpu-backup; otherwise the
-                # engine serves nothing until a weight update arrives.
-                self.scheduler.weights_ready = all(v is True for _, v in results)
-            if "kv_cache" in tags:
-                self.scheduler.pool.allocate()
-            self.released_tags.difference_update(tags)
+    @app.post(paths.UPDATE_WEIGHTS_FROM_TENSOR)
+    async def update_weights_from_tensor(obj: Annotated[p.UpdateWeightsFromTensorRequest, Body()]):
+        try:
+            return success(*await weights.update_from_tensor(obj))
+        except Exception as e:  # noqa: BLE001 - sglang's scheduler crashes here; we answer 400
+            return success(False, f"Failed to update weights from tensor: {e}")
 
-        await asyncio.wrap_future(self.scheduler.call(resume))
+    @app.post(paths.UPDATE_WEIGHTS_FROM_DISK)
+    async def update_weights_from_disk(obj: Annotated[p.UpdateWeightsFromDiskRequest, Body()]):
+        ok, message = await weights.update_from_disk(obj)
+        if ok:
+            engine.model_path = engine.served_model_name = obj.model_path
+            if obj.load_format:
+                engine.load_format = obj.load_format
+        return success(ok, message, num_paused_requests=0)
+
+    @app.post(paths.UPDATE_WEIGHT_VERSION)
+    async def update_weight_version(obj: Annotated[p.UpdateWeightVersionRequest, Body()]):
+        ok, message = await weights.update_weight_version(obj)
+        return success(ok, message, **({"new_version": obj.new_version} if ok else {}))
