@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 import torch
 
-from slime_like.api import FleetEvent, FleetWeights, launch_fleet
+from slime_like.api import FleetEvent, FleetWeights, HealthSettings, launch_fleet
 from slime_like.chaos import kill_engine, stop_engine
 from slime_like.models import load_pretrained
 from slime_like.models.tiny import make_tiny_model
@@ -75,12 +75,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timeline = Timeline()
     t0 = time.time()
     fleet = launch_fleet(YAML, model_path=model_path, engine="reference", log_dir=out / "logs",
-                         on_event=timeline, flags=[
-                             "--use-fault-tolerance",
-                             "--rollout-health-check-interval", str(a.probe_interval),
-                             "--rollout-health-check-timeout", str(a.probe_timeout),
-                             "--rollout-health-check-first-wait", "0",
-                             "--rollout-health-check-failures", str(a.failures)])
+                         on_event=timeline,
+                         health=HealthSettings(enabled=True, interval_s=a.probe_interval,
+                                               timeout_s=a.probe_timeout, first_wait_s=0.0,
+                                               failure_threshold=a.failures))
     rows: list[dict] = []
     try:
         model = load_pretrained(model_path, dtype=torch.float32)

@@ -52,9 +52,10 @@ def _train(argv: list[str]) -> int:
 def _train_async(argv: list[str]) -> int:
     """slime's `train_async.py`: the job with `--async-mode one-step` unless a flag or
     `--config` says otherwise (`--fully-async` runs the producer that never stops)."""
+    from slime_like.protocol.modes import AsyncMode
     from slime_like.train import main as train_main
 
-    return train_main(argv, defaults={"async_mode": "one-step"})
+    return train_main(argv, defaults={"async_mode": AsyncMode.ONE_STEP})
 
 
 def _report(argv: list[str]) -> int:

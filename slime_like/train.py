@@ -16,17 +16,12 @@ import time
 from pathlib import Path
 
 from slime_like.config.parse import parse_args
-from slime_like.config.slices import (
-    dry_run_settings,
-    fleet_settings,
-    job_settings,
-    make_keys,
-    sync_settings,
-)
+from slime_like.config.slices import dry_run_settings, fleet_settings, job_settings, make_keys
 from slime_like.errors import ConfigError
 from slime_like.job.dry_run import describe
 from slime_like.job.inputs import preflight
 from slime_like.job.job import Job
+from slime_like.weights.sync_config import WeightSyncConfig
 
 PROG = "slime-like train"
 
@@ -48,7 +43,7 @@ def train(args: argparse.Namespace) -> int:
     settings = job_settings(args)
     checked = preflight(settings)  # a bad prompt file or plug-in fails before anything
     job = Job(settings, fleet_settings(args, log_dir=str(out / "logs"), keys=make_keys(args)),
-              sync_settings(args, model_dir=None), checked.plugins, out, checked.group_filter)
+              WeightSyncConfig.from_flags(args), checked.plugins, out, checked.group_filter)
     return job.run()
 
 

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slime_like.api import FleetWeights, LogprobChecker, launch_fleet
+from slime_like.api import (
+    EngineSettings,
+    FleetWeights,
+    LogprobChecker,
+    PauseMode,
+    Transport,
+    launch_fleet,
+)
 from slime_like.cluster.ports import free_port
 from slime_like.models import load_pretrained
 from slime_like.models.tiny import make_tiny_model
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(address="local", num_cpus=4,
                  num_gpus=None if torch.cuda.is_available() else 2, include_dashboard=False)
     events: list[tuple[str, str]] = []  # (engine id, state name)
-    fleet = launch_fleet(HERE / "fleet.yaml", model_path=model_path, engine=a.engine,
+    fleet = launch_fleet(HERE / "fleet.yaml", model_path=model_path,
+                         engine=EngineSettings(program=a.engine),
                          log_dir=out / "logs",
                          on_event=lambda ev: events.append((ev.subject, ev.kind.value)))
     peers = []
@@ -129,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
             model = _sharded_model(model_path)
         else:
             model = load_pretrained(model_path, dtype=torch.float32)
-        weights = FleetWeights(fleet, transport="distributed",
-                               update_weight_buffer_size=BUCKET_BYTES, pause_mode="retract")
+        weights = FleetWeights(fleet, transport=Transport.DISTRIBUTED,
+                               update_weight_buffer_size=BUCKET_BYTES, pause_mode=PauseMode.RETRACT)
         weights.push(model)  # version 1: the engines are routed only now, verified
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         if a.fully_async:

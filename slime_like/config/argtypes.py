@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from enum import StrEnum
 
 from slime_like.errors import ConfigError
 
@@ -74,6 +75,25 @@ def port(text: str) -> int:
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
     return value
+
+
+def member_of(kind: type[StrEnum]) -> Callable[[str], StrEnum | str]:
+    """A flag value as its enum member; an unknown word is left as text for `choices` to
+    refuse (so the CLI and a --config file word the error as for any other choice)."""
+
+    def parse(text: str) -> StrEnum | str:
+        try:
+            return kind(text)
+        except ValueError:
+            return text
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def values_of(kind: type[StrEnum]) -> list[str]:
+    """The flag spellings of an enum's members, for argparse `choices`."""
+    return [member.value for member in kind]
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:

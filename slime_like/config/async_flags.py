@@ -13,16 +13,15 @@ import argparse
 
 from slime_like.config import argtypes as t
 from slime_like.errors import ConfigError
-
-ASYNC_MODES = ("sync", "one-step", "fully-async")
-PAUSE_MODES = ("abort", "retract", "in_place")
+from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
 
 
 def add_async_flags(p: argparse.ArgumentParser) -> None:
     """The `asynchronous RL` group of the job's parser."""
     g = p.add_argument_group("asynchronous RL", "Generation that overlaps training (slime's "
                                                 "train_async.py, miles' --fully-async).")
-    g.add_argument("--async-mode", choices=ASYNC_MODES, default=None,
+    g.add_argument("--async-mode", type=t.member_of(AsyncMode), choices=t.values_of(AsyncMode),
+                   default=None,
                    help="sync (default): rollout, train, sync in turn; one-step: rollout k+1 "
                         "is generated while step k trains, drained before each weight update "
                         "(slime's train_async.py); fully-async: a producer generates without "
@@ -30,7 +29,8 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fully-async", action="store_true", default=False,
                    help="Same as --async-mode fully-async (miles' flag).")
     g.add_argument("--pause-generation-mode", "--pause-mode", dest="pause_mode",
-                   choices=PAUSE_MODES, default="retract",
+                   type=t.member_of(PauseMode), choices=t.values_of(PauseMode),
+                   default=DEFAULT_PAUSE_MODE,
                    help="How engines pause for a weight update: abort in-flight requests "
                         "(with --partial-rollout they are resubmitted as prompt + partial "
                         "output), retract them (their KV is recomputed under the new weights) "
@@ -59,21 +59,21 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
 def resolve_async(args: argparse.Namespace) -> None:
     """Fill `args.async_mode` and refuse combinations the schedules cannot run."""
     if args.fully_async:  # miles' spelling; it wins over an entry point's default
-        args.async_mode = "fully-async"
-    args.async_mode = args.async_mode or "sync"
-    mode = args.async_mode
-    if args.max_weight_staleness is not None and mode != "fully-async":
+        args.async_mode = AsyncMode.FULLY_ASYNC
+    mode = args.async_mode = AsyncMode(args.async_mode or AsyncMode.SYNC)
+    args.pause_mode = PauseMode(args.pause_mode)
+    if args.max_weight_staleness is not None and mode != AsyncMode.FULLY_ASYNC:
         raise ConfigError("--max-weight-staleness", "applies to --async-mode fully-async only "
                                                     f"(this run is {mode})")
-    if args.partial_rollout and mode != "fully-async":
+    if args.partial_rollout and mode != AsyncMode.FULLY_ASYNC:
         raise ConfigError("--partial-rollout", "applies to --async-mode fully-async only "
                                                "(only it updates weights while requests run)")
     if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout", "needs --partial-rollout")
-    if args.partial_rollout and args.pause_mode != "abort":
+    if args.partial_rollout and args.pause_mode != PauseMode.ABORT:
         raise ConfigError("--partial-rollout", "needs --pause-generation-mode abort (retract "
                                                "and in_place keep requests running)")
-    if mode == "sync":
+    if mode == AsyncMode.SYNC:
         return
     if args.colocate:
         raise ConfigError("--async-mode", f"{mode} cannot run with --colocate: the engines "
@@ -82,20 +82,20 @@ def resolve_async(args: argparse.Namespace) -> None:
         raise ConfigError("--update-weights-interval", f"must be 1 with --async-mode {mode} "
                                                         "(staleness is bounded by "
                                                         "--max-weight-staleness instead)")
-    if mode == "fully-async":
+    if mode == AsyncMode.FULLY_ASYNC:
         for name, flag in (("rollout_function_path", "--rollout-function-path"),
                            ("custom_generate_function_path", "--custom-generate-function-path")):
             if getattr(args, name, None):
                 raise ConfigError(flag, "not supported with --async-mode fully-async (its "
                                         "producer streams single /generate requests; use "
                                         "one-step for custom rollouts)")
-        if args.pause_mode == "in_place" and args.hf_checkpoint:
+        if args.pause_mode == PauseMode.IN_PLACE and args.hf_checkpoint:
             raise ConfigError("--pause-generation-mode", "in_place with --async-mode "
                                                          "fully-async is checked with a "
                                                          "KV-faithful recomputation that only "
                                                          "the built-in model implements; use "
                                                          "retract with --hf-checkpoint")
-        if args.pause_mode == "in_place" and \
+        if args.pause_mode == PauseMode.IN_PLACE and \
                 not args.sglang_flags.get("disable_radix_cache", False):
             raise ConfigError("--pause-generation-mode", "in_place with --async-mode "
                                                          "fully-async needs "
@@ -109,4 +109,5 @@ def resolve_async(args: argparse.Namespace) -> None:
 
 def staleness_bound(args: argparse.Namespace) -> int:
     """How many versions behind the trained one a sample's oldest token may be."""
-    return {"sync": 0, "one-step": 1}.get(args.async_mode, args.max_weight_staleness or 0)
+    return {AsyncMode.SYNC: 0, AsyncMode.ONE_STEP: 1}.get(args.async_mode,
+                                                           args.max_weight_staleness or 0)

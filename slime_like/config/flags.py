@@ -17,12 +17,22 @@ from slime_like.config.passthrough import (
     reserved_flag_hints,
 )
 from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
+from slime_like.config.slices import (
+    DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS,
+    EngineSettings,
+    FleetSettings,
+    HealthSettings,
+    RouterSettings,
+)
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
+from slime_like.protocol.modes import Transport
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
-# the distributed (broadcast) path otherwise. On CPU the broadcast runs over gloo.
-WEIGHT_TRANSPORTS = ("nccl", "distributed", "tensor", "disk")
+# the distributed (broadcast) path otherwise (`validate` resolves it to a Transport). On CPU
+# the broadcast runs over gloo.
+SLIME_TRANSPORT = "nccl"
+WEIGHT_TRANSPORTS = (SLIME_TRANSPORT, *t.values_of(Transport))
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
@@ -83,14 +93,15 @@ def _rollout(p: argparse.ArgumentParser) -> None:
                         "no slots of the placement group, are health-checked, synced and "
                         "routed like ours, and are never killed.")
     g.add_argument("--external-engine-reconnect-timeout", type=t.non_negative_float,
-                   default=300.0, metavar="SECONDS",
+                   default=FleetSettings.external_wait_s, metavar="SECONDS",
                    help="How long the job waits for a dead external engine to come back at its "
                         "address (it is then resynced before it serves again); 0 gives up at "
                         "once.")
-    g.add_argument("--sglang-server-concurrency", type=t.positive_int, default=512,
+    g.add_argument("--sglang-server-concurrency", type=t.positive_int,
+                   default=EngineSettings.server_concurrency,
                    help="Concurrent requests per engine (the job's HTTP connection cap is this "
                         "times the number of engines).")
-    g.add_argument("--seed", type=int, default=1234,
+    g.add_argument("--seed", type=int, default=EngineSettings.seed,
                    help="Job seed; engines derive their random_seed from it.")
     g.add_argument("--num-rollout", type=t.positive_int, default=None,
                    help="Rollout steps of the job.")
@@ -205,13 +216,15 @@ def _router(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-port", type=t.port, default=None,
                    help="A fixed port for the router of the updatable model (the others pick "
                         "free ports).")
-    g.add_argument("--sglang-router-request-timeout-secs", type=t.positive_int, default=14400,
+    g.add_argument("--sglang-router-request-timeout-secs", type=t.positive_int,
+                   default=DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS,
                    help="Request timeout of the router, seconds.")
 
 
 def _weights(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weight update", "How new weights reach the engines.")
-    g.add_argument("--update-weight-transport", choices=WEIGHT_TRANSPORTS, default="nccl",
+    g.add_argument("--update-weight-transport", type=t.member_of(Transport),
+                   choices=WEIGHT_TRANSPORTS, default=SLIME_TRANSPORT,
                    help="nccl (slime's default): tensor when --colocate, else distributed; "
                         "distributed: broadcast over a weight group (NCCL on GPU, gloo on "
                         "CPU); tensor: CUDA IPC / shared memory to colocated engines; disk: "
@@ -231,21 +244,25 @@ def _weights(p: argparse.ArgumentParser) -> None:
 
 def _fault_tolerance(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fault tolerance", "Engine health checks and recovery.")
-    g.add_argument("--use-fault-tolerance", action="store_true", default=False,
+    g.add_argument("--use-fault-tolerance", action="store_true", default=HealthSettings.enabled,
                    help="Probe engines and replace the ones that die.")
-    g.add_argument("--rollout-health-check-interval", type=t.positive_float, default=30.0,
+    g.add_argument("--rollout-health-check-interval", type=t.positive_float,
+                   default=HealthSettings.interval_s,
                    metavar="SECONDS", help="Seconds between two probes of an engine.")
-    g.add_argument("--rollout-health-check-timeout", type=t.positive_float, default=30.0,
+    g.add_argument("--rollout-health-check-timeout", type=t.positive_float,
+                   default=HealthSettings.timeout_s,
                    metavar="SECONDS", help="Seconds a /health_generate probe may take.")
     g.add_argument("--rollout-health-check-first-wait", type=t.non_negative_float,
-                   default=300.0, metavar="SECONDS",
+                   default=HealthSettings.first_wait_s, metavar="SECONDS",
                    help="Grace after start before the first probe (slime's code says 0, which "
                         "kills engines during their cold compile; its docs say 300).")
-    g.add_argument("--rollout-health-check-failures", type=t.positive_int, default=3,
+    g.add_argument("--rollout-health-check-failures", type=t.positive_int,
+                   default=HealthSettings.failure_threshold,
                    metavar="N", help="Consecutive failed probes before an engine counts as dead "
                                      "(the first failed probe already takes it out of the "
                                      "router and resubmits the requests in flight).")
-    g.add_argument("--rollout-request-timeout", type=t.positive_float, default=600.0,
+    g.add_argument("--rollout-request-timeout", type=t.positive_float,
+                   default=RouterSettings.request_timeout_s,
                    metavar="SECONDS",
                    help="Longest a rollout waits for one /generate answer before sending the "
                         "request again (a hung engine is also left at its first failed probe).")
@@ -256,10 +273,11 @@ def _ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="YAML file of flags (keys are flag names without dashes, e.g. "
                         "rollout_num_gpus: 4); flags on the command line win.")
-    g.add_argument("--engine", choices=ENGINE_PROGRAMS, default="sglang",
+    g.add_argument("--engine", choices=ENGINE_PROGRAMS, default=EngineSettings.program,
                    help="Engine program: sglang (python -m sglang.launch_server) or reference "
                         "(our CPU server speaking the same protocol).")
-    g.add_argument("--reference-min-step-ms", type=t.non_negative_float, default=0.0,
+    g.add_argument("--reference-min-step-ms", type=t.non_negative_float,
+                   default=EngineSettings.reference_min_step_ms,
                    metavar="MS",
                    help="--engine reference only: each forward step of the reference engine "
                         "lasts at least this long, the rest waited off the CPU as a GPU's "

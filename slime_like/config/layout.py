@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slime_like.errors import ConfigError
+from slime_like.protocol.modes import WorkerType
 
 if TYPE_CHECKING:  # config imports this module to dry-run placement at parse time
     from slime_like.config.topology import GroupSpec, Topology
@@ -114,7 +115,7 @@ class EnginePlacement:
     model_name: str
     group_index: int
     engine_index: int
-    worker_type: str
+    worker_type: WorkerType
     num_gpus: int
     nnodes: int
     node_rank: int

@@ -8,16 +8,15 @@ the YAML path of the bad field, e.g. `sglang[1].server_groups[0].num_gpus: must 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slime_like.config.argtypes import did_you_mean
 from slime_like.config.config_file import read_yaml, show
 from slime_like.errors import ConfigError
+from slime_like.protocol.modes import WorkerType
 
-WORKER_TYPES = ("regular", "prefill", "decode", "placeholder", "encoder")
-WorkerType = Literal["regular", "prefill", "decode", "placeholder", "encoder"]
 LEGACY_GROUPS_KEY = "engine_groups"
 
 
@@ -29,7 +28,7 @@ class _Strict(BaseModel):
 class ServerGroupConfig(_Strict):
     """GPUs of one model served by engines of one worker type and size."""
 
-    worker_type: WorkerType
+    worker_type: WorkerType = Field(strict=False)  # YAML gives the word; the field is the enum
     num_gpus: int = Field(gt=0)
     num_gpus_per_engine: int | None = Field(default=None, gt=0)
     overrides: dict[str, Any] = Field(default_factory=dict)
@@ -89,8 +88,8 @@ def _message(err: dict[str, Any]) -> str:
         return f"must be true or false, got {show(value)}"
     if kind == "string_type":
         return f"must be a string, got {show(value)}"
-    if kind == "literal_error":
-        return f"must be one of {', '.join(WORKER_TYPES)}; got {show(value)}"
+    if kind in ("literal_error", "enum"):
+        return f"must be one of {', '.join(WorkerType)}; got {show(value)}"
     if kind == "list_type":
         return f"must be a list, got {show(value)}"
     if kind in ("dict_type", "model_type"):

@@ -14,13 +14,20 @@ from typing import Any
 
 from slime_like.config.async_flags import staleness_bound
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER
+from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
+
+# The defaults below are the flags' defaults too (`flags.py` reads them from here), so the
+# job and `slime_like.api.launch_fleet` start the same fleet unless told otherwise.
+DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS = 14400  # slime's --sglang-router-request-timeout-secs
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How every engine server is started (program, pass-through flags, keys)."""
+    """How every engine server is started: `program` "sglang" or "reference", sglang's
+    ServerArgs fields by name (`{"mem_fraction_static": 0.7}`), the seed, keys (None: fresh
+    ones per run)."""
 
-    program: str = "reference"
+    program: str = "sglang"
     sglang_flags: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     offload_rollout: bool = False
@@ -32,44 +39,26 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """How each model's router is started and called; `kind` is "sglang-router" or "smg"."""
+    """How each model's router is started and called: `kind` "sglang-router" or "smg", its
+    flags by field name (`{"policy": "round_robin"}`), the key (None: the engines' API key)
+    and how long one /generate through it may take."""
 
     kind: str = DEFAULT_ROUTER
     flags: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
 class HealthSettings:
-    """Engine probing; `enabled` off collapses the monitor to nothing."""
+    """Engine probing (`--use-fault-tolerance`); off, the monitor is nothing and no engine
+    is probed."""
 
-    enabled: bool = True
+    enabled: bool = False
     interval_s: float = 30.0
     timeout_s: float = 30.0
     first_wait_s: float = 300.0
     failure_threshold: int = 3
-
-
-@dataclass(frozen=True)
-class SyncSettings:
-    """The trainer's weight sync (WeightSyncConfig's fields, from the job's flags)."""
-
-    transport: str = "distributed"
-    pause_mode: str = "retract"
-    update_weight_buffer_size: int = 512 << 20
-    disk_dir: str | None = None
-    model_dir: str | None = None
-    http_timeout_s: float = 120.0
-    group_timeout_s: float = 120.0
-
-    def weight_sync_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `WeightSyncConfig` (the fleet settles failures itself)."""
-        return {"transport": self.transport, "pause_mode": self.pause_mode,
-                "update_weight_buffer_size": self.update_weight_buffer_size,
-                "disk_dir": self.disk_dir, "model_dir": self.model_dir,
-                "http_timeout_s": self.http_timeout_s, "group_timeout_s": self.group_timeout_s,
-                "resume_on_failure": False}
 
 
 @dataclass(frozen=True)
@@ -94,10 +83,15 @@ def make_keys(args: argparse.Namespace) -> tuple[str | None, str | None, str | N
     Keys are on by default: every engine and router of the run gets them, and every client
     the job creates uses them, so nothing else on the network can pause, update or route.
     """
-    api = args.sglang_flags.get("api_key") or secrets.token_hex(24)
-    admin = args.sglang_flags.get("admin_api_key") or secrets.token_hex(24)
-    router = args.router_flags.get("api_key") or api
-    return api, admin, router
+    return fresh_keys(args.sglang_flags.get("api_key"), args.sglang_flags.get("admin_api_key"),
+                      args.router_flags.get("api_key"))
+
+
+def fresh_keys(api: str | None, admin: str | None,
+               router: str | None) -> tuple[str, str, str]:
+    """Each key given, or a fresh one; the router's defaults to the engines' API key."""
+    api = api or secrets.token_hex(24)
+    return api, admin or secrets.token_hex(24), router or api
 
 
 def engine_settings(args: argparse.Namespace, *, api_key: str | None = None,
@@ -134,19 +128,6 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
         external_addrs=tuple(args.rollout_external_engine_addrs or ()),
         external_wait_s=float(args.external_engine_reconnect_timeout),
         router_port=args.sglang_router_port)
-
-
-def sync_settings(args: argparse.Namespace, model_dir: str | None) -> SyncSettings:
-    """The trainer's weight-sync slice (`nccl` is slime's name: IPC colocated, else a group)."""
-    transport = args.update_weight_transport
-    if transport == "nccl":
-        transport = "tensor" if args.colocate else "distributed"
-    # A hung engine holds a sync no longer than a hung request holds a rollout.
-    timeout = min(120.0, float(args.rollout_request_timeout))
-    return SyncSettings(transport=transport, pause_mode=args.pause_mode,
-                        update_weight_buffer_size=args.update_weight_buffer_size,
-                        disk_dir=args.update_weight_disk_dir, model_dir=model_dir,
-                        http_timeout_s=timeout, group_timeout_s=timeout)
 
 
 # ---- the job's own slices ------------------------------------------------------------------
@@ -366,8 +347,8 @@ class TrainerSettings:
 class AsyncSettings:
     """The job's schedule and what bounds and corrects its asynchrony (docs/ASYNC.md)."""
 
-    mode: str = "sync"                 # sync | one-step | fully-async
-    pause_mode: str = "retract"
+    mode: AsyncMode = AsyncMode.SYNC
+    pause_mode: PauseMode = DEFAULT_PAUSE_MODE
     partial_rollout: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
     max_staleness: int = 0             # versions a sample's oldest token may lag the trainer
@@ -375,7 +356,7 @@ class AsyncSettings:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "sync"
+        return self.mode != AsyncMode.SYNC
 
 
 def async_settings(args: argparse.Namespace) -> AsyncSettings:

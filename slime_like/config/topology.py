@@ -26,11 +26,11 @@ from slime_like.config.sglang_config import (
 )
 from slime_like.errors import ConfigError
 from slime_like.protocol.flag_tables import server_arg_table
+from slime_like.protocol.modes import WorkerType
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "default"
-PD_TYPES = ("prefill", "decode")
 # Set for each engine from its placement; a group-wide value would give every engine the
 # same port or rank.
 PLACEMENT_OWNED_FIELDS = {
@@ -54,7 +54,7 @@ class GroupSpec:
 
     model_name: str
     group_index: int
-    worker_type: str
+    worker_type: WorkerType
     num_gpus: int
     num_gpus_per_engine: int
     nnodes: int
@@ -63,7 +63,7 @@ class GroupSpec:
 
     @property
     def is_placeholder(self) -> bool:
-        return self.worker_type == "placeholder"
+        return self.worker_type == WorkerType.PLACEHOLDER
 
     @property
     def num_engines(self) -> int:
@@ -95,11 +95,11 @@ class ModelSpec:
 
     @property
     def pd_disaggregation(self) -> bool:
-        return any(g.worker_type in PD_TYPES for g in self.groups)
+        return any(g.worker_type.is_pd for g in self.groups)
 
     @property
     def has_encoders(self) -> bool:
-        return any(g.worker_type == "encoder" for g in self.groups)
+        return any(g.worker_type == WorkerType.ENCODER for g in self.groups)
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def _nnodes(gpe: int, gpe_where: str, gpn: int) -> int:
 def _resolve_group(model: ModelConfig, m_where: str, j: int, g: ServerGroupConfig,
                    inputs: TopologyInputs, warnings: list[str]) -> GroupSpec:
     where = f"{m_where}.server_groups[{j}]"
-    if g.worker_type == "placeholder":
+    if g.worker_type == WorkerType.PLACEHOLDER:
         for name in ("num_gpus_per_engine", "overrides"):
             if name in g.model_fields_set and getattr(g, name):
                 raise ConfigError(f"{where}.{name}", "a placeholder group only reserves GPU "
@@ -251,19 +251,21 @@ def _check_parallelism(gpe: int, gpe_where: str, overrides: Mapping[str, Any], w
 
 def _check_worker_mix(groups: list[GroupSpec], m_where: str, name: str) -> None:
     types = [g.worker_type for g in groups]
-    has_pd = any(t in PD_TYPES for t in types)
+    has_pd = any(t.is_pd for t in types)
     if has_pd:
         for g in groups:
-            if g.worker_type == "regular":
+            if g.worker_type == WorkerType.REGULAR:
                 raise ConfigError(f"{g.where}.worker_type",
                                   "regular groups cannot be mixed with prefill/decode groups in "
                                   f"one model (model {name!r} is served by one PD router)")
-        for need, other in (("prefill", "decode"), ("decode", "prefill")):
+        for need, other in ((WorkerType.PREFILL, WorkerType.DECODE),
+                            (WorkerType.DECODE, WorkerType.PREFILL)):
             if need not in types:
                 raise ConfigError(f"{m_where}.server_groups",
                                   f"model {name!r} has {other} groups but no {need} group")
-    if "encoder" in types and not any(t in ("regular", "prefill") for t in types):
-        first = next(g for g in groups if g.worker_type == "encoder")
+    if WorkerType.ENCODER in types and \
+            not any(t in (WorkerType.REGULAR, WorkerType.PREFILL) for t in types):
+        first = next(g for g in groups if g.worker_type == WorkerType.ENCODER)
         raise ConfigError(f"{first.where}.worker_type",
                           f"encoder groups need a regular or prefill group in model {name!r} "
                           "to send their embeddings to")
@@ -333,7 +335,7 @@ def resolve_sglang_config(config: SglangConfig, inputs: TopologyInputs) -> Topol
 
 # ---- flag-only topologies ---------------------------------------------------------------
 
-def _single_model(groups: list[tuple[str, int, str]], inputs: TopologyInputs,
+def _single_model(groups: list[tuple[WorkerType, int, str]], inputs: TopologyInputs,
                   source: str) -> Topology:
     gpe = inputs.rollout_num_gpus_per_engine
     nnodes = _nnodes(gpe, "--rollout-num-gpus-per-engine", inputs.num_gpus_per_node)
@@ -354,29 +356,38 @@ def _single_model(groups: list[tuple[str, int, str]], inputs: TopologyInputs,
 
 def resolve_topology(args: argparse.Namespace) -> Topology:
     """The job's topology from parsed flags (slime's priority order, see module doc)."""
-    inputs = TopologyInputs.from_args(args)
     if args.debug_train_only:
         return Topology((), source="debug_train_only")
-    if args.rollout_external_engine_addrs:
+    return topology_of(TopologyInputs.from_args(args), sglang_config=args.sglang_config,
+                       external=bool(args.rollout_external_engine_addrs),
+                       prefill_num_servers=args.prefill_num_servers)
+
+
+def topology_of(inputs: TopologyInputs, *, sglang_config: Any = None, external: bool = False,
+                prefill_num_servers: int | None = None) -> Topology:
+    """Models and groups from a `--sglang-config` (a path, or YAML already read), external
+    engines, or the GPU count alone: what the job's flags and `slime_like.api` both say."""
+    if external:
         model = ModelSpec(DEFAULT_MODEL_NAME, inputs.hf_checkpoint, True, (), "--rollout-"
                           "external-engine-addrs")
         return Topology((model,), source="external", external=True)
-    if args.sglang_config is not None:
-        source = args.sglang_config
+    if sglang_config is not None:
+        source = sglang_config
         config = (parse_sglang_config(source.data) if isinstance(source, InlineSglangConfig)
                   else load_sglang_config(source))
         return resolve_sglang_config(config, inputs)
     n = inputs.rollout_num_gpus or 0
     if n == 0:
         return _single_model([], inputs, source="router_only")
-    if args.prefill_num_servers is not None:
-        prefill = args.prefill_num_servers * inputs.rollout_num_gpus_per_engine
+    if prefill_num_servers is not None:
+        prefill = prefill_num_servers * inputs.rollout_num_gpus_per_engine
         if prefill >= n:
             raise ConfigError("--prefill-num-servers",
-                              f"{args.prefill_num_servers} prefill engines of "
+                              f"{prefill_num_servers} prefill engines of "
                               f"{inputs.rollout_num_gpus_per_engine} GPUs leave no decode GPUs "
                               f"of --rollout-num-gpus {n}")
-        return _single_model([("prefill", prefill, "--prefill-num-servers"),
-                              ("decode", n - prefill, "--rollout-num-gpus")], inputs,
+        return _single_model([(WorkerType.PREFILL, prefill, "--prefill-num-servers"),
+                              (WorkerType.DECODE, n - prefill, "--rollout-num-gpus")], inputs,
                              source="prefill_num_servers")
-    return _single_model([("regular", n, "--rollout-num-gpus")], inputs, source="flags")
+    return _single_model([(WorkerType.REGULAR, n, "--rollout-num-gpus")], inputs,
+                         source="flags")

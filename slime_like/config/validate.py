@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from slime_like.config.async_flags import resolve_async
+from slime_like.config.flags import SLIME_TRANSPORT
 from slime_like.config.layout import layout_from_args, nominal_bundles, plan_job
 from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
 from slime_like.config.rl_flags import check_dynamic_sampling, resolve_off_policy
@@ -19,6 +22,7 @@ from slime_like.config.topology import resolve_topology
 from slime_like.errors import ConfigError
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
 from slime_like.protocol.flag_tables import router_table as router_arg_table
+from slime_like.protocol.modes import AsyncMode, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +132,9 @@ def _check_sizes(args: argparse.Namespace) -> None:
                           f"{args.actor_num_gpus_per_node}")
 
 
-def _check_addresses(args: argparse.Namespace) -> None:
-    for addr in args.rollout_external_engine_addrs or ():
+def check_addresses(addrs: Sequence[str]) -> None:
+    """Every external engine's address is HOST:PORT."""
+    for addr in addrs:
         host, sep, port = addr.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError("--rollout-external-engine-addrs",
@@ -137,9 +142,10 @@ def _check_addresses(args: argparse.Namespace) -> None:
 
 
 def _resolve_transport(args: argparse.Namespace) -> None:
-    if args.update_weight_transport == "nccl":
-        args.update_weight_transport = "tensor" if args.colocate else "distributed"
-    if args.update_weight_transport == "disk" and not args.update_weight_disk_dir:
+    if args.update_weight_transport == SLIME_TRANSPORT:
+        args.update_weight_transport = Transport.TENSOR if args.colocate else Transport.DISTRIBUTED
+    args.update_weight_transport = Transport(args.update_weight_transport)
+    if args.update_weight_transport == Transport.DISK and not args.update_weight_disk_dir:
         raise ConfigError("--update-weight-disk-dir",
                           "required with --update-weight-transport disk (a directory both the "
                           "trainer and every engine can read)")
@@ -150,7 +156,7 @@ def _check_train_backend(args: argparse.Namespace) -> None:
         raise ConfigError("--update-weights-interval", "> 1 with --train-backend fsdp: a "
                                                        "sharded trainer keeps no copy of the "
                                                        "served weights between syncs")
-    if args.train_backend == "fsdp" and args.async_mode != "sync":
+    if args.train_backend == "fsdp" and args.async_mode != AsyncMode.SYNC:
         raise ConfigError("--train-backend", f"fsdp with --async-mode {args.async_mode}: a "
                                              "sharded trainer keeps no copy of earlier "
                                              "versions to check stale samples against")
@@ -161,14 +167,15 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval", "needs --save (the directory to save into)")
 
 
-def _check_router_flags(args: argparse.Namespace) -> None:
-    """Owned fields are refused; so is a flag or choice the chosen router does not have."""
-    for name, why in OWNED_ROUTER_FIELDS.items():
-        if name in args.router_flags:
+def check_router_flags(kind: str, flags: Mapping[str, Any],
+                       owned: Mapping[str, str] = OWNED_ROUTER_FIELDS) -> None:
+    """Owned fields are refused; so is a flag or choice the chosen router does not have
+    (the job's `--router-*` flags and `slime_like.api`'s `RouterSettings.flags` alike)."""
+    for name, why in owned.items():
+        if name in flags:
             raise ConfigError("--router-" + name.replace("_", "-"), f"not settable: {why}")
-    kind = getattr(args, "router", None) or DEFAULT_ROUTER
     table = router_arg_table(kind)
-    for name, value in args.router_flags.items():
+    for name, value in flags.items():
         flag = "--router-" + name.replace("_", "-")
         if name not in table:
             others = [k for k in ROUTER_TABLES if k != kind and name in router_arg_table(k)]
@@ -196,8 +203,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _resolve_offload(args)
     resolve_async(args)
     _check_sizes(args)
-    _check_router_flags(args)
-    _check_addresses(args)
+    check_router_flags(getattr(args, "router", None) or DEFAULT_ROUTER, args.router_flags)
+    check_addresses(args.rollout_external_engine_addrs or ())
     _resolve_transport(args)
     _check_checkpointing(args)
     resolve_off_policy(args)

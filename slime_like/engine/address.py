@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slime_like.protocol.modes import WorkerType
+
 
 @dataclass(frozen=True)
 class EngineAddress:
@@ -20,7 +22,7 @@ class EngineAddress:
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
     engine_id: str = ""
-    worker_type: str = "regular"
+    worker_type: WorkerType = WorkerType.REGULAR
     bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -32,6 +34,7 @@ class EngineAddress:
             raise ValueError(f"engine {url}: tp_size must be >= 1, got {self.tp_size}")
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "engine_id", self.engine_id or url)
+        object.__setattr__(self, "worker_type", WorkerType(self.worker_type))
 
     def __str__(self) -> str:
         return self.url

@@ -28,6 +28,7 @@ from urllib3.util.retry import Retry
 from slime_like.errors import EngineError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
+from slime_like.protocol.modes import PauseMode
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -252,7 +253,8 @@ class EngineClient:
 
     # ---- control ---------------------------------------------------------------------------
 
-    def pause_generation(self, mode: p.PauseMode = "retract", timeout: float | None = None) -> dict:
+    def pause_generation(self, mode: PauseMode = PauseMode.RETRACT,
+                         timeout: float | None = None) -> dict:
         return self.request("POST", paths.PAUSE_GENERATION, body=p.PauseGenerationRequest(mode=mode),
                             admin=True, timeout=timeout)
 

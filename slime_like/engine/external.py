@@ -17,6 +17,7 @@ from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError, LaunchError
 from slime_like.protocol.compat import EngineFeatures
 from slime_like.protocol.flag_tables import server_arg_table
+from slime_like.protocol.modes import WorkerType
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class ExternalEngine(EngineServer):
             raise ConfigError("rollout_external_engine_addrs", f"{address!r} is not host:port")
         super().__init__(EngineConfig(model_path="", name=f"external {parts.hostname}:{parts.port}",
                                       api_key=api_key, admin_api_key=admin_api_key,
-                                      worker_type=worker_type or "regular"))
+                                      worker_type=worker_type or WorkerType.REGULAR))
         self.host, self.port = parts.hostname, parts.port
         self.expected = dict(expected or {})
         self._declared_type = worker_type
@@ -89,14 +90,14 @@ class ExternalEngine(EngineServer):
         expected = dict(self.expected)
         problems = mismatches(expected, self.info)
         if self._declared_type is not None and self._declared_type != actual_type:
-            problems.append(f"worker_type: expected {self._declared_type!r}, the engine is "
-                            f"{actual_type!r}")
+            problems.append(f"worker_type: expected {str(self._declared_type)!r}, the engine "
+                            f"is {actual_type.value!r}")
         if problems:
             raise ConfigError(f"external engine {url}/server_info",
                               "does not match the configuration: " + "; ".join(problems))
         self.config.worker_type = actual_type
         self.features = EngineFeatures.from_server_info(self.info)
-        self.bootstrap_port = self.info.get("disaggregation_bootstrap_port") if actual_type == "prefill" else None
+        self.bootstrap_port = self.info.get("disaggregation_bootstrap_port") if actual_type == WorkerType.PREFILL else None
         return url
 
     def is_alive(self) -> bool:

@@ -17,6 +17,7 @@ from slime_like.engine.launch import render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
 from slime_like.protocol.flag_tables import ComposedArgs
+from slime_like.protocol.modes import WorkerType
 from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 
 
@@ -64,8 +65,9 @@ def engine_server_args(engine: EnginePlacement, settings: EngineSettings, *, por
     e = EngineServer(engine_config(engine, settings, model_path=model_path))
     if engine.dist_init_host and dist_init_port is not None:
         e.dist_init_addr = f"{format_host(engine.dist_init_host)}:{dist_init_port}"
+    prefill = engine.worker_type == WorkerType.PREFILL
     return e.compose_args(host=engine.node_ip, port=port, nccl_port=nccl_port,
-                          bootstrap_port=bootstrap_port if engine.worker_type == "prefill" else None)
+                          bootstrap_port=bootstrap_port if prefill else None)
 
 
 def engine_argv(engine: EnginePlacement, settings: EngineSettings, **kw: Any) -> list[str]:

@@ -21,9 +21,10 @@ from slime_like.protocol.flag_tables import (
     render_flags,
     server_arg_table,
 )
+from slime_like.protocol.modes import ENGINE_WORKER_TYPES, WorkerType
 
-WorkerType = Literal["regular", "prefill", "decode", "encoder"]
-WORKER_TYPES: tuple[str, ...] = ("regular", "prefill", "decode", "encoder")
+# sglang's `disaggregation_mode` when an engine is not one side of a PD pair.
+NO_DISAGGREGATION = "null"
 
 # Fields slime users set in configs written for older sglang that 0.5.23 no longer has under
 # that name. Each maps to what replaced it, so the warning can say what to write instead.
@@ -102,12 +103,13 @@ def forced_server_args(
     return {k: v for k, v in args.items() if v is not None}
 
 
-def _worker_type_args(worker_type: str) -> dict[str, Any]:
-    if worker_type == "prefill":
-        return {"disaggregation_mode": "prefill", "load_balance_method": "follow_bootstrap_room"}
-    if worker_type == "decode":
-        return {"disaggregation_mode": "decode"}
-    if worker_type == "encoder":
+def _worker_type_args(worker_type: WorkerType) -> dict[str, Any]:
+    if worker_type == WorkerType.PREFILL:
+        return {"disaggregation_mode": WorkerType.PREFILL.value,
+                "load_balance_method": "follow_bootstrap_room"}
+    if worker_type == WorkerType.DECODE:
+        return {"disaggregation_mode": WorkerType.DECODE.value}
+    if worker_type == WorkerType.ENCODER:
         return {"encoder_only": True}
     return {}
 
@@ -152,7 +154,7 @@ def compose_server_args(
     forced: Mapping[str, Any],
     sglang_flags: Mapping[str, Any],
     overrides: Mapping[str, Any],
-    worker_type: str,
+    worker_type: WorkerType | str,
     overrides_path: str = "overrides",
 ) -> ComposedArgs:
     """slime's precedence: forced < `--sglang-*` flags < the group's YAML `overrides`.
@@ -161,9 +163,10 @@ def compose_server_args(
     with or without the `sglang_` prefix. A None in `overrides` removes the key, so sglang's
     own default applies. Unknown fields are dropped with one warning naming them.
     """
-    if worker_type not in WORKER_TYPES:
-        raise ConfigError("worker_type", f"{worker_type!r} is not an engine worker type; "
-                          f"expected one of {list(WORKER_TYPES)}")
+    if worker_type not in ENGINE_WORKER_TYPES:
+        raise ConfigError("worker_type", f"{str(worker_type)!r} is not an engine worker type; "
+                          f"expected one of {[t.value for t in ENGINE_WORKER_TYPES]}")
+    worker_type = WorkerType(worker_type)
     table = server_arg_table()
     warnings: list[str] = []
     merged: dict[str, Any] = {}
@@ -218,17 +221,19 @@ def compose_server_args(
                         dropped=dropped, warnings=warnings)
 
 
-def _check_worker_type(args: Mapping[str, Any], worker_type: str, sources: Mapping[str, str]) -> None:
+def _check_worker_type(args: Mapping[str, Any], worker_type: WorkerType,
+                       sources: Mapping[str, str]) -> None:
     """Overrides may tune a worker type's extras but not contradict the type itself."""
-    mode = args.get("disaggregation_mode", "null")
-    wanted = {"prefill": "prefill", "decode": "decode"}.get(worker_type, "null")
-    if worker_type != "encoder" and mode != wanted:
+    mode = args.get("disaggregation_mode", NO_DISAGGREGATION)
+    wanted = worker_type.value if worker_type.is_pd else NO_DISAGGREGATION
+    if worker_type != WorkerType.ENCODER and mode != wanted:
         raise ConfigError(sources.get("disaggregation_mode", "disaggregation_mode"),
-                          f"disaggregation_mode={mode!r} contradicts worker_type={worker_type!r}")
-    if worker_type == "prefill" and args.get("disaggregation_bootstrap_port") is None:
+                          f"disaggregation_mode={mode!r} contradicts "
+                          f"worker_type={worker_type.value!r}")
+    if worker_type == WorkerType.PREFILL and args.get("disaggregation_bootstrap_port") is None:
         raise ConfigError("disaggregation_bootstrap_port",
                           "a prefill engine needs a bootstrap port (reserved by its engine actor)")
-    if worker_type == "encoder" and not args.get("encoder_only"):
+    if worker_type == WorkerType.ENCODER and not args.get("encoder_only"):
         raise ConfigError(sources.get("encoder_only", "encoder_only"),
                           "an encoder engine needs encoder_only=true")
 
@@ -300,12 +305,13 @@ def _coerce(spec: ArgSpec, raw: Any) -> Any:
     return raw
 
 
-def worker_type_of(server_args: Mapping[str, Any]) -> str:
+def worker_type_of(server_args: Mapping[str, Any]) -> WorkerType:
     """The worker type a server's args describe (as its /server_info reports them)."""
     if server_args.get("encoder_only"):
-        return "encoder"
-    mode = server_args.get("disaggregation_mode") or "null"
-    return mode if mode in ("prefill", "decode") else "regular"
+        return WorkerType.ENCODER
+    mode = server_args.get("disaggregation_mode") or NO_DISAGGREGATION
+    return WorkerType(mode) if mode in (WorkerType.PREFILL, WorkerType.DECODE) \
+        else WorkerType.REGULAR
 
 
 # What the orchestrator relies on an engine's args for: its size and weight-group ranks,
@@ -324,5 +330,5 @@ def engine_view(args: Mapping[str, Any]) -> dict[str, Any]:
     view = {k: args.get(k, table[k].default if k in table else None) for k in VIEW_FIELDS}
     view["worker_type"] = worker_type_of(args)
     view["bootstrap_port"] = args.get("disaggregation_bootstrap_port") \
-        if view["worker_type"] == "prefill" else None
+        if view["worker_type"] == WorkerType.PREFILL else None
     return view

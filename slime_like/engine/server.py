@@ -30,6 +30,7 @@ from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, EngineError, LaunchError
 from slime_like.protocol.compat import EngineFeatures
 from slime_like.protocol.flag_tables import ComposedArgs
+from slime_like.protocol.modes import WorkerType
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class EngineConfig:
 
     model_path: str
     program: Literal["sglang", "reference"] = "sglang"
-    worker_type: str = "regular"
+    worker_type: WorkerType = WorkerType.REGULAR
     num_gpus_per_engine: int = 1
     pp_size: int = 1
     dp_size: int = 1
@@ -67,6 +68,9 @@ class EngineConfig:
     python: str = sys.executable
     name: str | None = None
 
+    def __post_init__(self) -> None:
+        self.worker_type = WorkerType(self.worker_type)  # a word from a caller: its member
+
     @property
     def label(self) -> str:
         return self.name or f"engine{self.engine_rank}" + (f"-node{self.node_rank}" if self.nnodes > 1 else "")
@@ -80,7 +84,7 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig,
                  reserve: Callable[..., PortReservation] = reserve_ports):
-        if config.nnodes > 1 and config.worker_type == "encoder":
+        if config.nnodes > 1 and config.worker_type == WorkerType.ENCODER:
             raise ConfigError("worker_type", "an encoder engine cannot span nodes")
         self.config = config
         self._reserve = reserve  # tests replace it to lose the port race on purpose
@@ -197,7 +201,7 @@ class EngineServer:
     def _start_once(self) -> None:
         cfg = self.config
         host = self._node_host()
-        prefill = cfg.worker_type == "prefill"
+        prefill = cfg.worker_type == WorkerType.PREFILL
         reservation = self._reserve(3 if prefill else 2, host=host, port_range=cfg.port_range)
         self._reservation = reservation
         try:

@@ -33,12 +33,13 @@ from slime_like.protocol.compat import (
     FLUSH_AFTER_RETRACT_SINCE,
     try_parse_version,
 )
+from slime_like.protocol.modes import PauseMode
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741 - an item
 
 # Whose requests survive a pause: a flush must never abort them.
-RESUMABLE_PAUSE_MODES = ("retract", "in_place")
+RESUMABLE_PAUSE_MODES = (PauseMode.RETRACT, PauseMode.IN_PLACE)
 # sglang 0.5.23's answer when the weights landed but the flush after them was refused.
 FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
 
@@ -60,7 +61,7 @@ class EngineSession:
         self.version: tuple[int, ...] | None = None
         self.server_info: dict = {}
         # What this process changed on the engine (undone by `undo`).
-        self.paused: str | None = None
+        self.paused: PauseMode | None = None
         self.in_update = False
         self.groups: list[str] = []
         self._lock = threading.Lock()
@@ -178,7 +179,8 @@ class EngineSession:
 
     # ---- generation control ------------------------------------------------------------------
 
-    def pause_generation(self, mode: p.PauseMode = "retract", timeout: float | None = None) -> dict:
+    def pause_generation(self, mode: PauseMode = PauseMode.RETRACT,
+                         timeout: float | None = None) -> dict:
         self.paused = mode  # before the call: even one that timed out may have paused it
         return self.http.pause_generation(mode, timeout)
 

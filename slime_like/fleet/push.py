@@ -25,6 +25,7 @@ from torch import nn
 from slime_like.errors import WeightSyncError
 from slime_like.fleet.attempts import Update
 from slime_like.fleet.fleet import Fleet
+from slime_like.protocol.modes import Transport
 from slime_like.weights.sharded import ShardedWeights, is_sharded
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig
 
@@ -84,7 +85,7 @@ class FleetWeights:
         if self._sharded is None or self._sharded[0] != id(weights):
             self._sharded = (id(weights), ShardedWeights(
                 weights, bucket_bytes=int(self.config.update_weight_buffer_size),
-                copies=self.config.transport != "distributed"))
+                copies=self.config.transport != Transport.DISTRIBUTED))
         source = self._sharded[1]
         if source.rank != 0:
             return {"served_buckets": source.serve(until_done=True)}

@@ -19,6 +19,7 @@ from slime_like.config.slices import FleetSettings
 from slime_like.errors import RouterError
 from slime_like.fleet.events import EventBus, RouterState
 from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.protocol.modes import WorkerType
 from slime_like.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class Routers(Mapping[str, Router]):
         if e.router_worker_id is not None or e.handle is None:
             return  # a worker of it already
         h = e.handle
-        if h.worker_type == "encoder":
+        if h.worker_type == WorkerType.ENCODER:
             return
         wait = self.settings.register_timeout_s if timeout is None else \
             min(timeout, self.settings.register_timeout_s)

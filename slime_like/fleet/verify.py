@@ -31,8 +31,8 @@ def serving_handles(fleet: Fleet) -> list[EngineSession]:
     report, the console and events call it): a session of its own per engine, for the
     probe's scoring requests (a session is no dataclass, its address is)."""
     names = {e.url: e.engine_id for e in list(fleet.engines) if e.url}
-    return [EngineSession(replace(h.address, engine_id=names.get(h.url, h.engine_id)),
-                          h.timeout) for h in fleet.handles(fleet.updatable_model)]
+    return [EngineSession(replace(h.address, engine_id=names.get(h.url, h.engine_id)))
+            for h in fleet.handles(fleet.updatable_model)]
 
 
 class _OwnScorer:

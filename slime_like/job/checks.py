@@ -7,6 +7,7 @@ from __future__ import annotations
 from slime_like.config.slices import JobSettings
 from slime_like.fleet.fleet import Fleet
 from slime_like.fleet.verify import serving_handles
+from slime_like.protocol.modes import PauseMode
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.logprob_check import LogprobCheck, LogprobMismatch, check_logprobs
 from slime_like.rollout.probe import EngineProbe
@@ -48,5 +49,5 @@ class StepChecker:
         return check_logprobs(samples, trainer, version, self.settings.logprob_check_tolerance,
                               self.settings.rollout.temperature,
                               staleness=asynchrony.max_staleness,
-                              kv_kept=asynchrony.pause_mode == "in_place",
+                              kv_kept=asynchrony.pause_mode == PauseMode.IN_PLACE,
                               fraction=asynchrony.check_fraction, seed=step, probe=report)

@@ -31,7 +31,7 @@ from slime_like.chaos import (
     simulated_crash,
 )
 from slime_like.cluster.placement import JobPlacement, place_job
-from slime_like.config.slices import FleetSettings, JobSettings, SyncSettings
+from slime_like.config.slices import FleetSettings, JobSettings
 from slime_like.errors import SlimeLikeError
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.checkpoints import save_checkpoint, save_due
@@ -50,6 +50,7 @@ from slime_like.rollout.prompts import PromptItem
 from slime_like.submit.connect import init_ray
 from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
+from slime_like.weights.sync_config import WeightSyncConfig
 
 logger = logging.getLogger("slime_like.train")
 
@@ -72,7 +73,7 @@ class Job:
     """One RL job built from its typed settings; `run()` is the whole of it."""
 
     def __init__(self, settings: JobSettings, fleet_settings: FleetSettings,
-                 sync_settings: SyncSettings, plugins: Plugins, out_dir: Path,
+                 sync_settings: WeightSyncConfig, plugins: Plugins, out_dir: Path,
                  group_filter: GroupFilter | None = None):
         self.settings = settings
         self.checker = StepChecker(settings)

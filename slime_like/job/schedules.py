@@ -30,6 +30,7 @@ from slime_like.config.slices import JobSettings
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.inputs import JobInputs
 from slime_like.job.samples import Rollout
+from slime_like.protocol.modes import AsyncMode
 from slime_like.rollout.dynamic_sampling import GroupFilter
 from slime_like.rollout.producer import RolloutProducer
 
@@ -68,7 +69,8 @@ def run_schedule(job: ScheduledJob) -> None:
     mode = job.settings.asynchrony.mode
     freeze_startup_heap()
     try:
-        {"sync": run_sync, "one-step": run_one_step, "fully-async": run_fully_async}[mode](job)
+        {AsyncMode.SYNC: run_sync, AsyncMode.ONE_STEP: run_one_step,
+         AsyncMode.FULLY_ASYNC: run_fully_async}[mode](job)
     finally:
         gc.unfreeze()  # shutting down frees start-up's objects as usual
 
@@ -101,7 +103,8 @@ def run_one_step(job: ScheduledJob) -> None:
             rollout = pending.result()
             waited = time.time() - t0
             nxt = pool.submit(job.rollout, step + 1) if step + 1 < steps.stop else None
-            rollout.metrics.update({"async_mode": "one-step", "trainer_wait_s": round(waited, 4)})
+            rollout.metrics.update({"async_mode": AsyncMode.ONE_STEP,
+                                    "trainer_wait_s": round(waited, 4)})
             job.learn(step, rollout, before_sync=(lambda f=nxt: f.exception()) if nxt else None)
             pending = nxt
 
@@ -161,7 +164,7 @@ def run_fully_async(job: ScheduledJob) -> None:
                        "resubmitted": generator.resubmitted,
                        "filtered": producer.counts.filtered}
                 rollout.metrics.update({
-                    "async_mode": "fully-async",
+                    "async_mode": AsyncMode.FULLY_ASYNC,
                     "trainer_wait_s": round(taken.waited_s, 4),
                     "staleness": {str(k): v for k, v in sorted(taken.staleness.items())},
                     "samples_dropped_stale": taken.dropped_stale * n,
@@ -185,7 +188,7 @@ def run_fully_async(job: ScheduledJob) -> None:
                 producer.trained()
         finally:
             counts = producer.stop()
-            summary = {"mode": "fully-async", "samples_per_group": n,
+            summary = {"mode": AsyncMode.FULLY_ASYNC, "samples_per_group": n,
                        "groups": vars(counts), "balanced": counts.balanced()}
             (job.out / "async.json").write_text(json.dumps(summary, indent=1))
             job.notes.append(

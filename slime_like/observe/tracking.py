@@ -24,6 +24,7 @@ from slime_like.errors import ConfigError
 from slime_like.fleet.events import FleetEvent, kind_of
 from slime_like.observe.async_metrics import COUNTS, STALENESS, as_histogram, for_scalar_backends
 from slime_like.observe.incidents import IncidentLog
+from slime_like.protocol.modes import AsyncMode
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class PrometheusBackend:
                 self.staleness.observe(age)
         mode = metrics.get("async_mode")
         if isinstance(mode, str) and mode:
-            for known in ("sync", "one-step", "fully-async", mode):
+            for known in (*AsyncMode, mode):
                 self.async_mode.labels(mode=known).set(1 if known == mode else 0)
 
     def log_event(self, event: dict[str, Any]) -> None:

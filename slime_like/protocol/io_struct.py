@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PauseMode = Literal["abort", "retract", "in_place"]
+from slime_like.protocol.modes import PauseMode
+
 Selector = Literal["target", "draft", "all"]
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 ALL_MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
@@ -122,7 +123,7 @@ class GenerateResponse(BaseModel):
 # ---- control -----------------------------------------------------------------------------
 
 class PauseGenerationRequest(_Body):
-    mode: PauseMode = "abort"
+    mode: PauseMode = PauseMode.ABORT  # sglang's default; the body carries the word
 
 
 class ContinueGenerationRequest(_Body):

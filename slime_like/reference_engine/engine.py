@@ -13,6 +13,7 @@ from slime_like.models.config import ModelConfig
 from slime_like.models.hf_tokenizer import load_tokenizer
 from slime_like.models.loading import load_pretrained
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.protocol.modes import WorkerType
 from slime_like.reference_engine import loads
 from slime_like.reference_engine.args import SGLANG_VERSION, EngineArgs
 from slime_like.reference_engine.disaggregation import (
@@ -90,7 +91,7 @@ class ReferenceEngine:
         # PD prefill: hand-offs by bootstrap room, served on --disaggregation-bootstrap-port.
         self.handoffs: HandoffStore | None = None
         self.bootstrap_server: BootstrapServer | None = None
-        if args.disaggregation_mode == "prefill":
+        if args.disaggregation_mode == WorkerType.PREFILL:
             self.handoffs = HandoffStore(keep_s=env_timeout(BOOTSTRAP_TIMEOUT_ENV))
             self.bootstrap_server = BootstrapServer(args.host, args.disaggregation_bootstrap_port,
                                                     self.handoffs)

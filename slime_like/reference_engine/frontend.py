@@ -20,6 +20,7 @@ from typing import Any
 
 from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.protocol.modes import PauseMode, WorkerType
 from slime_like.reference_engine.disaggregation import (
     Bootstrap,
     DecodeHandoffs,
@@ -125,11 +126,12 @@ class Frontend:
         self.out_tokenizer = None if skip_tokenizer_init else self.tokenizer
         self.incremental_streaming = incremental_streaming
         self.disaggregation_mode = disaggregation_mode
-        self.prefill_only = disaggregation_mode == "prefill"
+        self.prefill_only = disaggregation_mode == WorkerType.PREFILL
         # PD: the prefill engine parks hand-offs, the decode engine fetches them.
         self.prefill = PrefillHandoffs(handoffs, scheduler) \
             if self.prefill_only and handoffs is not None else None
-        self.decode = DecodeHandoffs(scheduler) if disaggregation_mode == "decode" else None
+        self.decode = DecodeHandoffs(scheduler) if disaggregation_mode == WorkerType.DECODE \
+            else None
         self._closing = False
         self.paused = False
         self.ready = False  # warm-up done (sglang's server_status == Up)
@@ -320,7 +322,7 @@ class Frontend:
         """/pause_generation: close the gate; abort drains, retract/in_place stop the scheduler."""
         async with self._pause_cond:
             self.paused = True
-            if mode == "abort":
+            if mode == PauseMode.ABORT:
                 # PD decode: requests still receiving their KV are in sglang's transfer
                 # queue, which an abort pause empties too.
                 for live in self.live.values():

@@ -24,6 +24,7 @@ import torch
 
 from slime_like.models.hf_tokenizer import Tokenizer
 from slime_like.models.tokenizer import ByteTokenizer
+from slime_like.protocol.modes import PauseMode
 from slime_like.reference_engine.kv_cache import BatchKV, KVPool, PrefixCache, extend_mask
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.request import Req, finish_abort, finish_abort_waiting
@@ -220,7 +221,7 @@ class Scheduler:
             self._finish(r, finish_abort())
 
     def _pause(self, mode: str) -> None:
-        if mode == "retract":
+        if mode == PauseMode.RETRACT:
             retracted = self.running
             for r in retracted:
                 self.pool.free(r.slot)
@@ -229,7 +230,7 @@ class Scheduler:
             self.running = []
             self.waiting.extendleft(reversed(retracted))
             self.metrics.retracted(len(retracted))
-        self.paused_mode = mode if mode in ("retract", "in_place") else None
+        self.paused_mode = mode if mode in (PauseMode.RETRACT, PauseMode.IN_PLACE) else None
 
     def _resume(self) -> None:
         self.paused_mode = None

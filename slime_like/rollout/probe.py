@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from slime_like.engine.session import EngineSession
+from slime_like.protocol.modes import WorkerType
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.logprob_rule import Leaning, NeighbourTest, neighbour_test
 from slime_like.rollout.scoring import EngineScores, score_on_engines
@@ -131,7 +132,7 @@ class EngineProbe:
     def ask_engines(self, handles: list[EngineSession]) -> tuple[list[EngineScores], dict[str, str]]:
         """Every regular engine scores the probe (their HTTP side, before any memory
         release of a colocated step)."""
-        engines = [h for h in handles if h.worker_type == "regular"]
+        engines = [h for h in handles if h.worker_type == WorkerType.REGULAR]
         return score_on_engines(engines, self.pairs) if self.pairs else ([], {})
 
     def trainer_logprobs(self, version: str, trainer: SpanScorer) -> list[list[float]] | None:

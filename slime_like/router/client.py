@@ -18,8 +18,7 @@ from typing import Any
 import requests
 
 from slime_like.errors import RouterError
-
-WORKER_TYPES = ("regular", "prefill", "decode")
+from slime_like.protocol.modes import ROUTED_WORKER_TYPES, WorkerType
 
 
 @dataclass(frozen=True)
@@ -28,14 +27,16 @@ class WorkerInfo:
 
     id: str
     url: str
-    worker_type: str
+    worker_type: WorkerType | str  # a type this package does not know stays the router's word
     is_healthy: bool
     bootstrap_port: int | None
     raw: dict
 
     @classmethod
     def from_json(cls, d: dict) -> WorkerInfo:
-        return cls(id=d["id"], url=d["url"], worker_type=d.get("worker_type", "regular"),
+        word = d.get("worker_type") or WorkerType.REGULAR
+        kind = WorkerType(word) if word in set(WorkerType) else word
+        return cls(id=d["id"], url=d["url"], worker_type=kind,
                    is_healthy=bool(d.get("is_healthy")), bootstrap_port=d.get("bootstrap_port"),
                    raw=d)
 
@@ -106,7 +107,8 @@ class RouterClient:
         resp = self._call("GET", f"/workers/{worker_id}", ok=(200, 404))
         return None if resp.status_code == 404 else resp.json().get("job_status")
 
-    def add_worker(self, url: str, *, worker_type: str = "regular", bootstrap_port: int | None = None,
+    def add_worker(self, url: str, *, worker_type: WorkerType = WorkerType.REGULAR,
+                   bootstrap_port: int | None = None,
                    api_key: str | None = None, timeout: float = 60.0, post_retries: int = 3) -> WorkerInfo:
         """Register a worker and wait until `GET /workers` lists it healthy.
 
@@ -116,14 +118,16 @@ class RouterClient:
         check. So do not register a worker that cannot answer now (e.g. one paused for a
         weight update) unless it may serve whenever it answers.
         """
-        if worker_type not in WORKER_TYPES:
-            raise RouterError(f"worker_type {worker_type!r} for {url} is not one of {WORKER_TYPES}")
-        if worker_type == "prefill" and bootstrap_port is None:
+        if worker_type not in ROUTED_WORKER_TYPES:
+            raise RouterError(f"worker_type {str(worker_type)!r} for {url} is not one of "
+                              f"{tuple(t.value for t in ROUTED_WORKER_TYPES)}")
+        worker_type = WorkerType(worker_type)
+        if worker_type == WorkerType.PREFILL and bootstrap_port is None:
             raise RouterError(f"prefill worker {url} needs a bootstrap_port")
         existing = self.find_worker(url)
         if existing is not None and existing.is_healthy:
             return existing
-        body: dict[str, Any] = {**self.worker_fields, "url": url, "worker_type": worker_type}
+        body: dict[str, Any] = {**self.worker_fields, "url": url, "worker_type": worker_type.value}
         if bootstrap_port is not None:
             body["bootstrap_port"] = int(bootstrap_port)
         if api_key:

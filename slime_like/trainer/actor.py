@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from slime_like.cluster.ports import free_port
 from slime_like.engine.session import EngineSession
+from slime_like.protocol.modes import Transport
 from slime_like.trainer.checkpoint import (
     load_rank_state,
     load_sharded_rank_state,
@@ -41,7 +42,7 @@ class TrainerRank:
     """One trainer rank: model + optimiser; rank 0 additionally syncs weights to engines."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
-                 sync_config: dict[str, Any] | None = None, use_transformers: bool = False,
+                 sync: WeightSyncConfig | None = None, use_transformers: bool = False,
                  engine_dtype: str | None = None, keep_versions: int = 0,
                  backend: str = "ddp"):
         self.rank = rank
@@ -59,7 +60,7 @@ class TrainerRank:
         self.model_path = model_path
         self.lr = lr
         self.seed = seed
-        self.sync_config = dict(sync_config or {})
+        self.sync = sync if sync is not None else WeightSyncConfig()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.group: dist.ProcessGroup | None = None
         self.policy: PolicyTrainer | None = None
@@ -175,7 +176,7 @@ class TrainerRank:
 
     def _weight_sync(self) -> WeightSync:
         if self.weight_sync is None:
-            self.weight_sync = WeightSync([], WeightSyncConfig(**self.sync_config))
+            self.weight_sync = WeightSync([], self.sync)
             self.weight_sync.on_step = self._on_sync_step
         return self.weight_sync
 
@@ -219,7 +220,7 @@ class TrainerRank:
                     return self._report(report, source)
                 if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
                     raise TimeoutError("weights stayed ahead of the served version for 600s")
-                one = WeightSync(targets, WeightSyncConfig(**self.sync_config))
+                one = WeightSync(targets, self.sync)
                 try:
                     return self._report(one.update(source, str(self.version)), source)
                 finally:
@@ -238,11 +239,11 @@ class TrainerRank:
     def _sharded_source(self) -> ShardedWeights:
         if self._sharded is None:
             assert self.policy is not None
-            cfg = WeightSyncConfig(**self.sync_config)
+            cfg = self.sync
             self._sharded = ShardedWeights(
                 self.policy.model, bucket_bytes=int(cfg.update_weight_buffer_size),
                 dtype=self.policy.serve_dtype, group=self.gather_group,
-                copies=cfg.transport != "distributed")
+                copies=cfg.transport != Transport.DISTRIBUTED)
         return self._sharded
 
     def _serve_gathers(self, version: int, full: bool) -> dict:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ray
 
 from slime_like.cluster.placement import JobPlacement
-from slime_like.config.slices import OffPolicySettings, SyncSettings
+from slime_like.config.slices import OffPolicySettings
 from slime_like.trainer.actor import TrainerActor, trainer_env
+from slime_like.weights.sync_config import WeightSyncConfig
 
 
 class TrainerGroup:
@@ -17,7 +18,7 @@ class TrainerGroup:
     """
 
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
-                 sync: SyncSettings, use_transformers: bool = False,
+                 sync: WeightSyncConfig, use_transformers: bool = False,
                  engine_dtype: str | None = None, keep_versions: int = 0,
                  backend: str = "ddp"):
         world = len(placement.plan.trainer)
@@ -26,7 +27,7 @@ class TrainerGroup:
         self.actors = [
             TrainerActor.options(**placement.trainer_options(rank), runtime_env=env).remote(
                 rank, world, model_path, lr=lr, seed=seed,
-                sync_config=sync.weight_sync_kwargs(), use_transformers=use_transformers,
+                sync=sync, use_transformers=use_transformers,
                 engine_dtype=engine_dtype, keep_versions=keep_versions if rank == 0 else 0,
                 backend=backend)
             for rank in range(world)

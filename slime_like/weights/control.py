@@ -20,6 +20,7 @@ from typing import Any
 
 from slime_like.engine.session import CallCancelled, EngineSession, on_all
 from slime_like.errors import EngineError, WeightSyncError
+from slime_like.protocol.modes import PauseMode
 from slime_like.weights.sync_config import SyncReport, WeightSyncConfig
 from slime_like.weights.transport import TransferStats
 from slime_like.weights.watch import EngineCall
@@ -45,7 +46,7 @@ class Control:
         out: list[EngineCall] = []
 
         def pause(engine: EngineSession) -> Any:
-            if mode == "abort":  # how many requests the pause is about to abort
+            if mode is PauseMode.ABORT:  # how many requests the pause is about to abort
                 count = engine.in_flight()
                 if count is not None:
                     report.in_flight_at_pause[engine.url] = count
@@ -100,9 +101,9 @@ class Control:
         mode = self.config.pause_mode
         if not self.config.flush_cache:
             return "skipped: flush_cache is off"
-        if mode == "in_place":
+        if mode is PauseMode.IN_PLACE:
             return "skipped: in_place keeps the KV cache by design"
-        if mode == "retract" and not engine.flushes_after_retract:
+        if mode is PauseMode.RETRACT and not engine.flushes_after_retract:
             self.warn_once(f"flush:{engine.url}", (
                 f"engine {engine.url} (sglang {engine.server_info.get('version')}) keeps "
                 "retracted requests' KV, so its prefix cache is not flushed after a "

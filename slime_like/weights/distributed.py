@@ -192,6 +192,10 @@ class DistributedTransport(Transport):
         self._teardown()
         self._create(engines)
 
+    def forget(self, urls: Sequence[str]) -> None:
+        if any(url in urls for url, _ in self.members):
+            self.members = ()  # the next attach regroups, whoever comes back
+
     def prepare(self, buckets) -> None:
         packed = [b.nbytes for b in buckets if len(b.metas) > 1]
         if packed:
@@ -277,9 +281,8 @@ class DistributedTransport(Transport):
         log.info("weight group %s: %d ranks over %d engines (%s)", name, world_size,
                  len(engines), self.backend)
 
-    def _teardown(self, leave_timeout_s: float = 10.0) -> None:
+    def _teardown(self, leave_timeout_s: float = 10.0, only: Sequence[str] | None = None) -> None:
         """Drop our side of the current group and ask engines to destroy every group they joined."""
-        self._closed()
         if self.pg is not None:
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members, self._store = None, None, (), None
@@ -288,10 +291,12 @@ class DistributedTransport(Transport):
         # them at the next regroup if the engine is back by then.
         sessions = [s for s in self.asked.values() if s.groups]
         self.asked = {s.url: s for s in sessions}
+        leaving = [s for s in sessions if only is None or s.url in only]
         with contextlib.suppress(WeightSyncError):
-            on_all(sessions, "destroy_weights_update_group",
+            on_all(leaving, "destroy_weights_update_group",
                    lambda s: s.leave_groups(timeout=leave_timeout_s))
         self.asked = {s.url: s for s in sessions if s.groups}
+        self._closed()  # a failed group closes once its engines left it
 
     def failed(self) -> None:
         """Drop our end of the group: engines blocked receiving from us fail instead of hanging.
@@ -318,12 +323,12 @@ class DistributedTransport(Transport):
         if closing is not None:
             closing.join(self.group_timeout_s)
 
-    def abandon(self) -> None:
+    def abandon(self, answering: Sequence[str]) -> None:
         """Every engine leaves the failed sync's group now, not at the next regroup: a group
         no sync will use again must not outlive the failure (on GPUs, an NCCL communicator).
         A short wait each: an engine that does not answer is the fleet's to recover."""
         closing, self._closing = self._closing, None  # the engines leave first: that ends
-        self._teardown(leave_timeout_s=3.0)             # a send the group's close waits on
+        self._teardown(leave_timeout_s=3.0, only=answering)  # a send the close waits on
         self._closing = closing
 
     def close(self, engines: Sequence[EngineSession]) -> None:

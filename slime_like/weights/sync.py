@@ -30,18 +30,24 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
-from slime_like.engine.address import EngineAddress
 from slime_like.engine.session import EngineSession, each, on_all
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
-from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
+from slime_like.protocol import modes
+from slime_like.protocol.buckets import Bucket, TensorMeta
+from slime_like.weights.attach import (
+    BucketPlan,
+    EngineLike,
+    ModelChecks,
+    make_transport,
+    metadata_list,
+    session_for,
+)
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
-from slime_like.weights.handshake import check_same_metadata, engine_model_metadata
+from slime_like.weights.handshake import check_same_metadata
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
     DEFAULT_BUFFER_BYTES,
@@ -60,35 +66,6 @@ __all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", 
 
 log = logging.getLogger(__name__)
 
-EngineLike = EngineSession | EngineAddress | str | tuple[str, int] | Mapping
-
-
-def _target(engine: EngineLike) -> EngineSession:
-    """A session of this process for the engine (a session from elsewhere arrives as its
-    address, and starts with nothing done)."""
-    if isinstance(engine, EngineSession):
-        return engine
-    if isinstance(engine, EngineAddress):
-        return EngineSession(engine)
-    if isinstance(engine, str):
-        return EngineSession(EngineAddress(engine))
-    if isinstance(engine, Mapping):
-        return EngineSession(EngineAddress(engine["url"], int(engine.get("tp_size", 1))))
-    url, tp = engine
-    return EngineSession(EngineAddress(url, int(tp)))
-
-
-def _metadata_list(metadata: Any) -> list[TensorMeta]:
-    """TensorMetas from a list of them or from {name: (dtype, shape)} (get_model_metadata)."""
-    if isinstance(metadata, Mapping):
-        out = []
-        for name, (dtype, shape) in metadata.items():
-            dt = dtype if isinstance(dtype, torch.dtype) else dtype_from_name(str(dtype))
-            out.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
-        return out
-    return list(metadata)
-
-
 class WeightSync:
     """Pushes weights from this process (trainer rank 0) into a set of engines."""
 
@@ -97,7 +74,7 @@ class WeightSync:
         self.config = config or WeightSyncConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either a WeightSyncConfig or keyword settings, not both")
-        self.engines: list[EngineSession] = [_target(e) for e in engines]
+        self.engines: list[EngineSession] = [session_for(e) for e in engines]
         urls = [e.url for e in self.engines]
         if len(set(urls)) != len(urls):
             raise ConfigError("engines", f"an engine is listed twice: {urls}")
@@ -110,9 +87,9 @@ class WeightSync:
         self._registered: list[TensorMeta] | None = None
         self._checked: list[TensorMeta] | None = None  # last metadata found equal to _registered
         self._verified: tuple | None = None
-        self._engine_meta: dict[tuple[str, str], list[TensorMeta] | None] = {}
+        self._models = ModelChecks(self._warn_once)
         self._probed: set[str] = set()
-        self._plan: tuple[tuple, list[Bucket]] | None = None
+        self._plan = BucketPlan(int(self.config.update_weight_buffer_size))
         self._counter = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -122,38 +99,9 @@ class WeightSync:
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _device(self) -> torch.device:
-        if self.config.device:
-            device = torch.device(self.config.device)
-            if device.type == "cuda" and device.index is None:
-                # "cuda" names the current GPU; with its index it compares equal to the
-                # parameters' device, so flat trainer buffers go without a pack copy.
-                device = torch.device("cuda", torch.cuda.current_device())
-            return device
-        if torch.cuda.is_available() and self.config.backend != "gloo":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _transport(self) -> Transport:
         if self.transport is None:
-            cfg = self.config
-            if cfg.transport == "distributed":
-                from slime_like.weights.distributed import DistributedTransport
-
-                self.transport = DistributedTransport(
-                    device=self._device(), bucket_bytes=int(cfg.update_weight_buffer_size),
-                    load_format=cfg.load_format, backend=cfg.backend,
-                    master_address=cfg.master_address, master_port=cfg.master_port,
-                    group_timeout_s=cfg.group_timeout_s)
-            elif cfg.transport == "tensor":
-                from slime_like.weights.tensor import TensorTransport
-
-                self.transport = TensorTransport(device=self._device(),
-                                                 bucket_bytes=int(cfg.update_weight_buffer_size))
-            else:
-                from slime_like.weights.disk import DiskTransport
-
-                self.transport = DiskTransport(directory=cfg.disk_dir, model_dir=cfg.model_dir)
+            self.transport = make_transport(self.config)
         return self.transport
 
     def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
@@ -173,7 +121,7 @@ class WeightSync:
             if weights is not None:
                 metadata = as_source(weights).metadata()
             if metadata is not None:
-                self._registered = _metadata_list(metadata)
+                self._registered = metadata_list(metadata)
             if self._registered is None:
                 raise WeightMetadataError("attach needs the model or its metadata")
             self._connect(self._registered)
@@ -193,47 +141,28 @@ class WeightSync:
         urls = tuple(e.url for e in self.engines)
         same = self._verified is not None and self._verified[1] == urls and (
             self._verified[0] is metas or self._verified[0] == metas)
-        if self.config.check_engine_metadata and (not same or self.config.transport == "disk"):
-            on_all(self.engines, "check_metadata", lambda e: self._check_engine(e, metas))
+        if self.config.check_engine_metadata and (
+                not same or self.config.transport is modes.Transport.DISK):
+            on_all(self.engines, "check_metadata", lambda e: self._models.check(e, metas))
         self._verified = (metas, urls)  # equal or checked: the next sync compares identities
         self._transport().attach(self.engines)
         if not getattr(source, "buckets_in_wire_layout", False):
-            self._transport().prepare(self._buckets(metas))
-
-    def _check_engine(self, engine: EngineSession, metas: list[TensorMeta]) -> None:
-        path = str(engine.model_info().get("model_path") or "")
-        cache_key = (engine.url, path)
-        if cache_key not in self._engine_meta:
-            expected, path, why = engine_model_metadata(engine)
-            self._engine_meta[cache_key] = expected
-            if expected is None:
-                self._warn_once(f"meta:{engine.url}", f"cannot check parameter names/shapes "
-                                f"against engine {engine.url}'s model: {why}")
-        expected = self._engine_meta[cache_key]
-        if expected is not None:
-            check_same_metadata(expected, metas, where="the trainer's weights",
-                                against=f"engine {engine.url}'s model ({path})", subset=True,
-                                engine=engine.url)
-
-    def _buckets(self, metas: list[TensorMeta]) -> list[Bucket]:
-        if self._plan is None or (self._plan[0] is not metas and self._plan[0] != metas):
-            self._plan = (metas, plan_buckets(metas, int(self.config.update_weight_buffer_size)))
-        elif self._plan[0] is not metas:
-            self._plan = (metas, self._plan[1])  # equal: the next sync compares identities
-        return self._plan[1]
+            self._transport().prepare(self._plan(metas))
 
     # ---- engines coming and going ---------------------------------------------------------------
 
     def add_engine(self, engine: EngineLike) -> None:
         """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
         with self._lock:
-            target = _target(engine)
+            target = session_for(engine)
             target.timeout = self.config.http_timeout_s
             if any(e.url == target.url for e in self.engines):
                 raise ConfigError("engines", f"engine {target.url} is already synced")
             self.dropped = [e for e in self.dropped if e.url != target.url]
             self._probed.discard(target.url)
             self.engines.append(target)
+            if self.transport is not None:
+                self.transport.forget([target.url])
 
     def remove_engine(self, url: str) -> None:
         with self._lock:
@@ -265,7 +194,7 @@ class WeightSync:
             return self._update(weights, weight_version, frozenset(quiet))
 
     def _set_engines(self, engines: Sequence[EngineLike]) -> None:
-        new = [_target(e) for e in engines]
+        new = [session_for(e) for e in engines]
         if [e.url for e in new] == [e.url for e in self.engines]:
             return
         known = {e.url: e for e in self.engines}
@@ -300,10 +229,11 @@ class WeightSync:
                 raise
             except Exception as e:  # e.g. an engine died between syncs: drop it, say so
                 raise self._failed(e, "attach", []) from e
-        buckets = self._buckets(metas)
+        buckets = self._plan(metas)
         engines = list(self.engines)
         watch = Watch(cfg.http_timeout_s)
         sent: list[EngineCall] = []      # control calls in the engines' lanes
+        answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
         failure: BaseException | None = None
         try:
@@ -321,8 +251,7 @@ class WeightSync:
                                    and self.control.flush_plan(e, report) is None)
                 answers = LastAnswers(version)
                 self._transfer(engines, source, buckets, version, watch, stats, folded,
-                               {c.engine.url: c.future for c in control}, answers)
-                watch.wait_calls(control)  # answered long before, unless a transport sent nothing
+                               control, answers)
                 report.transfer = stats.as_dict()
             if self.control.can_pipeline_end(engines, folded, answers, report):
                 # Every engine's last answer carries the new version and no separate flush is
@@ -354,7 +283,10 @@ class WeightSync:
             for engine in engines:
                 engine.cancel_pending()
             settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
-            error = self._failed(e, steps.current, engines)
+            # Only engines that still answer are undone: each call to a hung one would wait
+            # out its timeout. The others are dropped, their undo left to whoever recovers them.
+            answering = self._answering(engines)
+            error = self._failed(e, steps.current, answering)
         finally:
             # The living engines resume first: finding out which engines died (pings with
             # a timeout) must not keep the healthy ones paused. A caller that routes engines
@@ -362,18 +294,19 @@ class WeightSync:
             problems = []
             if failure is None or cfg.resume_on_failure:
                 with steps("continue"):
-                    problems = self.control.undo(engines, resumed)
+                    problems = self.control.undo(answering, resumed)
             else:
                 error.paused = [e.url for e in engines if e.paused is not None]
                 for engine in engines:
                     engine.paused = None  # handed over: the caller resumes them
-            if problems and failure is None:
-                raise WeightSyncError("continue_generation", "; ".join(
-                    f"{url}: {msg}" for url, msg in problems), problems[0][0])
+            if problems and failure is None:  # landed, but an engine did not come back
+                raise self._with_dead_dropped(WeightSyncError("continue_generation", "; ".join(
+                    f"{url}: {msg}" for url, msg in problems), problems[0][0]))
             if problems:
                 log.error("after a failed sync, continue_generation also failed: %s", problems)
         if failure is not None:
-            raise self._with_dead_dropped(error) from failure
+            raise self._with_dead_dropped(error, [e for e in engines if e not in answering]
+                                          ) from failure
         self._counter += 1
         self.weight_version = version
         report.round_trips = round_trips(sent, stats)
@@ -383,20 +316,29 @@ class WeightSync:
 
     def _transfer(self, engines: list[EngineSession], source: WeightSource,
                   buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,
-                  folded: frozenset[str], control: dict[str, Future],
+                  folded: frozenset[str], control: list[EngineCall],
                   answers: LastAnswers) -> None:
         """Every payload the transport makes of the buckets, posted through every engine's
         session before the next is asked for; then every answer, or the first failure,
-        blamed on the engine that most likely caused it."""
+        blamed on the engine that most likely caused it.
+
+        The first payload is packed while the engines pause and open their sessions, but
+        no byte goes out before all of them answered: an engine that hangs there must not
+        leave the others in a collective it will never join (gloo cannot abort one)."""
         transport = self._transport()
         payloads = transport.payloads(engines, source, buckets, version, watch, stats)
+        before = {c.engine.url: c.future for c in control}
         posted: list[EngineCall] = []
         try:
             for payload in payloads:
                 payload.calls = [self._post(e, payload, version, e.url in folded,
-                                            control.get(e.url), watch, stats, answers)
+                                            before.get(e.url), watch, stats, answers)
                                  for e in engines]
+                if not posted:
+                    watch.wait_calls(control)
                 posted += payload.calls
+            if not posted:
+                watch.wait_calls(control)
             t0 = time.perf_counter()
             watch.wait_calls(posted)
             stats.wait_s += time.perf_counter() - t0
@@ -435,14 +377,21 @@ class WeightSync:
             engine.cancel_pending()
         self.control.undo(engines, resume=False)  # open update sessions closed
         if self.transport is not None:
-            self.transport.abandon()
+            self.transport.abandon([e.url for e in engines])
         if isinstance(exc, WeightSyncError):
             return exc
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
 
-    def _with_dead_dropped(self, err: WeightSyncError) -> WeightSyncError:
-        """Drop engines that stopped answering and say so in the error."""
-        dead = self._drop_dead()
+    def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:
+        def alive(engine: EngineSession) -> bool:
+            return engine.ping(timeout=self.config.liveness_timeout_s)
+
+        return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
+
+    def _with_dead_dropped(self, err: WeightSyncError,
+                           silent: list[EngineSession] | None = None) -> WeightSyncError:
+        """Drop engines that stopped answering (`silent`, when known) and say so in the error."""
+        dead = self._drop_dead(silent)
         if dead:
             if err.engine is None:
                 err.engine = dead[0]
@@ -450,17 +399,15 @@ class WeightSync:
                         f"{', '.join(dead)} (the next sync rebuilds the group without them)",)
         return err
 
-    def _drop_dead(self) -> list[str]:
-        def alive(engine: EngineSession) -> bool:
-            return engine.ping(timeout=self.config.liveness_timeout_s)
-
-        if not self.engines:
-            return []
-        states = [bool(ok) for ok, _ in each(self.engines, alive)]
-        dead = [e for e, ok in zip(self.engines, states, strict=True) if not ok]
+    def _drop_dead(self, silent: list[EngineSession] | None = None) -> list[str]:
+        dead = silent if silent is not None else [
+            e for e in self.engines if e not in self._answering(self.engines)]
+        dead = [e for e in dead if e in self.engines]
         if dead:
             self.engines = [e for e in self.engines if e not in dead]
             self.dropped += dead
+            if self.transport is not None:
+                self.transport.forget([e.url for e in dead])
             log.error("dropped engines that stopped answering: %s", [e.url for e in dead])
         return [e.url for e in dead]
 

@@ -1,11 +1,14 @@
 """What a weight sync is asked to do (`WeightSyncConfig`) and what it reports (`SyncReport`).
 
-Field names double as the flag and YAML names in errors. `StepClock` times each named step
-of the transaction and remembers which one runs, so a failure names its step.
+`WeightSyncConfig` is the one sync config: frozen, typed (`PauseMode`, `Transport`), checked
+once when it is made, and handed as itself to whoever syncs (the trainer gets it over Ray,
+pickled). Field names double as the flag and YAML names in errors. `StepClock` times each
+named step of the transaction and remembers which one runs, so a failure names its step.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -13,19 +16,26 @@ from dataclasses import dataclass, field
 
 from slime_like.errors import ConfigError
 from slime_like.protocol import io_struct as p
+from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, DEFAULT_TRANSPORT, PauseMode, Transport
 
-PAUSE_MODES = ("abort", "retract", "in_place")
-TRANSPORTS = ("distributed", "tensor", "disk")
+# The words, for messages and `x in PAUSE_MODES` checks (a member is its word).
+PAUSE_MODES: tuple[str, ...] = tuple(m.value for m in PauseMode)
+TRANSPORTS: tuple[str, ...] = tuple(m.value for m in Transport)
 LOAD_FORMATS = (p.FLATTENED_BUCKET, "per_tensor")
 DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
+JOB_SYNC_TIMEOUT_S = 120.0  # the job's cap on a sync's HTTP and group waits (below)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WeightSyncConfig:
-    """Settings of a WeightSync; field names double as the flag/YAML names in errors."""
+    """Settings of a WeightSync; field names double as the flag/YAML names in errors.
 
-    transport: str = "distributed"
-    pause_mode: str = "retract"
+    `transport` and `pause_mode` take their members or their words ("retract"); either way
+    the field holds the member once the config exists.
+    """
+
+    transport: Transport = DEFAULT_TRANSPORT
+    pause_mode: PauseMode = DEFAULT_PAUSE_MODE
     update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES
     load_format: str = p.FLATTENED_BUCKET
     device: str | None = None          # where buckets are packed; default: cuda if available
@@ -44,13 +54,15 @@ class WeightSyncConfig:
     resume_on_failure: bool = True
 
     def __post_init__(self) -> None:
+        """The one check of a sync's settings (flags, the API and the trainer all get here)."""
         def bad(name: str, expected: str) -> ConfigError:
             return ConfigError(name, f"expected {expected}, got {getattr(self, name)!r}")
 
-        if self.transport not in TRANSPORTS:
-            raise bad("transport", f"one of {list(TRANSPORTS)}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise bad("pause_mode", f"one of {list(PAUSE_MODES)}")
+        for name, kind in (("transport", Transport), ("pause_mode", PauseMode)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise bad(name, f"one of {[m.value for m in kind]}") from None
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"one of {list(LOAD_FORMATS)}")
         if int(self.update_weight_buffer_size) <= 0:
@@ -58,8 +70,21 @@ class WeightSyncConfig:
         for name in ("http_timeout_s", "group_timeout_s", "liveness_timeout_s"):
             if float(getattr(self, name)) <= 0:
                 raise bad(name, "a positive number of seconds")
-        if self.transport == "disk" and not self.disk_dir:
+        if self.transport == Transport.DISK and not self.disk_dir:
             raise ConfigError("disk_dir", "the disk transport needs a directory the engines can read")
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, model_dir: str | None = None) -> WeightSyncConfig:
+        """The job's sync from its validated flags (`--update-weight-*`, the pause mode).
+
+        The fleet settles a failed sync itself (unroute, then resume), and a hung engine holds
+        a sync no longer than a hung request holds a rollout.
+        """
+        timeout = min(JOB_SYNC_TIMEOUT_S, float(args.rollout_request_timeout))
+        return cls(transport=args.update_weight_transport, pause_mode=args.pause_mode,
+                   update_weight_buffer_size=args.update_weight_buffer_size,
+                   disk_dir=args.update_weight_disk_dir, model_dir=model_dir,
+                   http_timeout_s=timeout, group_timeout_s=timeout, resume_on_failure=False)
 
 
 @dataclass
@@ -67,8 +92,8 @@ class SyncReport:
     """What one update did and where its time went."""
 
     weight_version: str
-    transport: str
-    pause_mode: str
+    transport: Transport
+    pause_mode: PauseMode
     engines: list[str]
     seconds: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0

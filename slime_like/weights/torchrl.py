@@ -27,6 +27,8 @@ from slime_like.engine.address import EngineAddress
 from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightSyncError
 from slime_like.protocol.buckets import TensorMeta
+from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, PauseMode
+from slime_like.protocol.modes import Transport as TransportKind
 from slime_like.weights.packing import (
     ModelWeights,
     NamedTensors,
@@ -35,7 +37,6 @@ from slime_like.weights.packing import (
 )
 from slime_like.weights.sync import (
     DEFAULT_BUFFER_BYTES,
-    PAUSE_MODES,
     SyncReport,
     WeightSync,
     WeightSyncConfig,
@@ -54,10 +55,11 @@ class SGLangWeightSyncScheme:
                  strategy: str = "tensordict", device: int | str | torch.device = 0,
                  flush_cache_on_update: bool | None = None, pause_mode: str | None = None,
                  update_weight_buffer_size: int = DEFAULT_BUFFER_BYTES):
-        pause_mode = pause_mode or "retract"
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigError("pause_mode", f"expected one of {list(PAUSE_MODES)}, got {pause_mode!r}")
-        if flush_cache_on_update and pause_mode != "abort":
+        if (pause_mode or DEFAULT_PAUSE_MODE) not in list(PauseMode):
+            raise ConfigError("pause_mode", f"expected one of {[str(m) for m in PauseMode]}, "
+                              f"got {pause_mode!r}")
+        pause_mode = PauseMode(pause_mode or DEFAULT_PAUSE_MODE)
+        if flush_cache_on_update and pause_mode is not PauseMode.ABORT:
             # sglang flushes only an idle scheduler; with retract/in_place requests stay queued.
             raise ConfigError("flush_cache_on_update", f"True needs pause_mode='abort' (got "
                               f"{pause_mode!r}): sglang refuses to flush while paused requests "
@@ -78,7 +80,7 @@ class SGLangWeightSyncScheme:
 
     def create_sender(self) -> SGLangWeightSender:
         config = WeightSyncConfig(
-            transport="distributed", pause_mode=self.pause_mode, device=str(self.device),
+            transport=TransportKind.DISTRIBUTED, pause_mode=self.pause_mode, device=str(self.device),
             master_address=self.master_address, master_port=self.master_port,
             flush_cache=self.flush_cache_on_update is not False,
             update_weight_buffer_size=self.update_weight_buffer_size)

@@ -99,6 +99,10 @@ class Transport(ABC):
         """Every bucket's payload, in order; done when every byte is on its way (the sync
         then waits for the engines' answers)."""
 
+    def forget(self, urls: Sequence[str]) -> None:  # noqa: B027
+        """These engines left (dropped, or back as a new process): nothing this transport
+        set up with them is to be reused."""
+
     def explain(self, err: Any) -> Any:
         """A failed transfer's error, with what this transport knows about such failures."""
         return err
@@ -106,9 +110,9 @@ class Transport(ABC):
     def failed(self) -> None:  # noqa: B027
         """A transfer failed: stop pending I/O so engines stuck receiving fail fast."""
 
-    def abandon(self) -> None:  # noqa: B027
-        """After a failed sync, once no call is in flight: the engines leave whatever this
-        transport made them join (the next sync starts afresh)."""
+    def abandon(self, answering: Sequence[str]) -> None:  # noqa: B027
+        """After a failed sync, once no call is in flight: the engines that still answer
+        leave whatever this transport made them join (the next sync starts afresh)."""
 
     def close(self, engines: Sequence[EngineSession]) -> None:  # noqa: B027
         """Release groups and buffers."""

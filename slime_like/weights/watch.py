@@ -93,12 +93,11 @@ class Watch:
         while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
             time.sleep(0.01)
         if isinstance(exc, WeightSyncError) and exc.engine is not None and \
-                exc.__cause__ is not None and _blame_rank(exc.__cause__) < 2:
-            # The first failure seen was an engine's own (a refusal, or no answer) before
-            # any collective broke: what failed later on other engines followed from it.
+                exc.__cause__ is not None and _blame_rank(exc.__cause__) == 1:
+            # The first failure seen was an engine's own refusal, before any collective
+            # broke: what failed later on other engines followed from it.
             return exc
-        failed = sorted((c for c in self.calls if c.error is not None),
-                        key=lambda c: (_blame_rank(c.error), c.done_at or 0.0))
+        failed = sorted((c for c in self.calls if c.error is not None), key=_blame_order)
         if not failed:
             if isinstance(exc, WeightSyncError):
                 return exc
@@ -121,6 +120,13 @@ def no_answer(exc: BaseException | None) -> bool:
     """An engine call that got no HTTP answer at all: the engine is gone, or its control
     loop is stuck (a refusal, by contrast, is an answer)."""
     return isinstance(exc, EngineError) and exc.status is None
+
+
+def _blame_order(call: EngineCall) -> tuple[int, float]:
+    """Engines that gave no answer first, the one asked earliest leading (the others timed
+    out waiting on a collective it never joined); then refusals, the earliest first."""
+    rank = _blame_rank(call.error)
+    return rank, call.started if rank == 0 else (call.done_at or 0.0)
 
 
 def _blame_rank(exc: BaseException) -> int:

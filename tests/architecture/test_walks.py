@@ -120,10 +120,13 @@ def test_a_real_sync_moves_the_bytes_through_exactly_the_documented_modules(
         engine, tiny_model_dir):
     from slime_like.engine.address import EngineAddress
     from slime_like.engine.session import EngineSession
+    from slime_like.protocol.modes import Transport
     from slime_like.trainer.actor import TrainerRank
+    from slime_like.weights.sync_config import WeightSyncConfig
 
     rank = TrainerRank(0, 1, str(tiny_model_dir), lr=1e-3, seed=0,
-                       sync_config={"transport": "distributed", "update_weight_buffer_size": 1 << 16})
+                       sync=WeightSyncConfig(transport=Transport.DISTRIBUTED,
+                                             update_weight_buffer_size=1 << 16))
     rank.init("127.0.0.1", 0)
     paths: list[list[str]] = []
 

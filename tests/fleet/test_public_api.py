@@ -67,3 +67,50 @@ def test_own_trainer_example_pushes_an_fsdp_model_from_every_rank(tmp_path, fres
     # the sharded model's pushes verified like any: each step served the version before it
     assert out["served"] == [["1"]] and out["version"] == 2
     assert out["peer_exit_codes"] == [0]  # rank 1 trained and served both pushes' gathers
+
+
+def test_launch_fleet_takes_settings_objects_without_a_yaml(tmp_path, tiny_model_dir, fresh_ray):
+    """Settings reach the running fleet: one engine from the layout alone, the keys given,
+    the router's flags; a push with the typed transport serves version 1 through it."""
+    import requests
+    import torch
+
+    from slime_like.api import (
+        EngineSettings,
+        FleetLayout,
+        FleetWeights,
+        HealthSettings,
+        PauseMode,
+        RouterSettings,
+        Transport,
+        launch_fleet,
+    )
+    from slime_like.models import load_pretrained
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
+    fleet = launch_fleet(model_path=tiny_model_dir, log_dir=tmp_path,
+                         engine=EngineSettings(program="reference", api_key="user-key",
+                                               admin_api_key="admin-key"),
+                         router=RouterSettings(flags={"policy": "round_robin"}),
+                         health=HealthSettings(enabled=True, interval_s=5.0),
+                         layout=FleetLayout(num_gpus=1))
+    try:
+        assert list(fleet.states()) == ["default/g0/e0"]
+        assert fleet.settings.router.flags["policy"] == "round_robin"
+        handle = fleet.engines[0].handle
+        assert (handle.api_key, handle.admin_api_key) == ("user-key", "admin-key")
+        body = {"input_ids": [1, 72, 105], "sampling_params": {"max_new_tokens": 2}}
+        assert requests.post(handle.url + "/generate", json=body, timeout=30).status_code == 401
+        workers = fleet.router_url() + "/workers"
+        assert requests.get(workers, timeout=10).status_code == 401  # the router's key: the API key
+        assert requests.get(workers, headers={"Authorization": "Bearer user-key"},
+                            timeout=10).status_code == 200
+        weights = FleetWeights(fleet, transport=Transport.DISTRIBUTED,
+                               pause_mode=PauseMode.RETRACT, update_weight_buffer_size=1 << 20)
+        weights.push(load_pretrained(tiny_model_dir, dtype=torch.float32))
+        [sample] = fleet.generate([[1, 72, 105]], n=1,
+                                  sampling_params={"temperature": 1.0, "max_new_tokens": 2})
+        assert sample.versions() == ["1"]
+    finally:
+        fleet.shutdown()
