@@ -56,6 +56,7 @@ HEAVY_MODULES = (
     "tests/job/test_rl_job.py",
     "tests/chaos/test_chaos.py",
     "tests/fleet/test_fleet_sync_failure.py",
+    "tests/weights/test_session_undo.py",
     "tests/engine/test_engine_launch.py",
     "tests/topologies/test_external.py",
     "tests/job/test_fsdp_job.py",

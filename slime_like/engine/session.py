@@ -9,8 +9,8 @@ nobody will use again. A session pickles as its address: what one process did be
 that process.
 
 The session's calls can also be queued in its ordered lane (`submit`): each call is sent
-once the one before it was sent and its gate opened (by default: the one before was
-answered), on one thread pool shared by every session of the process. `each` and `on_all`
+once the one before it was sent and the futures it waits for are done (by default: the
+one before was answered), on one thread pool shared by every session of the process. `each` and `on_all`
 fan one call out to many sessions at once and keep every engine's outcome.
 """
 
@@ -340,22 +340,23 @@ class EngineSession:
     # ---- the ordered lane --------------------------------------------------------------------
 
     def submit(self, fn: Callable[..., T], *args: Any,
-               gate: Callable[[], bool] | None = None) -> Future[T]:
+               after: Sequence[Future] | None = None) -> Future[T]:
         """Queue fn(*args) behind this session's earlier calls.
 
         Order matters: consecutive bucket updates describe consecutive broadcasts, so update
         k+1 must never reach an engine before update k. The call is sent once the previous
-        one was sent and its gate opens; the default gate is "the previous call was
-        answered". A transport may pass a weaker gate that still implies update k was taken
-        up (its broadcast completed), so update k+1 travels while the engine loads bucket k.
+        one was sent and every future in `after` is done; by default `after` is the previous
+        call, so it waits for its answer. A caller may name other futures that still imply
+        the previous call was taken up, so the next travels while the engine works on it.
+        The futures are data, not callbacks: nothing of the caller's runs on the lane.
         """
         with self._lock:
             prev, generation = self._last, self._generation
-            if gate is None:
-                gate = (lambda: True) if prev is None else prev.future.done
+            if after is None:
+                after = () if prev is None else (prev.future,)
             queued = _Queued(Future())
             self._last = queued
-        _pool().submit(self._run, queued, prev, generation, gate, fn, args)
+        _pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
         return queued.future
 
     def cancel_pending(self) -> None:
@@ -365,37 +366,39 @@ class EngineSession:
             self._last = None
 
     def _run(self, queued: _Queued, prev: _Queued | None, generation: int,
-             gate: Callable[[], bool], fn: Callable, args: tuple) -> None:
+             after: tuple[Future, ...], fn: Callable, args: tuple) -> None:
         if prev is not None:
             prev.sent.wait()
-        while generation == self._generation:
-            try:
-                if gate():
-                    break
-            except Exception:  # noqa: BLE001 - a broken gate (e.g. an aborted work): go
-                break
+        while generation == self._generation and not all(f.done() for f in after):
             time.sleep(5e-5)
         queued.sent.set()
+        future = queued.future
         if generation != self._generation:
-            queued.future.set_exception(CallCancelled("not sent: the update had already failed"))
+            _fail(future, CallCancelled("not sent: the update had already failed"))
             return
         if prev is not None and prev.future.done() and prev.future.exception() is not None:
             # The chain broke: update k+1 must never reach an engine that did not take k.
-            queued.future.set_exception(CallCancelled("not sent: the call before it failed"))
+            _fail(future, CallCancelled("not sent: the call before it failed"))
             return
-        future = queued.future
         if not future.set_running_or_notify_cancel():
             return
-        # When it was sent and how long its round trip took, for whoever times the calls.
+        # When it was sent, answered, and how long its round trip took, for whoever times
+        # the calls or picks the first failure.
         future.sent_at = time.perf_counter()  # type: ignore[attr-defined]
         try:
             result = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
-            future.set_exception(e)
+            _fail(future, e)
             return
         future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
+        future.answered_at = time.monotonic()  # type: ignore[attr-defined]
         future.set_result(result)
+
+
+def _fail(future: Future, error: BaseException) -> None:
+    future.answered_at = time.monotonic()  # type: ignore[attr-defined]
+    future.set_exception(error)
 
 
 class _Queued:

@@ -90,10 +90,7 @@ class Control:
                 raise CallCancelled("not sent: end_weight_update failed on an engine")
             return engine.continue_generation()
 
-        def gate() -> bool:
-            return all(f.done() for f in futures)
-
-        return [_call(e, "continue_generation", resume, gate) for e in engines
+        return [_call(e, "continue_generation", resume, futures) for e in engines
                 if e.paused is not None]
 
     def flush_plan(self, engine: EngineSession, report: SyncReport) -> str | None:
@@ -179,9 +176,9 @@ class LastAnswers:
 
 
 def _call(engine: EngineSession, step: str, fn: Callable[[EngineSession], Any],
-          gate: Callable[[], bool] | None = None) -> EngineCall:
+          after: Sequence[Future] | None = None) -> EngineCall:
     """Queue fn(engine) in the engine's ordered lane (after everything queued before it)."""
-    return EngineCall(engine, step, engine.submit(fn, engine, gate=gate))
+    return EngineCall(engine, step, engine.submit(fn, engine, after=after))
 
 
 def settle(sent: Sequence[EngineCall], timeout_s: float) -> None:

@@ -450,8 +450,8 @@ class DistributedTransport(Transport):
     def _drain(watch: Watch, stats: TransferStats, works: list) -> None:
         """Every broadcast done (or the first failure of an engine call raised)."""
         t0 = time.perf_counter()
-        watch.wait(lambda: all(w.is_completed() for w, _ in works), "broadcast")
         for w, _ in works:
+            watch.wait(w.is_completed, "broadcast")
             w.wait()  # surfaces a collective's error (e.g. a peer that died)
         stats.wait_s += time.perf_counter() - t0
 

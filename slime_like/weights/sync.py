@@ -342,6 +342,10 @@ class WeightSync:
             t0 = time.perf_counter()
             watch.wait_calls(posted)
             stats.wait_s += time.perf_counter() - t0
+            for call in posted:  # read here, not in callbacks: nothing of ours runs on a lane
+                _timed(stats, call.engine.url, call.future)
+            for call in posted[len(posted) - len(engines):]:  # the last payload's
+                answers.record(call.engine.url, call.future)
         except Exception as e:
             payloads.close()  # its frames hold pending works, which keep rank 0's sockets open
             traceback.clear_frames(e.__traceback__)
@@ -358,14 +362,13 @@ class WeightSync:
         flush, where it is folded into the update)."""
         last = payload.last
         req = payload.request(engine, last and folded, version if last else None)
-        gate = payload.gate
-        if gate is not None and before is not None:  # a weak gate still waits for pause/begin
-            gate = _after(before, gate)
+        after = None
+        if payload.after is not None:  # not the lane's strict order: still after pause/begin
+            after = [c.future for p in payload.after for c in p.calls]
+            if before is not None:
+                after.append(before)
         future = engine.submit(getattr(engine, payload.verb), req, self.config.http_timeout_s,
-                               gate=gate)
-        future.add_done_callback(lambda f, url=engine.url: _timed(stats, url, f))
-        if last:
-            future.add_done_callback(lambda f, url=engine.url: answers.record(url, f))
+                               after=after)
         return watch.add(EngineCall(engine, payload.step, future))
 
     def _failed(self, exc: BaseException, step: str,
@@ -435,6 +438,3 @@ def _timed(stats: TransferStats, url: str, future: Future) -> None:
     if seconds is not None:
         stats.add_http(url, future.sent_at, seconds)
 
-
-def _after(before: Future, gate: Callable[[], bool]) -> Callable[[], bool]:
-    return lambda: before.done() and gate()

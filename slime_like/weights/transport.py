@@ -59,9 +59,10 @@ class Payload:
 
     `request(engine, flush, version)` builds the engine's request: `flush` and `version` are
     set on the sync's last payload only (the engine then flushes, and serves the version).
-    `gate`, when given, replaces the lane's strict order (the previous call answered) with a
-    weaker condition that still implies the engine took up the payload before it. The sync
-    fills `calls` once it posted the payload.
+    `after`, when given, replaces the lane's strict order (the previous call answered) with
+    the payloads whose answers this one waits for (none: it may go at once); either still
+    implies the engine took up the payload before it. The sync fills `calls` once it posted
+    the payload.
     """
 
     step: str
@@ -69,14 +70,8 @@ class Payload:
     request: Callable[[EngineSession, bool, str | None], Any]
     nbytes: int
     last: bool
-    gate: Callable[[], bool] | None = None
+    after: Sequence[Payload] | None = None
     calls: list[EngineCall] = field(default_factory=list)
-
-
-def all_answered(payloads: Sequence[Payload]) -> Callable[[], bool]:
-    """A gate: every call of these payloads answered."""
-    calls = [c for payload in payloads for c in payload.calls]
-    return lambda: all(c.future.done() for c in calls)
 
 
 class Transport(ABC):

@@ -24,13 +24,11 @@ class EngineCall:
     step: str
     future: Future
     started: float = field(default_factory=time.monotonic)
-    done_at: float | None = None
 
-    def __post_init__(self) -> None:
-        self.future.add_done_callback(self._mark)
-
-    def _mark(self, _: Future) -> None:
-        self.done_at = time.monotonic()
+    @property
+    def done_at(self) -> float | None:
+        """When the engine answered (or the call failed unsent); set by its session."""
+        return getattr(self.future, "answered_at", None)
 
     @property
     def error(self) -> BaseException | None:

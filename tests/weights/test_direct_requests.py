@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from slime_like.protocol.buckets import plan_buckets
-from slime_like.weights.direct import DirectRequests
 from slime_like.weights.packing import ModelWeights, send_groups
+from slime_like.weights.tensor import DirectRequests
 
 CPU = torch.device("cpu")
 
