@@ -30,8 +30,9 @@ from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.fleet_config import FleetLayout, fleet_config
 from slime_like.config.slices import EngineSettings, HealthSettings, RouterSettings
 from slime_like.errors import FleetError
+from slime_like.fleet.attempts import Update
 from slime_like.fleet.events import EngineState, EventSink, FleetEvent, Happening, RouterState
-from slime_like.fleet.fleet import Fleet, Update
+from slime_like.fleet.fleet import Fleet
 from slime_like.fleet.push import FleetWeights
 from slime_like.fleet.stream import RolloutStream
 from slime_like.fleet.verify import LogprobChecker

@@ -49,6 +49,15 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)
 
 
+def _train_async(argv: list[str]) -> int:
+    """slime's `train_async.py`: the job with `--async-mode one-step` unless a flag or
+    `--config` says otherwise (`--fully-async` runs the producer that never stops)."""
+    from slime_like.protocol.modes import AsyncMode
+    from slime_like.train import main as train_main
+
+    return train_main(argv, defaults={"async_mode": AsyncMode.ONE_STEP})
+
+
 def _report(argv: list[str]) -> int:
     from slime_like.observe.report import RunReport
 
@@ -76,6 +85,9 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("Run an RL job (or validate its flags with --dry-run): trainer, rollout "
                      "engines behind sglang-router, weight sync and recovery.", _train),
+    "train-async": Command("slime's train_async.py: the job, generating rollout k+1 while "
+                           "step k trains (--async-mode one-step) unless a flag or --config "
+                           "says otherwise; see docs/ASYNC.md.", _train_async),
     "make-tiny-model": Command("Write a tiny HF-layout Llama checkpoint (for the reference "
                                "engine and tests).", _make_tiny_model),
     "report": Command("Re-render report.md and the plots of a run folder.", _report),

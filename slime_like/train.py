@@ -49,7 +49,7 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
     """`slime-like train`: parse and validate the flags, then run the job (or `--dry-run`).
-    `defaults`: an entry point's own flag defaults (`train_async`)."""
+    `defaults`: an entry point's own flag defaults (`slime-like train-async`)."""
     try:
         args = parse_args(argv, defaults=defaults)
     except ConfigError as e:

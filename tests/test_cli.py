@@ -30,7 +30,7 @@ def test_a_mistyped_command_gets_a_suggestion_and_exit_2():
     assert r.stderr == "slime-like: error: unknown command 'trian'; did you mean 'train'?\n"
     r = _cli("zzz")
     assert r.returncode == 2
-    assert r.stderr == ("slime-like: error: unknown command 'zzz' (commands: train, "
+    assert r.stderr == ("slime-like: error: unknown command 'zzz' (commands: train, train-async, "
                         "make-tiny-model, report)\n")
 
 

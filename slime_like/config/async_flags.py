@@ -1,7 +1,7 @@
 """Flags of the asynchronous schedules (slime's and miles' names), and their cross-flag rules.
 
-`--async-mode sync|one-step|fully-async` picks the job's schedule (`python -m
-slime_like.train_async` defaults to one-step, as slime's `train_async.py`; `--fully-async`
+`--async-mode sync|one-step|fully-async` picks the job's schedule (`slime-like
+train-async` defaults to one-step, as slime's `train_async.py`; `--fully-async`
 is miles' spelling). The rest bound and correct what asynchrony changes: how engines pause
 for an in-flight update, what happens to aborted samples, how stale a sample may be, and
 how much of each step's samples the trainer re-checks.

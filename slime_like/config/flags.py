@@ -24,7 +24,7 @@ from slime_like.config.slices import (
     HealthSettings,
     RouterSettings,
 )
-from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
+from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
 from slime_like.protocol.modes import Transport
 
 ENGINE_PROGRAMS = ("sglang", "reference")

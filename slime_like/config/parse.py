@@ -36,7 +36,7 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if defaults:  # an entry point's own defaults (train_async: one-step); --config wins
+    if defaults:  # an entry point's own defaults (train-async: one-step); --config wins
         parser.set_defaults(**defaults)
     config = _config_path(argv)
     if config is not None:

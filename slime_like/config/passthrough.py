@@ -20,7 +20,7 @@ from functools import cache
 from typing import Any
 
 from slime_like.config.argtypes import integer, number
-from slime_like.flag_tables import ROUTER_ARGS, SERVER_ARGS, SMG_ARGS, ArgSpec, read_rows
+from slime_like.protocol.flag_tables import ROUTER_ARGS, SERVER_ARGS, SMG_ARGS, ArgSpec, read_rows
 
 # ServerArgs fields slime sets per engine itself (its `skipped_args`); YAML `overrides` may
 # still set the ones that are not placement-owned (see topology.PLACEMENT_OWNED_FIELDS).

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_like.config.async_flags import staleness_bound
-from slime_like.flag_tables import DEFAULT_ROUTER
+from slime_like.protocol.flag_tables import DEFAULT_ROUTER
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
 
 # The defaults below are the flags' defaults too (`flags.py` reads them from here), so the

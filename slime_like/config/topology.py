@@ -25,7 +25,7 @@ from slime_like.config.sglang_config import (
     parse_sglang_config,
 )
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import server_arg_table
+from slime_like.protocol.flag_tables import server_arg_table
 from slime_like.protocol.modes import WorkerType
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from slime_like.config.rl_flags import check_dynamic_sampling, resolve_off_polic
 from slime_like.config.slices import RolloutSettings
 from slime_like.config.topology import resolve_topology
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
-from slime_like.flag_tables import router_table as router_arg_table
+from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
+from slime_like.protocol.flag_tables import router_table as router_arg_table
 from slime_like.protocol.modes import AsyncMode, Transport
 
 logger = logging.getLogger(__name__)

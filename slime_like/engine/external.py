@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 from slime_like.engine.launch import worker_type_of
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError, LaunchError
-from slime_like.flag_tables import server_arg_table
 from slime_like.protocol.compat import EngineFeatures
+from slime_like.protocol.flag_tables import server_arg_table
 from slime_like.protocol.modes import WorkerType
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from slime_like.config.slices import EngineSettings
 from slime_like.engine.launch import render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import ComposedArgs
+from slime_like.protocol.flag_tables import ComposedArgs
 from slime_like.protocol.modes import WorkerType
 from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import (
+from slime_like.protocol.flag_tables import (
     JSON_TYPES,
     ArgSpec,
     ComposedArgs,

@@ -28,8 +28,8 @@ from slime_like.engine.client import EngineClient
 from slime_like.engine.launch import compose_server_args, forced_server_args, render_argv
 from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, EngineError, LaunchError
-from slime_like.flag_tables import ComposedArgs
 from slime_like.protocol.compat import EngineFeatures
+from slime_like.protocol.flag_tables import ComposedArgs
 from slime_like.protocol.modes import WorkerType
 
 logger = logging.getLogger(__name__)

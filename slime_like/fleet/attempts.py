@@ -7,7 +7,8 @@
 Each attempt opens a `Fleet.updating()`; a failure inside it (WeightSyncError, FleetError)
 is swallowed when another attempt follows, leaving out the engines that no longer answer.
 The last failure raises. While the attempts run, resyncs of replacement engines wait
-(`Fleet.syncing`); when they end, the STALE engines get their resyncs.
+(`Fleet.syncing`); when they end, the STALE engines get their resyncs. The attempts drive
+the fleet through `Updates`, the few calls of its update transaction they need.
 """
 
 from __future__ import annotations
@@ -15,21 +16,80 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+from slime_like.engine.session import EngineSession
 from slime_like.errors import FleetError, WeightSyncError
+from slime_like.fleet.lifecycle import ManagedEngine
 from slime_like.protocol.weight_version import WeightVersion
 
-if TYPE_CHECKING:
-    from slime_like.fleet.fleet import Fleet, Update
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """One weight update in progress: the engines it covers and the version it installs."""
+
+    version: WeightVersion
+    targets: list[EngineSession]
+    full: bool
+    report: dict = field(default_factory=dict)
+    # URLs of targets held out of the router with nothing running since their memory came
+    # back (HELD, `offloaded(hold_for_sync=True)`): the push need not pause or continue them.
+    quiet: frozenset[str] = frozenset()
+
+
+# push(update): put the weights of `update.version` into `update.targets` (the trainer).
+WeightSource = Callable[[Update], Any]
+
+
+class Updates(Protocol):
+    """The fleet's update transaction, as the attempts drive it (`Fleet` is one)."""
+
+    engines: list[ManagedEngine]
+
+    def updating(self, engine_ids: Sequence[str] | None = None, *,
+                 version: WeightVersion | None = None,
+                 exclude: Collection[str] = ()) -> contextlib.AbstractContextManager[Update]: ...
+
+    def targets(self, engine_ids: Sequence[str] | None = None) -> list[ManagedEngine]: ...
+
+    def coming_back(self) -> list[str]: ...
+
+    def unresponsive(self, engines: list[ManagedEngine]) -> set[str]: ...
+
+    def sync_running(self, running: bool) -> None: ...
+
+
+def wait_for_syncable(fleet: Updates, timeout: float,
+                      excluded: Collection[str] = frozenset()) -> set[str]:
+    """Wait (bounded) until an engine not in `excluded` can be synced; returns the engines
+    still to leave out (an excluded engine that answers again is taken back)."""
+    excluded = set(excluded)
+    deadline = time.monotonic() + timeout
+    last_check = time.monotonic()
+    while True:
+        targets = fleet.targets(None)
+        if any(e.engine_id not in excluded for e in targets):
+            return excluded
+        if excluded and time.monotonic() - last_check > 1.0:
+            excluded = fleet.unresponsive([e for e in targets if e.engine_id in excluded])
+            last_check = time.monotonic()
+            continue
+        if not (fleet.coming_back() or excluded) or time.monotonic() > deadline:
+            raise FleetError("no engines to sync: " + ", ".join(
+                f"{e.engine_id} {e.state.value}"
+                + (" (not answering)" if e.engine_id in excluded else "")
+                for e in fleet.engines if e.update_weights))
+        time.sleep(0.1)
 
 
 class SyncAttempts:
     """The attempts of one full update (`Fleet.sync_attempts`); iterate, enter each."""
 
-    def __init__(self, fleet: Fleet, retries: int, wait_s: float,
+    def __init__(self, fleet: Updates, retries: int, wait_s: float,
                  version: WeightVersion | None):
         self.fleet = fleet
         self.retries = retries
@@ -38,7 +98,7 @@ class SyncAttempts:
         self.attempt = 0
         self.excluded: set[str] = set()
         self.done = False
-        fleet._syncing.set()
+        fleet.sync_running(True)
 
     def __iter__(self) -> SyncAttempts:
         return self
@@ -57,8 +117,7 @@ class SyncAttempts:
         # answer now (a kill between attempts would fail them all).
         time.sleep(min(2.0, 0.25 * 2 ** self.attempt))
         self.attempt += 1
-        with self.fleet.lock:
-            candidates = self.fleet.targets(None)
+        candidates = self.fleet.targets(None)
         # Engines the failed attempt found taking no control call (e.g. never answering
         # their group join) are left out as well; the health monitor relaunches them if
         # their scheduler stays stuck.
@@ -72,8 +131,7 @@ class SyncAttempts:
     def finish(self) -> None:
         if not self.done:
             self.done = True
-            self.fleet._syncing.clear()
-            self.fleet.recovery.resync_stale_later()
+            self.fleet.sync_running(False)
 
 
 class SyncAttempt:
@@ -88,7 +146,7 @@ class SyncAttempt:
         run, fleet = self.run, self.run.fleet
         while True:
             try:
-                run.excluded = fleet.wait_for_syncable(run.wait_s, run.excluded)
+                run.excluded = wait_for_syncable(fleet, run.wait_s, run.excluded)
             except BaseException:
                 run.finish()
                 raise

@@ -10,18 +10,18 @@ Two signals per engine, checked every `interval_s` for all engines concurrently:
   kills engines during their first compile).
 A hung probe never delays the others: each runs in its own worker with a deadline.
 
-The monitor holds health counters only; lifecycle decisions are the fleet's. It asks the
-fleet whether to probe an engine now (`should_probe`: not while paused for an update) and
-reports to it: `on_suspect` at the first failed probe (the fleet takes the engine out of
-the router at once), `on_healthy` when a suspect answers again, `on_dead` after N.
-`FleetHealth` is that fleet side: it builds the monitor from the health slice and turns
-its findings into moves (SUSPECT, back to REGISTERED or STALE, a recovery). Its exit
-watcher parks `wait_exit` on every engine actor, so a server's exit is known the moment it
-happens, probes or not.
+The monitor holds health counters only; lifecycle decisions are the fleet's. It asks
+whether to probe an engine now (`should_probe`: not a dead one) and reports: `on_suspect`
+at the first failed probe, `on_healthy` when a suspect answers again, `on_dead` after N.
+`FleetHealth` builds the monitor from the health slice and hands each finding to the fleet
+as a `Verdict` (this engine is suspect, healthy again, dead), which the fleet applies under
+its lock. Its exit watcher parks `wait_exit` on every engine actor, so a server's exit is
+known the moment it happens, probes or not.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -29,15 +29,13 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
-from slime_like.fleet.events import EngineState, Happening
+from slime_like.config.slices import HealthSettings
+from slime_like.fleet.launcher import Launcher
 from slime_like.fleet.lifecycle import WATCHED, ManagedEngine
-
-if TYPE_CHECKING:
-    from slime_like.fleet.fleet import Fleet
 
 logger = logging.getLogger(__name__)
 
@@ -177,14 +175,33 @@ class HealthMonitor:
             return False
 
 
-S = EngineState
+class Finding(enum.Enum):
+    """What the health part found about one engine."""
+
+    SUSPECT = "suspect"   # a first failed probe
+    HEALTHY = "healthy"   # a suspect answers again
+    DEAD = "dead"         # its server exited, or N probes failed
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A finding about one engine, for the fleet to act on."""
+
+    engine: ManagedEngine
+    finding: Finding
+    reason: str = ""
 
 
 class FleetHealth:
-    """The fleet's health monitor (none when `--use-fault-tolerance` is off) and its verdicts."""
+    """The fleet's health monitor (none when `--use-fault-tolerance` is off) and exit
+    watcher; each finding goes to `report` as a `Verdict`, never a move of its own."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, settings: HealthSettings, launcher: Launcher,
+                 engines: list[ManagedEngine], report: Callable[[Verdict], None]):
+        self.settings = settings
+        self.launcher = launcher
+        self.report = report
+        self._by_id = {e.engine_id: e for e in engines}
         self.monitor: HealthMonitor | None = None
         self.closing = False
         # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
@@ -193,20 +210,22 @@ class FleetHealth:
         self._exit_thread: threading.Thread | None = None
 
     def start(self) -> None:
-        fleet, health = self.fleet, self.fleet.settings.health
+        health, find = self.settings, self._by_id.__getitem__
         if not health.enabled:
             return
         self.monitor = HealthMonitor(
-            lambda engine_id, timeout: fleet.launcher.probe(fleet.find(engine_id), timeout),
-            lambda engine_id: fleet.launcher.alive(fleet.find(engine_id)),
-            lambda engine_id, why: fleet.recovery.start_recovery(fleet.find(engine_id), why),
+            lambda engine_id, timeout: self.launcher.probe(find(engine_id), timeout),
+            lambda engine_id: self.launcher.alive(find(engine_id)),
+            lambda engine_id, why: self.report(Verdict(find(engine_id), Finding.DEAD, why)),
             HealthPolicy(interval_s=health.interval_s, timeout_s=health.timeout_s,
                          failure_threshold=health.failure_threshold,
                          first_wait_s=health.first_wait_s),
-            should_probe=lambda engine_id: fleet.find(engine_id).state in WATCHED,
-            on_suspect=self._on_suspect, on_healthy=self._on_healthy)
-        for e in fleet.engines:
-            self.monitor.watch(e.engine_id)
+            should_probe=lambda engine_id: find(engine_id).phase in WATCHED,
+            on_suspect=lambda engine_id, why: self.report(
+                Verdict(find(engine_id), Finding.SUSPECT, why)),
+            on_healthy=lambda engine_id: self.report(Verdict(find(engine_id), Finding.HEALTHY)))
+        for engine_id in self._by_id:
+            self.monitor.watch(engine_id)
         self.monitor.start()
 
     def watch(self, e: ManagedEngine) -> None:
@@ -258,37 +277,4 @@ class FleetHealth:
                 except Exception as err:  # noqa: BLE001 - the actor died with its node
                     why = f"engine actor lost: {type(err).__name__}"
                 if e.restarts == generation and not self.closing:
-                    self.fleet.recovery.start_recovery(e, why)
-
-    def _on_suspect(self, engine_id: str, why: str) -> None:
-        """First failed probe: out of the router at once (recovered or declared dead later).
-
-        An engine paused for an update that stops answering `/ping` leaves the router too,
-        without changing state: the update's end routes it again only if it verified.
-        """
-        fleet = self.fleet
-        with fleet.lock:
-            e = fleet.find(engine_id)
-            if e.state is S.REGISTERED:
-                fleet.unroute(e)
-                fleet.move(e, S.SUSPECT, reason=why)
-            elif e.state is S.UPDATING and e.routed:
-                fleet.unroute(e)
-                fleet.events.emit(e.engine_id, Happening.UNROUTED, reason=why)
-            else:
-                return
-            # Requests stuck on it are sent again now; the first answer wins.
-            fleet.resubmit_in_flight()
-
-    def _on_healthy(self, engine_id: str) -> None:
-        fleet = self.fleet
-        with fleet.lock:
-            e = fleet.find(engine_id)
-            if e.state is not S.SUSPECT:
-                return
-            if not e.update_weights or e.verified_version == fleet.version:
-                fleet.route(e)
-                fleet.move(e, S.REGISTERED, reason="probes pass again")
-            else:
-                fleet.move(e, S.STALE, reason="probes pass again, version moved on")
-        fleet.recovery.resync_stale_later()
+                    self.report(Verdict(e, Finding.DEAD, why))

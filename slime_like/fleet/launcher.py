@@ -25,13 +25,10 @@ from slime_like.engine.external import CHECKED_FIELDS, ExternalEngine
 from slime_like.engine.from_placement import engine_config
 from slime_like.engine.session import EngineSession
 from slime_like.errors import FleetError
-from slime_like.fleet.events import EngineState
-from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.fleet.lifecycle import PING_ONLY, ManagedEngine
 from slime_like.protocol.weight_version import parse_weight_version
 
 logger = logging.getLogger(__name__)
-
-S = EngineState
 
 
 class Launcher:
@@ -136,7 +133,7 @@ class Launcher:
         blocks by design), released, or held idle for the sync that follows (no request
         may run on it before that sync), only that the server still answers (/ping), so a
         hang during a sync is still found."""
-        if e.state in (S.UPDATING, S.OFFLOADED) or e.held_for_sync:
+        if e.phase in PING_ONLY:
             if not e.handle.ping(timeout=timeout):
                 raise FleetError(f"{e.engine_id}: /ping unanswered while {e.state.value}")
             return

@@ -1,23 +1,28 @@
-"""The engine lifecycle: the legal moves between states, and one engine's whole record.
+"""The engine lifecycle: the legal moves between phases, and one engine's whole record.
 
-    LAUNCHING -> LOADED -> UPDATING -> REGISTERED <-> UPDATING
-    REGISTERED -> SUSPECT (a failed probe: out of the router) -> REGISTERED | DEAD
+    LAUNCHING -> LOADED -> UPDATING -> REGISTERED <-> UPDATING_ROUTED (a sync in place)
+    REGISTERED -> SUSPECT (a failed probe: out of the router) -> REGISTERED | STALE | DEAD
     UPDATING -> STALE (a sync that did not verify it: out of the router) -> UPDATING
-    any -> DEAD -> RELAUNCHING -> STALE -> UPDATING -> REGISTERED
     REGISTERED -> OFFLOADED (memory released for a colocated train step: out of the router)
-        -> REGISTERED (resumed, version still current) | STALE (resumed, version moved on)
-    DEAD -> REATTACHING (an external engine: we wait for its owner to bring it back) -> STALE
+        -> REGISTERED | STALE | AWAITING_SYNC (weights dropped) | HELD (kept idle for the
+           sync right after) -> UPDATING
+    any -> DEAD -> RELAUNCHING | REATTACHING (an external engine) -> STALE -> UPDATING
+        -> REGISTERED, or DEAD -> LOST (its recovery gave up)
     any -> STOPPED (shutdown)
 
-Invariant: an engine is in its router only while its verified weight version equals the
-fleet's current version (see docs/ARCHITECTURE.md). Only the fleet moves engines; `move`
-refuses anything not in `TRANSITIONS`, so an illegal move is a bug that shows at once.
-Everything the fleet knows about an engine is on its `ManagedEngine`: the state, where it
-is routed, whether a recovery or resync of it is running, what it waits for.
+The phase is the whole truth of an engine: whether it is in its router (`ROUTED`), whether
+a sync needs to pause it, whether it waits for the next full sync or gets a resync of its
+own. Several phases share the `EngineState` events and views name them by
+(UPDATING_ROUTED is UPDATING, AWAITING_SYNC and HELD are STALE, LOST is DEAD), so the
+timeline reads as before. Invariant: an engine is in its router only while its verified
+weight version equals the fleet's current version (see docs/ARCHITECTURE.md). Only the
+fleet moves engines; `move` refuses anything not in `TRANSITIONS`, so an illegal move is a
+bug that shows at once.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,33 +36,76 @@ from slime_like.fleet.events import EngineState
 from slime_like.protocol.weight_version import WeightVersion
 
 S = EngineState
-TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    S.LAUNCHING: frozenset({S.LOADED, S.DEAD, S.STOPPED}),
-    S.LOADED: frozenset({S.UPDATING, S.DEAD, S.STOPPED}),
-    S.UPDATING: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
-    S.REGISTERED: frozenset({S.UPDATING, S.SUSPECT, S.STALE, S.OFFLOADED, S.DEAD, S.STOPPED}),
-    S.SUSPECT: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
-    S.STALE: frozenset({S.UPDATING, S.DEAD, S.STOPPED}),
-    S.DEAD: frozenset({S.RELAUNCHING, S.REATTACHING, S.STOPPED}),
-    S.RELAUNCHING: frozenset({S.STALE, S.DEAD, S.STOPPED}),
-    S.REATTACHING: frozenset({S.STALE, S.DEAD, S.STOPPED}),
-    S.OFFLOADED: frozenset({S.REGISTERED, S.STALE, S.DEAD, S.STOPPED}),
-    S.STOPPED: frozenset(),
+
+
+class Phase(enum.Enum):
+    """A row of the lifecycle table; `state` is the name events and views give it."""
+
+    LAUNCHING = "LAUNCHING"
+    LOADED = "LOADED"
+    UPDATING = "UPDATING"                # synced out of its router
+    UPDATING_ROUTED = "UPDATING_ROUTED"  # a serving engine synced in place, still routed
+    REGISTERED = "REGISTERED"            # routed at the fleet's version
+    SUSPECT = "SUSPECT"
+    OFFLOADED = "OFFLOADED"
+    STALE = "STALE"                      # not at the fleet's version: a resync of its own
+    AWAITING_SYNC = "AWAITING_SYNC"      # STALE until the next full sync takes it along
+    HELD = "HELD"                        # AWAITING_SYNC, idle since its memory came back:
+    #                                      that sync need not pause or continue it
+    DEAD = "DEAD"                        # its recovery runs
+    RELAUNCHING = "RELAUNCHING"
+    REATTACHING = "REATTACHING"
+    LOST = "LOST"                        # DEAD for good: its recovery gave up
+    STOPPED = "STOPPED"
+
+    @property
+    def state(self) -> EngineState:
+        return _STATE.get(self) or EngineState(self.value)
+
+
+P = Phase
+_STATE = {P.UPDATING_ROUTED: S.UPDATING, P.AWAITING_SYNC: S.STALE, P.HELD: S.STALE,
+          P.LOST: S.DEAD}
+_DOWN = frozenset({P.DEAD, P.STOPPED})
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    P.LAUNCHING: frozenset({P.LOADED}) | _DOWN,
+    P.LOADED: frozenset({P.UPDATING}) | _DOWN,
+    P.UPDATING: frozenset({P.REGISTERED, P.STALE}) | _DOWN,
+    P.UPDATING_ROUTED: frozenset({P.REGISTERED, P.STALE, P.UPDATING}) | _DOWN,
+    P.REGISTERED: frozenset({P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED}) | _DOWN,
+    P.SUSPECT: frozenset({P.REGISTERED, P.STALE}) | _DOWN,
+    P.OFFLOADED: frozenset({P.REGISTERED, P.STALE, P.AWAITING_SYNC, P.HELD}) | _DOWN,
+    P.STALE: frozenset({P.UPDATING}) | _DOWN,
+    P.AWAITING_SYNC: frozenset({P.UPDATING, P.STALE}) | _DOWN,
+    P.HELD: frozenset({P.UPDATING, P.STALE}) | _DOWN,
+    P.DEAD: frozenset({P.RELAUNCHING, P.REATTACHING, P.LOST, P.STOPPED}),
+    P.RELAUNCHING: frozenset({P.STALE}) | _DOWN,
+    P.REATTACHING: frozenset({P.STALE}) | _DOWN,
+    P.LOST: frozenset({P.STOPPED}),
+    P.STOPPED: frozenset(),
 }
 
-# States an update may take an engine from (it then moves to UPDATING).
-SYNCABLE: frozenset[EngineState] = frozenset({S.LOADED, S.REGISTERED, S.STALE})
-# Dead, or on its way back: a recovery owns it.
-GONE: frozenset[EngineState] = frozenset({S.DEAD, S.STOPPED, S.RELAUNCHING, S.REATTACHING})
-# Probed by the health monitor (a STOPPED or dead engine is not).
-WATCHED: frozenset[EngineState] = frozenset({S.REGISTERED, S.SUSPECT, S.LOADED, S.STALE,
-                                             S.UPDATING, S.OFFLOADED})
+# In its router (entering one of these adds it, leaving removes it: `Fleet.move`).
+ROUTED: frozenset[Phase] = frozenset({P.REGISTERED, P.UPDATING_ROUTED})
+# Phases an update may take an engine from (to UPDATING, or UPDATING_ROUTED if routed).
+SYNCABLE: frozenset[Phase] = frozenset({P.LOADED, P.REGISTERED, P.STALE, P.AWAITING_SYNC,
+                                        P.HELD})
+# Waiting for the next full sync: no resync of their own; any full update ends the wait.
+FOR_FULL_SYNC: frozenset[Phase] = frozenset({P.AWAITING_SYNC, P.HELD})
+# Dead, on its way back, or given up: a death seen now is no news.
+GONE: frozenset[Phase] = frozenset({P.DEAD, P.RELAUNCHING, P.REATTACHING, P.LOST, P.STOPPED})
+# Probed by the health monitor (a STOPPED or dead engine is not) ...
+WATCHED: frozenset[Phase] = frozenset({P.REGISTERED, P.SUSPECT, P.LOADED, P.STALE,
+                                       P.AWAITING_SYNC, P.HELD, P.UPDATING, P.UPDATING_ROUTED,
+                                       P.OFFLOADED})
+# ... with /ping only: paused for a sync, released, or held idle for the sync that follows.
+PING_ONLY: frozenset[Phase] = frozenset({P.UPDATING, P.UPDATING_ROUTED, P.OFFLOADED, P.HELD})
 
 
 class IllegalTransition(SlimeLikeError):
     """A move the lifecycle table does not allow (a bug in the caller)."""
 
-    def __init__(self, engine_id: str, src: EngineState, dst: EngineState):
+    def __init__(self, engine_id: str, src: Phase, dst: Phase):
         self.engine_id, self.src, self.dst = engine_id, src, dst
         super().__init__(f"engine {engine_id}: illegal lifecycle move {src.value} -> {dst.value}")
 
@@ -77,20 +125,20 @@ class ManagedEngine:
     external_address: str | None = None  # attached, never launched or killed by us
     actors: list[Any] = field(default_factory=list)
     handle: EngineSession | None = None
-    state: EngineState = EngineState.LAUNCHING
+    phase: Phase = Phase.LAUNCHING
     verified_version: WeightVersion | None = None
-    routed: bool = False
-    router_worker_id: str | None = None
+    router_worker_id: str | None = None  # the router's name for it while it is a worker
     restarts: int = 0  # launches after the first: an exit of an older server is not news
     dead_at: float | None = None
-    # Why the server its recovery started died too, before that recovery finished.
-    died_while_recovering: str | None = None
-    recovering: bool = False          # a recovery thread owns it
-    resyncing: bool = False           # a resync thread of its own runs (it was STALE)
-    awaiting_full_sync: bool = False  # released without a weight backup: the next full sync
-    # Resumed and held out of the router, nothing running, for the sync that follows: that
-    # sync needs no pause or continue for it (`Fleet.Update.quiet`).
-    held_for_sync: bool = False
+
+    @property
+    def state(self) -> EngineState:
+        """What events and views call its phase."""
+        return self.phase.state
+
+    @property
+    def routed(self) -> bool:
+        return self.phase in ROUTED
 
     @property
     def url(self) -> str | None:
@@ -102,15 +150,16 @@ class ManagedEngine:
         return (self.external_address is None and bool(self.placements)
                 and self.placements[0].shares_trainer_gpus)
 
-    def move(self, dst: EngineState) -> EngineState:
-        """Change state if the table allows it; the previous state."""
-        src = self.state
-        if dst not in TRANSITIONS[src]:
-            raise IllegalTransition(self.engine_id, src, dst)
-        self.state = dst
-        if dst is not EngineState.STALE:
-            self.held_for_sync = False  # anything but waiting for that sync ends the hold
-        if dst is EngineState.DEAD:
+    def check(self, dst: Phase) -> None:
+        """IllegalTransition unless the table allows the move to `dst`."""
+        if dst not in TRANSITIONS[self.phase]:
+            raise IllegalTransition(self.engine_id, self.phase, dst)
+
+    def move(self, dst: Phase) -> Phase:
+        """Change phase if the table allows it; the previous phase."""
+        self.check(dst)
+        src, self.phase = self.phase, dst
+        if dst is Phase.DEAD:
             self.dead_at = time.time()
         return src
 

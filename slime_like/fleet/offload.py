@@ -1,104 +1,77 @@
 """Colocated engines give their memory back around a train step.
 
 `with fleet.offloaded():` moves every colocated engine REGISTERED -> OFFLOADED (out of the
-router), releases its memory by tag, runs the body (the train step), resumes the memory and
-routes the engine again if its weights came back; see the lifecycle table. An engine whose
-memory cannot be released or resumed is recovered like any dead one.
+router, probed with `/ping` meanwhile: a released engine answers 503), releases its memory
+by tag, runs the body (the train step), resumes the memory and moves each engine where
+`after_resume` advises: routed again if its weights came back (a weights backup, or
+`weights` not among the tags) and it is still at the fleet's version; otherwise
+AWAITING_SYNC (STALE until the next full sync takes it along: a resync of its own would
+race that sync for the same engine). With `hold_for_sync` (the caller syncs right after
+the body) every resumed engine is HELD instead: out of the router, neither routed at the
+old version nor probed while it has no weights; nothing can reach it, so that sync skips
+its pause and continue (two round trips each) and routes it at the new version. An engine
+whose memory cannot be released or resumed is recovered like any dead one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+from slime_like.config.slices import FleetSettings
 from slime_like.engine.session import each
-from slime_like.fleet.events import EngineState
-from slime_like.fleet.lifecycle import ManagedEngine
+from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.protocol.io_struct import ALL_MEMORY_TAGS
 
-if TYPE_CHECKING:
-    from slime_like.fleet.fleet import Fleet
-
 logger = logging.getLogger(__name__)
-S = EngineState
 HELD_FOR_SYNC = "memory resumed; out of the router until the sync"
 
 
 class Offload:
-    """Memory release and resume of the fleet's colocated engines (`--offload-rollout`)."""
+    """Memory release and resume of the fleet's colocated engines (`--offload-rollout`);
+    the fleet moves them."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, settings: FleetSettings):
+        self.settings = settings
         # The last release and resume: wall seconds over all engines (they run concurrently)
         # and the engines that took part; the job's step metrics read it.
         self.last: dict[str, float] = {}
+        self._tags: dict[str, list[str] | None] = {}  # what each engine released
 
     def applies_to(self, e: ManagedEngine) -> bool:
-        return self.fleet.settings.engine.offload_rollout and e.colocated
+        return self.settings.engine.offload_rollout and e.colocated
 
-    @contextlib.contextmanager
-    def offloaded(self, tags: Sequence[str] | None = None, *,
-                  hold_for_sync: bool = False) -> Iterator[list[str]]:
-        """Colocated engines release their memory (by `tags`; all by default) for the body.
-
-        Each leaves the router (OFFLOADED: a released engine answers 503) and is probed with
-        `/ping` meanwhile. On exit its memory is resumed; an engine whose weights came back
-        (a weights backup, or `weights` not among the tags) is routed again if still at the
-        fleet's version, otherwise it is STALE and the next full sync takes it along (no
-        resync of its own: it would race that sync for the same engine).
-
-        `hold_for_sync`: the caller syncs right after the body, so every resumed engine stays
-        out of the router (STALE, taken along by that sync) instead of being routed at the
-        old version, or probed while it has no weights (released without a backup). Nothing
-        can reach it meanwhile, so the sync skips its pause and
-        continue (two round trips each): the sync routes it at the new version.
-        """
-        fleet = self.fleet
-        tag_list = list(tags) if tags else None
-        with fleet.lock:
-            chosen = [e for e in fleet.engines if e.state is S.REGISTERED and self.applies_to(e)
-                      and e.handle is not None]
-            for e in chosen:
-                fleet.unroute(e)
-                fleet.move(e, S.OFFLOADED, tags=tag_list or "all")
+    def release(self, engines: list[ManagedEngine],
+                tags: list[str] | None) -> list[ManagedEngine]:
+        """Release every engine's memory by `tags` (all by default); those that did."""
         t0 = time.perf_counter()
-        engine_tags: dict[str, list[str] | None] = {}
-        released = _each(chosen, lambda e: self._release(e, tag_list, engine_tags))
+        self._tags = {}
+        released = _each(engines, lambda e: self._release(e, tags, self._tags))
         self.last = {"engine_release_s": time.perf_counter() - t0}
-        try:
-            yield [e.engine_id for e in released]
-        finally:
-            t0 = time.perf_counter()
-            resumed = _each(released, lambda e: e.handle.resume_memory_occupation(
-                engine_tags.get(e.engine_id, tag_list)))
-            self.last["engine_resume_s"] = time.perf_counter() - t0
-            failed = []
-            with fleet.lock:
-                for e in chosen:
-                    if e.state is not S.OFFLOADED:
-                        continue  # died meanwhile: recovery owns it
-                    if e not in resumed:
-                        failed.append(e)
-                        continue
-                    tags = engine_tags.get(e.engine_id, tag_list)
-                    kept = tags is not None and "weights" not in tags or \
-                        bool(e.handle.server_info.get("enable_weights_cpu_backup"))
-                    current = not e.update_weights or e.verified_version == fleet.version
-                    if hold_for_sync and e.update_weights:
-                        # the sync right after refills weights that were dropped, too
-                        e.awaiting_full_sync = e.held_for_sync = True
-                        fleet.move(e, S.STALE, reason=HELD_FOR_SYNC)
-                    elif kept and current:
-                        fleet.route(e)
-                        fleet.move(e, S.REGISTERED, reason="memory resumed")
-                    else:
-                        e.awaiting_full_sync = True
-                        fleet.move(e, S.STALE, reason="memory resumed without its weights")
-                for e in failed:
-                    fleet.recovery.start_recovery(e, "memory could not be released or resumed")
+        return released
+
+    def resume(self, engines: list[ManagedEngine]) -> list[ManagedEngine]:
+        """Resume what each engine released; those that did."""
+        t0 = time.perf_counter()
+        resumed = _each(engines, lambda e: e.handle.resume_memory_occupation(
+            self._tags.get(e.engine_id)))
+        self.last["engine_resume_s"] = time.perf_counter() - t0
+        return resumed
+
+    def after_resume(self, e: ManagedEngine, *, current: bool,
+                     hold_for_sync: bool) -> tuple[Phase, str]:
+        """Where a resumed engine goes (and why): `current` if it was verified at the
+        fleet's version (or serves a frozen model)."""
+        tags = self._tags.get(e.engine_id)
+        kept = tags is not None and "weights" not in tags or \
+            bool(e.handle.server_info.get("enable_weights_cpu_backup"))
+        if hold_for_sync and e.update_weights:
+            return Phase.HELD, HELD_FOR_SYNC  # the sync right after refills dropped weights
+        if kept and current:
+            return Phase.REGISTERED, "memory resumed"
+        return Phase.AWAITING_SYNC, "memory resumed without its weights"
 
     @staticmethod
     def _release(e: ManagedEngine, tags: list[str] | None,

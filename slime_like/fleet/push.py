@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from slime_like.errors import WeightSyncError
-from slime_like.fleet.fleet import Fleet, Update
+from slime_like.fleet.attempts import Update
+from slime_like.fleet.fleet import Fleet
 from slime_like.protocol.modes import Transport
 from slime_like.weights.sharded import ShardedWeights, is_sharded
 from slime_like.weights.sync import SyncReport, WeightSync, WeightSyncConfig

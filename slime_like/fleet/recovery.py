@@ -1,218 +1,111 @@
-"""One way back for an engine: a death starts `start_recovery(engine, reason)`, whoever saw it.
+"""One way back for an engine, as advice: what a dead or STALE engine needs next.
 
-The exit watcher, the health monitor, a failed weight update and a failed memory release
-all call `start_recovery`. It takes the engine out of its router at once (DEAD), then, in
-one thread per engine: kill what is left, relaunch it on its own bundle (or wait for an
-external engine's owner to bring it back), resync it through the fleet's weight source,
-and route it. The healthy engines keep serving throughout. A death of the relaunched
-server before its recovery ends starts the recovery over (at most MAX_RECOVERY_ATTEMPTS).
-
-A STALE engine that no recovery owns (a failed sync, a router restart, probes that pass
-again after the version moved on) gets a resync of its own (`resync_stale_later`).
+Every death (the exit watcher, the health monitor, a failed weight update, a failed memory
+release) reaches `Fleet.start_recovery(engine, reason)`: out of the router and DEAD at
+once, then one thread per engine (`Tending`) asks `Recovery.next_step` what to do, the
+fleet does it and moves the engine, and asks again: relaunch it on its own bundle (or wait
+for an external engine's owner to bring it back), resync it through the fleet's weight
+source, route it; give up (LOST) when it keeps dying or cannot be brought to the fleet's
+version. The advice reads only the engine's phase and the tending's own record, so a death
+of the relaunched server before its recovery ends is just DEAD again: the same recovery
+relaunches it (at most MAX_RECOVERY_ATTEMPTS times). A STALE engine no recovery owns (a
+failed sync, a router restart, probes that pass again after the version moved on) gets a
+tending of its own that only resyncs it. The healthy engines keep serving throughout.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
+import enum
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from slime_like.errors import FleetError, WeightSyncError
-from slime_like.fleet.events import EngineState, Happening
-from slime_like.fleet.lifecycle import GONE, ManagedEngine
-
-if TYPE_CHECKING:
-    from slime_like.fleet.fleet import Fleet
-
-logger = logging.getLogger(__name__)
+from slime_like.fleet.lifecycle import FOR_FULL_SYNC, ManagedEngine, Phase
 
 # A recovery whose relaunched server dies too starts over, this many times at most.
 MAX_RECOVERY_ATTEMPTS = 5
-S = EngineState
+# How long an engine may stay STALE while it is tended before its tending gives up.
+RESYNC_TIMEOUT_S = 600.0
+P = Phase
+
+
+class Step(enum.Enum):
+    """What a tended engine needs next (the fleet does it)."""
+
+    RELAUNCH = "relaunch"          # ours: kill what is left, start it on its bundle (STALE)
+    REATTACH = "reattach"          # external: wait for its owner to bring it back (STALE)
+    RESYNC = "resync"              # an update of it alone at the fleet's version
+    ROUTE_FROZEN = "route frozen"  # a frozen model's engine serves its checkpoint as loaded
+    WAIT = "wait"                  # a full sync runs, or takes it along: look again soon
+    RECOVERED = "recovered"        # routed at the fleet's version: the tending ends
+    GIVE_UP = "give up"            # LOST: it keeps dying, or never reached the version
+    LEAVE = "leave"                # not ours to tend (any more): the tending ends
+
+
+@dataclass
+class Tending:
+    """One engine being brought back: why (None for a resync of a STALE engine), since
+    when, how many relaunches so far, and until when it may stay STALE."""
+
+    engine: ManagedEngine
+    reason: str | None = None
+    t0: float = field(default_factory=time.time)
+    relaunches: int = 0
+    deadline: float = field(default_factory=lambda: time.monotonic() + RESYNC_TIMEOUT_S)
+
+    @property
+    def is_recovery(self) -> bool:
+        return self.reason is not None
+
+    def died(self, reason: str) -> None:
+        """A death while tended: a resync becomes a recovery (the first reason stays)."""
+        if self.reason is None:
+            self.reason, self.t0 = reason, time.time()
+
+    def back(self) -> None:
+        """Relaunched or reattached: a fresh deadline to reach the fleet's version."""
+        self.relaunches += 1
+        self.deadline = time.monotonic() + RESYNC_TIMEOUT_S
 
 
 class Recovery:
-    """Recoveries and resyncs of one fleet, and the record of each recovery."""
+    """The advice for tended engines, and the record of every recovery."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self) -> None:
         self.recoveries: list[dict] = []
 
-    # ---- a death -----------------------------------------------------------------------------
+    @staticmethod
+    def next_step(t: Tending, *, closing: bool, syncing: bool) -> Step:
+        """What `t.engine` needs now, from its phase alone (asked under the fleet's lock)."""
+        e, phase = t.engine, t.engine.phase
+        if closing:
+            return Step.LEAVE
+        if phase is P.DEAD:
+            if t.relaunches >= MAX_RECOVERY_ATTEMPTS:
+                return Step.GIVE_UP
+            return Step.REATTACH if e.external_address is not None else Step.RELAUNCH
+        if phase is P.REGISTERED:
+            return Step.RECOVERED
+        if phase is P.STALE:
+            if not e.update_weights:
+                return Step.ROUTE_FROZEN
+            if time.monotonic() > t.deadline:
+                return Step.GIVE_UP if t.is_recovery else Step.LEAVE
+            return Step.WAIT if syncing else Step.RESYNC
+        if phase in (P.UPDATING, P.UPDATING_ROUTED):
+            return Step.WAIT  # an update has it (a full sync took it along)
+        if phase in FOR_FULL_SYNC and t.is_recovery:
+            return Step.WAIT
+        return Step.LEAVE  # LOST, STOPPED, or waiting for the next full sync
 
-    def start_recovery(self, e: ManagedEngine, reason: str) -> None:
-        """The engine is dead: out of its router now, and back in its own thread."""
-        fleet = self.fleet
-        with fleet.lock:
-            if fleet.closing:
-                return
-            if e.recovering:
-                # Relaunched (or back), then dead again before its recovery ended: the
-                # recovery sees DEAD, stops resyncing and starts over (or, if it had just
-                # finished, a new one starts).
-                if e.state not in GONE:
-                    e.died_while_recovering = reason
-                    self._mark_dead(e, reason)
-                return
-            if e.state in GONE:
-                return  # a recovery already gave up on it, or it is stopping
-            e.recovering = True
-            self._mark_dead(e, reason)
-        self._spawn(e, reason)
+    def recovered(self, t: Tending, version: str) -> float:
+        """Record a recovery that ended with the engine routed; its seconds."""
+        took = round(time.time() - t.t0, 2)
+        e = t.engine
+        self.recoveries.append({"engine": e.engine_id, "reason": t.reason, "recovery_s": took,
+                                "version": version, "url": e.url, "dead_at": e.dead_at})
+        return took
 
-    def _mark_dead(self, e: ManagedEngine, reason: str) -> None:
-        self.fleet.unroute(e)  # before anything else: no request may reach a dead engine
-        self.fleet.move(e, S.DEAD, reason=reason)
-        self.fleet.health.unwatch(e)
-
-    def _spawn(self, e: ManagedEngine, reason: str) -> None:
-        threading.Thread(target=self._recover, args=(e, reason), name=f"recover-{e.engine_id}",
-                         daemon=True).start()
-
-    def _recover(self, e: ManagedEngine, reason: str) -> None:
-        fleet = self.fleet
-        t0 = time.time()
-        try:
-            for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
-                try:
-                    if not self._bring_back(e):
-                        return  # the fleet is shutting down
-                    break
-                except Exception as err:
-                    with fleet.lock:
-                        again, e.died_while_recovering = e.died_while_recovering, None
-                    if again is None or fleet.closing or attempt == MAX_RECOVERY_ATTEMPTS:
-                        raise
-                    logger.warning("%s died again before its recovery finished (%s); "
-                                   "recovering it again (attempt %d of %d): %s", e.engine_id,
-                                   again, attempt + 1, MAX_RECOVERY_ATTEMPTS, err)
-            took = time.time() - t0
-            self.recoveries.append({"engine": e.engine_id, "reason": reason,
-                                    "recovery_s": round(took, 2), "version": str(fleet.version),
-                                    "url": e.url, "dead_at": e.dead_at})
-            fleet.events.emit(e.engine_id, Happening.RECOVERED, recovery_s=round(took, 2))
-            logger.warning("%s recovered in %.1fs at version %s (%s)", e.engine_id, took,
-                           fleet.version, e.url)
-        except Exception as err:  # noqa: BLE001 - report it; the run goes on with fewer engines
-            logger.exception("%s: recovery failed", e.engine_id)
-            self.recoveries.append({"engine": e.engine_id, "reason": reason,
-                                    "error": f"{type(err).__name__}: {err}"})
-            with fleet.lock:
-                if e.state not in (S.DEAD, S.STOPPED):
-                    fleet.unroute(e)
-                    fleet.move(e, S.DEAD, reason=f"recovery failed: {err}")
-        finally:
-            with fleet.lock:
-                again, e.died_while_recovering = e.died_while_recovering, None
-                if again is None or fleet.closing:
-                    e.recovering = False
-            if again is not None and not fleet.closing:  # died just as it was routed again
-                self._spawn(e, again)
-
-    def _bring_back(self, e: ManagedEngine) -> bool:
-        """Relaunch (or reattach) a dead engine and bring it to the fleet's version; False if
-        the fleet is shutting down."""
-        back = self._reattach(e) if e.external_address is not None else self._relaunch(e)
-        if not back:
-            return False
-        self.fleet.health.watch(e)
-        if not e.update_weights:
-            with self.fleet.lock:
-                self.fleet.route_frozen(e)
-        else:
-            self.resync(e)
-        return True
-
-    def _relaunch(self, e: ManagedEngine) -> bool:
-        """Our engine: kill what is left of it, start it again on its bundle (STALE)."""
-        fleet, launcher = self.fleet, self.fleet.launcher
-        launcher.kill(e)
-        with fleet.lock:
-            if fleet.closing:
-                return False
-            fleet.move(e, S.RELAUNCHING)
-        e.restarts += 1
-        launcher.wait_launched(launcher.launch(e))
-        with fleet.lock:
-            fleet.move(e, S.STALE, **launcher.loaded(e))
-        fleet.health.watch_exit(e)
-        return True
-
-    def _reattach(self, e: ManagedEngine) -> bool:
-        """An external engine: wait (bounded) for its owner to bring it back, then STALE."""
-        fleet, wait_s = self.fleet, self.fleet.settings.external_wait_s
-        with fleet.lock:
-            if fleet.closing:
-                return False
-            fleet.move(e, S.REATTACHING, address=e.external_address, wait_s=wait_s)
-        loaded = fleet.launcher.reattach(e, wait_s)
-        if loaded is None:
-            return False
-        e.restarts += 1
-        with fleet.lock:
-            fleet.move(e, S.STALE, **loaded)
-        return True
-
-    # ---- resyncs -----------------------------------------------------------------------------
-
-    def resync(self, e: ManagedEngine, timeout: float = 600.0) -> None:
-        """Bring a STALE engine to the fleet's version and route it (or let a full sync do it)."""
-        fleet = self.fleet
-        if fleet.weight_source is None:
-            raise FleetError(f"{e.engine_id}: no weight source to resync it (set_weight_source)")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not fleet.closing:
-            if e.state is S.REGISTERED:
-                return  # a full sync took it along
-            if e.state in GONE:
-                raise FleetError(f"{e.engine_id}: {e.state.value} while waiting to resync")
-            if e.state is not S.STALE or fleet.syncing:
-                time.sleep(0.05)
-                continue
-            try:
-                with fleet.updating([e.engine_id]) as update:
-                    update.report = fleet.weight_source(update) or {}
-            except (WeightSyncError, FleetError) as err:
-                logger.warning("%s: resync failed (%s); retrying", e.engine_id, err)
-                time.sleep(0.5)
-                continue
-            if e.state is not S.REGISTERED:
-                time.sleep(0.5)  # e.g. the router is being relaunched
-        if e.state is not S.REGISTERED:
-            if fleet.closing:
-                raise FleetError(f"{e.engine_id}: the fleet closed before it was resynced")
-            raise FleetError(f"{e.engine_id}: not at version {fleet.version} after {timeout:.0f}s")
-
-    def resync_stale_later(self) -> None:
-        """STALE engines not already being recovered get their own resync thread."""
-        fleet = self.fleet
-        if fleet.weight_source is None or fleet.closing:
-            return
-        with fleet.lock:
-            stale = [e for e in fleet.engines if e.state is S.STALE and e.update_weights
-                     and not (e.recovering or e.resyncing or e.awaiting_full_sync)]
-            for e in stale:
-                e.resyncing = True
-        for e in stale:
-            threading.Thread(target=self._resync_then_release, args=(e,),
-                             name=f"resync-{e.engine_id}", daemon=True).start()
-
-    def _resync_then_release(self, e: ManagedEngine) -> None:
-        try:
-            self.resync(e)
-        except Exception as err:  # noqa: BLE001 - stays STALE; the next full sync takes it along
-            logger.warning("%s: resync stopped: %s", e.engine_id, err)
-        finally:
-            with self.fleet.lock:
-                e.resyncing = False
-
-    def wait_idle(self, timeout: float = 300.0) -> bool:
-        """Block until no recovery or resync is running (True) or the timeout passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.fleet.lock:
-                if not any(e.recovering or e.resyncing for e in self.fleet.engines):
-                    return True
-            time.sleep(0.1)
-        return False
+    def failed(self, t: Tending, error: str) -> None:
+        """Record a recovery that gave up (the run goes on with fewer engines)."""
+        self.recoveries.append({"engine": t.engine.engine_id, "reason": t.reason,
+                                "error": error})

@@ -128,8 +128,8 @@ class Routers(Mapping[str, Router]):
         still probing: given up on, it would land whenever the engine answered again, at
         whatever weights it then had.
         """
-        if e.routed or e.handle is None:
-            return
+        if e.router_worker_id is not None or e.handle is None:
+            return  # a worker of it already
         h = e.handle
         if h.worker_type == WorkerType.ENCODER:
             return
@@ -144,11 +144,11 @@ class Routers(Mapping[str, Router]):
         info = self._routers[e.model_name].client.add_worker(
             h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
             api_key=h.api_key, timeout=wait)
-        e.routed, e.router_worker_id = True, info.id
+        e.router_worker_id = info.id
 
     def remove(self, e: ManagedEngine) -> None:
         """Take the engine out of its router; a router that is down took it with it."""
-        if not e.routed or e.handle is None:
+        if e.router_worker_id is None or e.handle is None:
             return
         client = self._routers[e.model_name].client
         try:
@@ -159,8 +159,8 @@ class Routers(Mapping[str, Router]):
                 client.remove_worker(url=e.handle.url, timeout=15)
         except Exception as err:  # noqa: BLE001 - a dead router takes its workers with it
             logger.warning("%s: removal from the router failed: %s", e.engine_id, err)
-        e.routed, e.router_worker_id = False, None
+        e.router_worker_id = None
 
     def forget(self, e: ManagedEngine) -> None:
         """The router was relaunched without the engine: it is no worker of it any more."""
-        e.routed, e.router_worker_id = False, None
+        e.router_worker_id = None

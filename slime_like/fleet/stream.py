@@ -17,27 +17,30 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from slime_like.fleet.events import FleetEvent, Happening
+from slime_like.fleet.events import EventSink, FleetEvent, Happening
+from slime_like.fleet.generation import Generation
+from slime_like.protocol.weight_version import WeightVersion
 from slime_like.rollout.producer import Batch, ProducerCounts, RolloutProducer
 from slime_like.rollout.prompts import PromptItem
 
-if TYPE_CHECKING:
-    from slime_like.fleet.fleet import Fleet
-
 
 class RolloutStream:
-    """Batches of groups generated without pause, within a staleness bound."""
+    """Batches of groups generated without pause, within a staleness bound.
 
-    def __init__(self, fleet: Fleet, prompts: Iterable[list[int]], *, n: int,
-                 sampling_params: dict[str, Any], batch_size: int, max_staleness: int = 1,
-                 partial_rollout: bool = False, model: str | None = None,
-                 on_sample: Callable[[int], None] | None = None):
-        self.fleet = fleet
+    Made by `fleet.stream(...)`: `generation` is the fleet's, `version()` its current
+    weight version, `subscribe` its event subscription."""
+
+    def __init__(self, generation: Generation, version: Callable[[], WeightVersion],
+                 subscribe: Callable[[EventSink], None], prompts: Iterable[list[int]], *,
+                 n: int, sampling_params: dict[str, Any], batch_size: int,
+                 max_staleness: int = 1, partial_rollout: bool = False,
+                 model: str | None = None, on_sample: Callable[[int], None] | None = None):
+        self._version = version
         self._prompts: Iterator[list[int]] = iter(prompts)
         self._stack = contextlib.ExitStack()
-        generator = self._stack.enter_context(fleet.generator(
+        generator = self._stack.enter_context(generation.generator(
             model, keep_mixed_versions=True, partial_rollout=partial_rollout))
         self.generator = generator
         self.producer = RolloutProducer(generator, self._next_prompts, n=n,
@@ -45,7 +48,7 @@ class RolloutStream:
                                         batch_groups=batch_size, max_staleness=max_staleness,
                                         on_sample=on_sample)
         self._closed = False
-        fleet.subscribe(self._on_event)
+        subscribe(self._on_event)
         self.producer.start()
 
     def _next_prompts(self, k: int) -> list[PromptItem]:
@@ -58,7 +61,7 @@ class RolloutStream:
     def next_batch(self, timeout: float = 600.0) -> Batch:
         """The next `batch_size` groups in admission order; groups whose oldest token is
         more than `max_staleness` versions behind the fleet's are dropped and replaced."""
-        return self.producer.take(int(self.fleet.version), timeout)
+        return self.producer.take(int(self._version()), timeout)
 
     @property
     def counts(self) -> ProducerCounts:

@@ -28,7 +28,8 @@ ScoreFn = Callable[[int, Pairs, float], list[list[float]]]
 
 def serving_handles(fleet: Fleet) -> list[EngineSession]:
     """The updatable model's serving engines, each under the fleet's name for it (what the
-    report, the console and events call it)."""
+    report, the console and events call it): a session of its own per engine, for the
+    probe's scoring requests (a session is no dataclass, its address is)."""
     names = {e.url: e.engine_id for e in list(fleet.engines) if e.url}
     return [EngineSession(replace(h.address, engine_id=names.get(h.url, h.engine_id)))
             for h in fleet.handles(fleet.updatable_model)]

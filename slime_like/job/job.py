@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from slime_like.job.checkpoints import save_checkpoint, save_due
 from slime_like.job.checks import LogprobCheck, StepChecker, weight_versions
 from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
-from slime_like.job.samples import kept_batch, staleness_of, train_masks
+from slime_like.job.samples import Rollout, kept_batch, staleness_of, train_masks
 from slime_like.job.schedules import run_schedule
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
@@ -57,18 +57,6 @@ logger = logging.getLogger("slime_like.train")
 
 class ChaosViolation(SlimeLikeError):
     """A chaos run saw an engine routed while stale or unreachable."""
-
-
-@dataclass
-class Rollout:
-    """What one step's rollout produced."""
-
-    prompts: list[PromptItem]
-    samples: list[Sample]
-    seconds: float  # generation only
-    trainer_offloaded: dict = field(default_factory=dict)
-    #: what an asynchronous schedule adds to the step's metrics (staleness, drops, waits)
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -437,7 +425,7 @@ class Job:
             "samples_returned": len(samples),
             "response_len_mean": sum(len(s.output_ids) for s in samples) / max(1, len(samples)),
             "env_tokens": sum(len(s.output_ids) - sum(s.model_token_mask()) for s in samples),
-            "requests_resubmitted": fleet.last_generation.get("resubmitted", 0),
+            "requests_resubmitted": fleet.generation.last.get("resubmitted", 0),
             "retried_requests": sum(s.attempts > 1 for s in samples),
             "sample_weight_versions": weight_versions(samples),
             "engines": fleet.states(),

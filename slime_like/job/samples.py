@@ -3,9 +3,24 @@ staleness, the batch dynamic sampling kept, and which tokens the loss trains on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from slime_like.observe.async_metrics import staleness_histogram
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.prompts import PromptItem
+
+
+@dataclass
+class Rollout:
+    """What one step's rollout produced."""
+
+    prompts: list[PromptItem]
+    samples: list[Sample]
+    seconds: float  # generation only
+    trainer_offloaded: dict = field(default_factory=dict)
+    #: what an asynchronous schedule adds to the step's metrics (staleness, drops, waits)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def staleness_of(samples: list[Sample], trained_version: int) -> dict[str, int]:

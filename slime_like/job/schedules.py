@@ -20,19 +20,51 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
+from slime_like.chaos import ChaosMonkey
+from slime_like.config.slices import JobSettings
+from slime_like.fleet.fleet import Fleet
+from slime_like.job.inputs import JobInputs
+from slime_like.job.samples import Rollout
 from slime_like.protocol.modes import AsyncMode
+from slime_like.rollout.dynamic_sampling import GroupFilter
 from slime_like.rollout.producer import RolloutProducer
-
-if TYPE_CHECKING:
-    from slime_like.job.job import Job
 
 logger = logging.getLogger("slime_like.train")
 
 
-def run_schedule(job: Job) -> None:
+class ScheduledJob(Protocol):
+    """What a schedule drives: the job's steps and what the fully-async producer reads
+    (`job.Job` is one; a schedule never builds or closes it)."""
+
+    settings: JobSettings
+    start_step: int
+    fleet: Fleet | None
+    chaos: ChaosMonkey | None
+    inputs: JobInputs | None
+    group_filter: GroupFilter
+    out: Path
+    notes: list[str]
+
+    def step(self, step: int) -> None: ...
+
+    def rollout(self, step: int) -> Rollout: ...
+
+    def learn(self, step: int, rollout: Rollout,
+              before_sync: Callable[[], None] | None = None) -> None: ...
+
+    def sampling_params(self, first_sample: int) -> dict[str, Any]: ...
+
+    def as_rollout(self, groups: list, waited_s: float) -> Rollout: ...
+
+    def keep_group(self, group: Any) -> bool: ...
+
+
+def run_schedule(job: ScheduledJob) -> None:
     """Every step of the job, in the order of its `--async-mode`."""
     mode = job.settings.asynchrony.mode
     freeze_startup_heap()
@@ -56,12 +88,12 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def run_sync(job: Job) -> None:
+def run_sync(job: ScheduledJob) -> None:
     for step in range(job.start_step, job.settings.num_steps):
         job.step(step)
 
 
-def run_one_step(job: Job) -> None:
+def run_one_step(job: ScheduledJob) -> None:
     """Rollout k+1 overlaps step k's training; it is drained before step k's sync."""
     steps = range(job.start_step, job.settings.num_steps)
     with ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
@@ -105,7 +137,7 @@ class _StepHooks:
             hook(seen)
 
 
-def run_fully_async(job: Job) -> None:
+def run_fully_async(job: ScheduledJob) -> None:
     """A producer that never stops; the trainer takes batches and updates in flight."""
     settings, fleet = job.settings, job.fleet
     asynchrony, rollout_settings = settings.asynchrony, settings.rollout

@@ -72,11 +72,6 @@ class EngineFeatures:
         return self.version >= (0, 5, 9)
 
     @property
-    def flattened_bucket_distributed(self) -> bool:
-        """`update_weights_from_distributed` accepts `load_format: flattened_bucket`."""
-        return self.version >= (0, 5, 9)
-
-    @property
     def failed_flush_after_update_is_400(self) -> bool:
         """A flush refused after a weight update answers 400; before 0.5.23 it kills the server."""
         return self.version >= (0, 5, 23)

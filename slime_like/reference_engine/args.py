@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import SERVER_ARGS, ArgSpec, read_rows
+from slime_like.protocol.flag_tables import SERVER_ARGS, ArgSpec, read_rows
 
 logger = logging.getLogger(__name__)
 

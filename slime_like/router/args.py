@@ -41,7 +41,7 @@ from typing import Any
 
 from slime_like.cluster.hosts import format_host
 from slime_like.errors import ConfigError
-from slime_like.flag_tables import ArgTable, ComposedArgs, render_flags, router_table
+from slime_like.protocol.flag_tables import ArgTable, ComposedArgs, render_flags, router_table
 from slime_like.router.kinds import SMG, RouterKind, router_kind
 
 ROUTER_DEFAULTS: dict[str, Any] = {

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_like.errors import ConfigError, LaunchError
-from slime_like.flag_tables import DEFAULT_ROUTER, ROUTER_ARGS, ROUTER_TABLES, SMG_ARGS
 from slime_like.protocol.compat import parse_version
+from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_ARGS, ROUTER_TABLES, SMG_ARGS
 
 SGLANG_ROUTER = "sglang-router"
 SMG = "smg"

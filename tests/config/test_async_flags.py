@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from slime_like.cli import main as cli_main
 from slime_like.config.parse import parse_args
 from slime_like.config.slices import job_settings
 from slime_like.errors import ConfigError
-from slime_like.train_async import main as train_async_main
 
 BASE = ["--engine", "reference", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2"]
 
@@ -29,9 +29,9 @@ def test_pause_mode_keeps_its_older_spelling():
 
 
 def test_train_async_defaults_to_one_step(capsys):
-    assert train_async_main([*BASE, "--dry-run"]) == 0
+    assert cli_main(["train-async", *BASE, "--dry-run"]) == 0
     # an explicit schedule wins over the entry point's default
-    assert train_async_main([*BASE, "--dry-run", "--max-weight-staleness", "2"]) == 2
+    assert cli_main(["train-async", *BASE, "--dry-run", "--max-weight-staleness", "2"]) == 2
     assert "--max-weight-staleness" in capsys.readouterr().err
 
 

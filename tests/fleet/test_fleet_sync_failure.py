@@ -168,7 +168,7 @@ def test_a_router_relaunched_while_an_engine_hangs_lets_go_of_it_without_holding
     import threading
 
     from slime_like.chaos import kill_router
-    from slime_like.fleet.fleet import REROUTE_TIMEOUT_S
+    from slime_like.fleet.supervision import REROUTE_TIMEOUT_S
 
     model = load_pretrained(tiny_model_dir, dtype=torch.float32)
     weights = FleetWeights(fleet, transport="distributed", http_timeout_s=5.0, group_timeout_s=5.0)

@@ -1,4 +1,5 @@
-"""The lifecycle table: every legal move is allowed, every other move is refused."""
+"""The lifecycle table: every legal move is allowed, every other move is refused; the
+phases the fleet tells apart project onto the states its events name."""
 
 from __future__ import annotations
 
@@ -7,11 +8,36 @@ import pickle
 
 import pytest
 
-from slime_like.fleet.lifecycle import TRANSITIONS, EngineState, IllegalTransition, ManagedEngine
+from slime_like.fleet.lifecycle import (
+    ROUTED,
+    TRANSITIONS,
+    EngineState,
+    IllegalTransition,
+    ManagedEngine,
+    Phase,
+)
 
-S = EngineState
+P, S = Phase, EngineState
+DOWN = {P.DEAD, P.STOPPED}
 # The moves the fleet relies on, written out independently of the table.
-LEGAL = {
+LEGAL = {(a, b) for a, bs in {
+    P.LAUNCHING: {P.LOADED, *DOWN},
+    P.LOADED: {P.UPDATING, *DOWN},
+    P.UPDATING: {P.REGISTERED, P.STALE, *DOWN},
+    P.UPDATING_ROUTED: {P.REGISTERED, P.STALE, P.UPDATING, *DOWN},
+    P.REGISTERED: {P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED, *DOWN},
+    P.SUSPECT: {P.REGISTERED, P.STALE, *DOWN},
+    P.OFFLOADED: {P.REGISTERED, P.STALE, P.AWAITING_SYNC, P.HELD, *DOWN},
+    P.STALE: {P.UPDATING, *DOWN},
+    P.AWAITING_SYNC: {P.UPDATING, P.STALE, *DOWN},
+    P.HELD: {P.UPDATING, P.STALE, *DOWN},
+    P.DEAD: {P.RELAUNCHING, P.REATTACHING, P.LOST, P.STOPPED},
+    P.RELAUNCHING: {P.STALE, *DOWN},
+    P.REATTACHING: {P.STALE, *DOWN},
+    P.LOST: {P.STOPPED},
+}.items() for b in bs}
+# What the timeline shows: the state moves of docs/ARCHITECTURE.md's table.
+PUBLIC = {
     (S.LAUNCHING, S.LOADED), (S.LAUNCHING, S.DEAD), (S.LAUNCHING, S.STOPPED),
     (S.LOADED, S.UPDATING), (S.LOADED, S.DEAD), (S.LOADED, S.STOPPED),
     (S.UPDATING, S.REGISTERED), (S.UPDATING, S.STALE), (S.UPDATING, S.DEAD),
@@ -28,54 +54,61 @@ LEGAL = {
 }
 
 
-def engine_in(state: EngineState) -> ManagedEngine:
-    e = ManagedEngine("m/g0/e0", "m", [], update_weights=True)
-    e.state = state
-    return e
+def engine_in(phase: Phase) -> ManagedEngine:
+    return ManagedEngine("m/g0/e0", "m", [], update_weights=True, phase=phase)
 
 
-@pytest.mark.parametrize(("src", "dst"), list(itertools.product(S, S)),
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(P, P)),
                          ids=lambda s: s.value)
 def test_every_move_is_allowed_exactly_when_the_table_says_so(src, dst):
     e = engine_in(src)
     if (src, dst) in LEGAL:
-        assert e.move(dst) is src and e.state is dst
+        assert e.move(dst) is src and e.phase is dst
     else:
         with pytest.raises(IllegalTransition, match=f"{src.value} -> {dst.value}"):
             e.move(dst)
-        assert e.state is src  # a refused move changes nothing
+        assert e.phase is src  # a refused move changes nothing
 
 
 def test_the_table_is_exactly_the_documented_moves():
     assert {(a, b) for a, bs in TRANSITIONS.items() for b in bs} == LEGAL
 
 
+def test_the_phases_move_the_states_exactly_as_the_timeline_shows():
+    """A move between phases of one state (a sync in place losing its router, the wait
+    for a full sync ending, a recovery giving up) is no state change on the timeline."""
+    assert {(a.state, b.state) for a, b in LEGAL if a.state is not b.state} == PUBLIC
+    assert {p.state for p in P} == set(S)
+
+
 def test_no_path_reaches_the_router_without_an_update():
-    """REGISTERED (routed) is entered only from UPDATING (a verified sync), SUSPECT (a probe
+    """A routed phase is entered only from UPDATING (a verified sync), SUSPECT (a probe
     hiccup of an engine that was already routed at the current version) or OFFLOADED (an
-    engine routed at the current version whose memory came back; `route()` rechecks it)."""
-    assert {a for a, b in LEGAL if b is S.REGISTERED} == {S.UPDATING, S.SUSPECT, S.OFFLOADED}
+    engine routed at the current version whose memory came back; `move` rechecks it)."""
+    assert {a for a, b in LEGAL if b in ROUTED and a not in ROUTED} == \
+        {P.UPDATING, P.SUSPECT, P.OFFLOADED}
 
 
 def test_an_external_engine_comes_back_only_through_a_sync():
-    e = engine_in(S.REGISTERED)
-    for state in (S.DEAD, S.REATTACHING, S.STALE, S.UPDATING, S.REGISTERED):
-        e.move(state)
+    e = engine_in(P.REGISTERED)
+    for phase in (P.DEAD, P.REATTACHING, P.STALE, P.UPDATING, P.REGISTERED):
+        e.move(phase)
     with pytest.raises(IllegalTransition):
-        engine_in(S.REATTACHING).move(S.REGISTERED)
+        engine_in(P.REATTACHING).move(P.REGISTERED)
 
 
-def test_a_dead_engine_comes_back_only_through_a_sync():
-    path = [S.DEAD, S.RELAUNCHING, S.STALE, S.UPDATING, S.REGISTERED]
-    e = engine_in(S.REGISTERED)
-    for state in path:
-        e.move(state)
+def test_a_dead_engine_comes_back_only_through_a_sync_and_a_lost_one_never():
+    path = [P.DEAD, P.RELAUNCHING, P.STALE, P.UPDATING, P.REGISTERED]
+    e = engine_in(P.REGISTERED)
+    for phase in path:
+        e.move(phase)
     assert e.dead_at is not None
+    assert TRANSITIONS[P.LOST] == {P.STOPPED}
 
 
 def test_illegal_transition_crosses_ray_boundaries():
-    err = pickle.loads(pickle.dumps(IllegalTransition("x", S.DEAD, S.REGISTERED)))
-    assert err.src is S.DEAD and "DEAD -> REGISTERED" in str(err)
+    err = pickle.loads(pickle.dumps(IllegalTransition("x", P.DEAD, P.REGISTERED)))
+    assert err.src is P.DEAD and "DEAD -> REGISTERED" in str(err)
 
 
 def test_an_engine_stopped_while_launching_says_it_never_served_and_why(tmp_path):

@@ -5,7 +5,8 @@ those packages (absent on CPU machines and in trainer images), so the flags sgla
 sglang-router 0.3.2 and smg 1.13.0 accept are shipped as data in `slime_like/engine/data/`
 (regenerate with `scripts/gen_arg_tables.py`). Every layer that needs them (flags, launch,
 the reference engine, the router) reads them through this module, and renders composed
-args back into flags (`render_flags`) the same way for both tools.
+args back into flags (`render_flags`) the same way for both tools. It lives in `protocol/`
+because both programs read it: a command line is as much their contract as a request body.
 """
 
 from __future__ import annotations
@@ -37,10 +38,6 @@ class ArgSpec:
     @property
     def flag(self) -> str:
         return self.flags[0]
-
-    @property
-    def takes_value(self) -> bool:
-        return self.kind not in ("storetrue", "deprecatedstoretrue", "booleanoptional")
 
     @property
     def is_switch(self) -> bool:
