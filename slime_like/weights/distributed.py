@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import ipaddress
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -42,6 +38,19 @@ from slime_like.protocol.weight_group import (
     init_custom_process_group,
     join_store,
 )
+from slime_like.weights.group_setup import (
+    PENDING_JOINS,
+    UNANSWERED_GRACE_S,
+    backend_hint,
+    close_group,
+    engine_ranks,
+    host_port,
+    join_pending,
+    master_address_for,
+    nccl_env_hint,
+    never_answered,
+    not_joined,
+)
 from slime_like.weights.packing import (
     BucketPacker,
     WeightSource,
@@ -50,99 +59,12 @@ from slime_like.weights.packing import (
     metas_body,
 )
 from slime_like.weights.transport import Payload, TransferStats, Transport
-from slime_like.weights.watch import EngineCall, Watch, no_answer
+from slime_like.weights.watch import EngineCall, Watch
 
 log = logging.getLogger(__name__)
 
 FLATTENED = p.FLATTENED_BUCKET
 PER_TENSOR = "per_tensor"
-
-
-def engine_ranks(engines: Sequence[EngineSession]) -> tuple[list[int], int]:
-    """sglang's layout: trainer rank 0, engine i at 1 + sum of earlier tp sizes."""
-    offsets, offset = [], 1
-    for e in engines:
-        offsets.append(offset)
-        offset += e.tp_size
-    return offsets, offset
-
-
-def master_address_for(engines: Sequence[EngineSession]) -> str:
-    """An address of this host the engines can reach (loopback when they are all local)."""
-    hosts = [urlparse(e.url).hostname or "127.0.0.1" for e in engines]
-    if all(_is_loopback(h) for h in hosts):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        # Connecting a UDP socket sends nothing; it only selects the outgoing interface.
-        s.connect((hosts[0], 9))
-        return s.getsockname()[0]
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    parsed = urlparse(url)
-    return parsed.hostname or "127.0.0.1", parsed.port or 80
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def nccl_env_hint() -> str:
-    """What is wrong when this process disables NCCL transports its peers keep, or ''."""
-    off = [v for v in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")
-           if os.environ.get(v, "0").strip() not in ("", "0")]
-    if not off:
-        return ""
-    return (f"{' and '.join(f'{v}={os.environ[v]}' for v in off)} is set in the trainer process "
-            "(torchrl's SGLang scheme sets both at import): engines that keep P2P/SHM build "
-            "other NCCL rings, and the group fails (e.g. 'ring 0 does not contain rank 1'); "
-            "where it works the broadcast is ~80x slower on NVLink. Unset them in the trainer "
-            "(or set the same on every engine)")
-
-
-# After a failed rendezvous closed its store, how long engines get to answer their join.
-UNANSWERED_GRACE_S = 5.0
-# Each engine's latest join call, across transports of this process (a resync builds its own).
-_PENDING_JOINS: dict[str, Future] = {}
-
-
-def _join_pending(url: str) -> bool:
-    future = _PENDING_JOINS.get(url)
-    if future is not None and future.done():
-        _PENDING_JOINS.pop(url, None)
-        return False
-    return future is not None
-
-
-def _never_answered(calls: Sequence[EngineCall], grace_s: float) -> list[str]:
-    """Engines with no answer to their join `grace_s` after the store closed.
-
-    An engine that was in the rendezvous fails its join as soon as the store closes; one
-    that does not answer (still pending, or its HTTP call timed out) never started it: its
-    control loop is busy with something else (a collective of an older group, a hang), so
-    it is what kept the group from forming.
-    """
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and not all(c.future.done() for c in calls):
-        time.sleep(0.05)
-    return sorted({c.engine.url for c in calls if not c.future.done() or no_answer(c.error)})
-
-
-def _not_joined(exc: WeightSyncError, stuck: list[str]) -> WeightSyncError:
-    err = WeightSyncError(exc.step, f"{exc.detail}; never answered its join (its control loop "
-                          f"is busy): {', '.join(stuck)}", stuck[0])
-    err.unresponsive = stuck
-    return err
-
-
-def _hint(backend: str) -> str:
-    hint = nccl_env_hint() if backend == "nccl" else ""
-    return f" [{hint}]" if hint else ""
 
 
 class DistributedTransport(Transport):
@@ -202,7 +124,7 @@ class DistributedTransport(Transport):
             self.packer.reserve(max(packed), len(packed))
 
     def _create(self, engines: Sequence[EngineSession]) -> None:
-        busy = sorted(e.url for e in engines if _join_pending(e.url))
+        busy = sorted(e.url for e in engines if join_pending(e.url))
         if busy:  # another join would only queue behind it, on the same stuck control loop
             err = WeightSyncError("init_weights_update_group", "an earlier join is still "
                                   f"unanswered by: {', '.join(busy)}", busy[0])
@@ -214,7 +136,7 @@ class DistributedTransport(Transport):
         address = self.master_address or master_address_for(engines)
         step = "init_weights_update_group"
         try:  # a wrong interface fails here in seconds, not in the rendezvous after minutes
-            choice = check_reachable(self.backend, [_host_port(e.url) for e in engines],
+            choice = check_reachable(self.backend, [host_port(e.url) for e in engines],
                                      who="the trainer (rank 0)")
         except InterfaceError as e:
             raise WeightSyncError(step, str(e)) from None
@@ -241,7 +163,7 @@ class DistributedTransport(Transport):
             engine.new_chain()  # a join that failed in an earlier attempt does not stop this one
             future = engine.submit(engine.init_weights_update_group, req,
                                    self.group_timeout_s + 5)
-            _PENDING_JOINS[engine.url] = future
+            PENDING_JOINS[engine.url] = future
             http.append(watch.add(EngineCall(engine, step, future)))
         result: dict = {}
 
@@ -264,7 +186,7 @@ class DistributedTransport(Transport):
                 err = result.pop("error")
                 watch.check()  # an engine's own answer explains more than the rendezvous error
                 raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
-                                      f"({world_size} ranks): {err}{_hint(self.backend)}")
+                                      f"({world_size} ranks): {err}{backend_hint(self.backend)}")
             watch.wait_calls(http)
         except BaseException as exc:
             held.clear()  # closes the store: every rank still in the rendezvous fails at once
@@ -272,9 +194,9 @@ class DistributedTransport(Transport):
                 destroy_process_group(result.pop("pg"))
             gc.collect()
             if isinstance(exc, WeightSyncError) and exc.step == step and exc.engine is None:
-                stuck = _never_answered(http, UNANSWERED_GRACE_S)
+                stuck = never_answered(http, UNANSWERED_GRACE_S)
                 if stuck:
-                    raise _not_joined(exc, stuck) from exc
+                    raise not_joined(exc, stuck) from exc
             raise
         self.pg, self.group_name, self._store = result["pg"], name, held.pop("store")
         self.members = tuple((e.url, e.tp_size) for e in engines)
@@ -313,7 +235,7 @@ class DistributedTransport(Transport):
             # live engine that never joined (it refused the update, or was never asked)
             # waits until that engine leaves the group, which `abandon` asks it to do next.
             # So the group closes on a thread of its own; the next group waits for it.
-            self._closing = threading.Thread(target=_close_group, args=(pg,), daemon=True,
+            self._closing = threading.Thread(target=close_group, args=(pg,), daemon=True,
                                              name="weight-group-close")
             del pg
             self._closing.start()
@@ -356,7 +278,7 @@ class DistributedTransport(Transport):
         yield from send(source, buckets, watch, stats)
 
     def explain(self, err: WeightSyncError) -> WeightSyncError:
-        hint = _hint(self.backend)
+        hint = backend_hint(self.backend)
         if hint and hint not in str(err.args[0] if err.args else ""):
             err.args = (f"{err.args[0] if err.args else err}{hint}",)
         return err
@@ -492,9 +414,3 @@ class _WireClock:
             total += max(0.0, d - max(r, prev_done))
             prev_done = d
         return total / 1e3
-
-
-def _close_group(pg: dist.ProcessGroup) -> None:
-    destroy_process_group(pg)
-    del pg
-    gc.collect()  # the last reference gone, gloo closes its connections

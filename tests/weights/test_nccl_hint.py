@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slime_like.weights.distributed import nccl_env_hint
+from slime_like.weights.group_setup import nccl_env_hint
 
 
 def test_p2p_or_shm_disabled_in_the_trainer_is_named(monkeypatch):
