@@ -141,6 +141,9 @@ class WeightControl:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self.session_open = True
             self._session_loaded = False
+            # A receive that failed after the last session ended (its trainer had given up
+            # on it) belongs to no session: it must not surface in this one's answers.
+            self._pending_copies = []
             return True, "Weight update session started."
 
     async def end(self) -> tuple[bool, str]:
