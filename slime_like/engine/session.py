@@ -10,8 +10,8 @@ that process.
 
 The session's calls can also be queued in its ordered lane (`submit`): each call is sent
 once the one before it was sent and the futures it waits for are done (by default: the
-one before was answered), on one thread pool shared by every session of the process. `each` and `on_all`
-fan one call out to many sessions at once and keep every engine's outcome.
+one before was answered), on one thread pool shared by every session of the process
+(`engine_pool`); `engine/fanout.py` fans one call out to many sessions at once.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ class EngineSession:
                 after = () if prev is None else (prev.future,)
             queued = _Queued(Future())
             self._last = queued
-        _pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
+        engine_pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
         return queued.future
 
     def new_chain(self) -> None:
@@ -422,7 +422,7 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _pool() -> ThreadPoolExecutor:
+def engine_pool() -> ThreadPoolExecutor:
     """The process's one pool for engine calls. Threads start lazily, so its size is only a
     ceiling: a waiting call holds a thread, and calls start in submission order, so the
     call a waiter waits for has always started before it."""
@@ -431,56 +431,3 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(1024, thread_name_prefix="engine-call")
         return _POOL
-
-
-def each(items: Sequence[I], fn: Callable[[I], T]) -> list[tuple[T | None, Exception | None]]:
-    """`fn(item)` for every item at once; per item, in order, (result, None) or (None, the
-    error). Every call has ended when this returns. One item runs in the caller's thread:
-    no hop on a hot path (a colocated sync's single engine)."""
-    def one(item: I) -> tuple[T | None, Exception | None]:
-        try:
-            return fn(item), None
-        except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
-            return None, err
-
-    if len(items) <= 1:
-        return [one(item) for item in items]
-    futures = [_pool().submit(one, item) for item in items]
-    return [f.result() for f in futures]
-
-
-def on_all(sessions: Sequence[EngineSession], step: str,
-           fn: Callable[[EngineSession], T]) -> list[T]:
-    """fn on every session at once; the first failure raises naming the engine and the step,
-    after every call ended (no engine is left with a half-issued call)."""
-    outcomes = each(sessions, fn)
-    errors = [(s, err) for s, (_, err) in zip(sessions, outcomes, strict=True) if err is not None]
-    if errors:
-        raise step_error(step, errors)
-    return [result for result, _ in outcomes]
-
-
-def step_error(step: str, errors: Sequence[tuple[EngineSession, BaseException]]) -> WeightSyncError:
-    """One WeightSyncError for failures on one or more engines (the first names the engine).
-
-    A WeightSyncError raised by the call itself (e.g. WeightMetadataError) is kept, type
-    and all, with the other engines' failures appended to its message.
-    """
-    first_engine, first = errors[0]
-    others = "; also failed on " + ", ".join(
-        f"{e.url} ({describe(x)})" for e, x in errors[1:]) if len(errors) > 1 else ""
-    if isinstance(first, WeightSyncError):
-        if others:
-            first.args = (str(first) + others,)
-        return first
-    err = WeightSyncError(step, describe(first) + others, first_engine.url)
-    err.__cause__ = first
-    return err
-
-
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, WeightSyncError):
-        return exc.detail
-    if isinstance(exc, EngineError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"

@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from slime_like.engine.session import each
+from slime_like.engine.fanout import each
 from slime_like.errors import FleetError, WeightSyncError
 from slime_like.fleet.attempts import SyncAttempts, Update, WeightSource
 from slime_like.fleet.events import Happening

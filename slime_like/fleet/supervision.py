@@ -22,7 +22,8 @@ from typing import Any, Self
 
 from slime_like.cluster.placement import JobPlacement
 from slime_like.config.slices import FleetSettings
-from slime_like.engine.session import EngineSession, each
+from slime_like.engine.fanout import each
+from slime_like.engine.session import EngineSession
 from slime_like.errors import FleetError
 from slime_like.fleet.attempts import WeightSource
 from slime_like.fleet.events import EngineState, EventBus, EventSink, Happening

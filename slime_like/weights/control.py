@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from slime_like.engine.session import CallCancelled, EngineSession, on_all
+from slime_like.engine.fanout import on_all
+from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol.modes import PauseMode
 from slime_like.weights.sync_config import SyncReport, WeightSyncConfig

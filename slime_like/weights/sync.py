@@ -34,7 +34,8 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from slime_like.engine.session import EngineSession, each, on_all
+from slime_like.engine.fanout import each, on_all
+from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol import modes
 from slime_like.protocol.buckets import Bucket, TensorMeta

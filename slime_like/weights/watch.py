@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from slime_like.engine.session import CallCancelled, EngineSession, describe
+from slime_like.engine.fanout import describe
+from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
 
 
