@@ -2,8 +2,8 @@
 
     Job(job_settings(args)).run()
 
-Each step is named methods read top to bottom: `rollout` (prompts from the prompt source,
-the rollout function, default `fleet.generate`), `score` (the reward function, and the
+Each step is named methods read top to bottom: `rollouts.make` (prompts from the prompt
+source, the rollout function, default `fleet.generate`: `job/rollouts.py`), `score` (the reward function, and the
 frozen reference's KL term), `check` (the engines' log-probabilities of the sampled tokens
 equal the trainer's at the same weight version: a stale or corrupt sync shows at once),
 `train` (one GRPO step; colocated engines give their memory back meanwhile) and `sync`
@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,15 @@ from slime_like.job.checkpoints import save_checkpoint, save_due
 from slime_like.job.checks import LogprobCheck, StepChecker, weight_versions
 from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
-from slime_like.job.samples import Rollout, kept_batch, staleness_of, train_masks
+from slime_like.job.rollouts import StepRollouts
+from slime_like.job.samples import Rollout, staleness_of, train_masks
 from slime_like.job.schedules import run_schedule
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
 from slime_like.protocol.weight_version import WeightVersion
-from slime_like.rollout.dynamic_sampling import GroupFilter, collect_groups
+from slime_like.rollout.dynamic_sampling import GroupFilter
 from slime_like.rollout.generate import Sample
-from slime_like.rollout.plugins import Plugins, fill_from_prompts
-from slime_like.rollout.prompts import PromptItem
+from slime_like.rollout.plugins import Plugins
 from slime_like.submit.connect import init_ray
 from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
@@ -89,6 +90,7 @@ class Job:
         self.placement: JobPlacement | None = None
         self.fleet: Fleet | None = None
         self.trainer: TrainerGroup | None = None
+        self.rollouts: StepRollouts | None = None
         self.start_step = 0
         self.chaos: ChaosMonkey | None = None
         self.sampler: InvariantSampler | None = None
@@ -130,7 +132,10 @@ class Job:
         self.placement = place_job(self.settings.placement, timeout_s=300)
 
     def launch(self) -> None:
-        """The fleet (routers, engines), then the trainer group on its slots."""
+        """The fleet (routers, engines) and the trainer group on its slots, started side by
+        side: each is seconds of process start-up (imports, a model) that need not wait for
+        the other. Colocated, the trainer starts after the engines, as in slime: an engine
+        sizes its KV cache from the memory it finds free."""
         model_path = self.inputs.model_path
         # The updatable model serves the job's checkpoint (or tiny model); a frozen model
         # without a model_path of its own serves it too (e.g. the reference of a KL term).
@@ -138,17 +143,38 @@ class Job:
                if m.update_weights or not m.model_path]
         fleet_settings = replace(self._fleet_settings, model_paths={m: model_path for m in own})
         self.fleet = Fleet(fleet_settings, self.placement, on_event=self.obs.on_event)
-        self.fleet.start()
+        layout = self.settings.placement.layout
+        side_by_side = layout.rollout_offset >= layout.num_trainer_slots
+        with ThreadPoolExecutor(1, thread_name_prefix="trainer-start") as pool:
+            trainer = pool.submit(self.start_trainer, model_path) if side_by_side else None
+            try:
+                self.fleet.start()
+            except BaseException:
+                if trainer is not None:  # started or not, it is shut down by close()
+                    with contextlib.suppress(Exception):
+                        self.trainer = trainer.result()
+                raise
+            self.trainer = trainer.result() if trainer is not None else \
+                self.start_trainer(model_path)
         for model, router in self.fleet.routers.items():
             self.obs.add_router(model, router.prometheus_url)
+        self.fleet.set_weight_source(self.trainer.push_weights)
+        self.rollouts = StepRollouts(self.settings, self.plugins, self.group_filter,
+                                     self.inputs, self.fleet, self.trainer, self.fault_hooks)
+
+    def start_trainer(self, model_path: str) -> TrainerGroup:
+        """The trainer group's ranks on their slots, each with the job's model loaded."""
         trainer = self.settings.trainer
-        self.trainer = TrainerGroup(
+        return TrainerGroup(
             self.placement, model_path, lr=trainer.lr, seed=trainer.seed,
             sync=replace(self._sync_settings, model_dir=model_path),
             use_transformers=bool(self.settings.model.hf_checkpoint),
             engine_dtype=self.settings.model.engine_dtype,
             keep_versions=self.kept_versions(), backend=trainer.train_backend)
-        self.fleet.set_weight_source(self.trainer.push_weights)
+
+    def fault_hooks(self, step: int, total: int) -> list:
+        """This step's rollout hooks of the demo crash and the chaos plan (both may fire)."""
+        return [h for m in (self.crash, self.chaos) if m and (h := m.rollout_hook(step, total))]
 
     def kept_versions(self) -> int:
         """How many pushed versions the trainer keeps a copy of to check samples against:
@@ -203,7 +229,7 @@ class Job:
 
     def step(self, step: int) -> None:
         """rollout -> score -> check -> train -> sync, then log and save."""
-        self.learn(step, self.rollout(step))
+        self.learn(step, self.rollouts.make(step))
 
     def learn(self, step: int, rollout: Rollout,
               before_sync: Callable[[], None] | None = None) -> None:
@@ -243,84 +269,6 @@ class Job:
         self._step_started = time.time()
         self.log(step, rollout, scores, checked, train_metrics, released, sync)
         self.save(step, sync)
-
-    def rollout(self, step: int) -> Rollout:
-        """The step's prompts through the rollout function (the trainer offloaded meanwhile
-        with --offload-train); a planned fault fires a quarter of the way in. With a
-        dynamic-sampling filter, rounds of prompts until a batch of kept groups. Its
-        `seconds` are generation only."""
-        settings = self.settings
-        batch, n = settings.rollout.batch_size, settings.rollout.n_samples_per_prompt
-        total = batch * n
-        # The demo crash and a chaos fault may share a step: both fire.
-        hooks = [h for m in (self.crash, self.chaos) if m and (h := m.rollout_hook(step, total))]
-        hook = (lambda done: [h(done) for h in hooks]) if hooks else None
-        offloaded = (self.trainer.offload(keep_weights=not settings.trainer.offload_train_weights)
-                     if settings.trainer.offload_train else {})
-        metrics: dict[str, Any] = {}
-        t0 = time.perf_counter()
-        if not self.group_filter.enabled:
-            prompts = self.inputs.source.next_batch(batch)
-            samples = self.generate(step, step * total, prompts, hook)
-        else:
-            rounds = 0
-
-            def generate_and_score(drawn: list[PromptItem]) -> list[list[Sample]]:
-                nonlocal rounds
-                out = self.generate(step, step * total + rounds * len(drawn) * n, drawn, hook)
-                rounds += 1
-                self.plugins.rewards(settings.plugin_args, out)
-                return [out[i * n:(i + 1) * n] for i in range(len(drawn))]
-
-            collected = collect_groups(
-                self.inputs.source.next_batch, generate_and_score, self.group_filter,
-                settings.plugin_args, batch_size=batch,
-                over_sampling_batch_size=settings.dynamic_sampling.over_sampling_batch_size)
-            prompts, samples = kept_batch(collected.groups)
-            metrics.update(collected.metrics())
-        generation_s = time.perf_counter() - t0
-        if settings.trainer.offload_train:
-            self.trainer.onload()  # enqueued: the copy overlaps scoring until the next use
-        return Rollout(prompts, samples, generation_s, offloaded, metrics)
-
-    def generate(self, step: int, first_sample: int, prompts: list[PromptItem],
-                 hook) -> list[Sample]:
-        """n samples of each prompt through the rollout function (default: the fleet's
-        routers), grouped by prompt; `first_sample`: the run-wide index of the first."""
-        settings, fleet = self.settings, self.fleet
-        return self.plugins.rollout(
-            settings.plugin_args, step, prompts, router_url=fleet.router_url(),
-            sampling_params=self.sampling_params(first_sample),
-            n=settings.rollout.n_samples_per_prompt, tokenizer=self.inputs.tokenizer,
-            on_sample=hook, api_key=fleet.settings.router.api_key, generate=fleet.generate)
-
-    def sampling_params(self, first_sample: int) -> dict[str, Any]:
-        """The rollout's sampling parameters; under deterministic inference (sglang's
-        --enable-deterministic-inference, slime's rule) sample i of the run is seeded with
-        --rollout-seed + i, whichever schedule or engine makes it."""
-        params = dict(self.settings.rollout.sampling_params)
-        if self.settings.rollout.deterministic:
-            params["sampling_seed"] = self.settings.prompts.rollout_seed + first_sample
-        return params
-
-    def as_rollout(self, groups: list, waited_s: float) -> Rollout:
-        """A batch of the fully-async producer's groups as one step's rollout."""
-        prompts, samples = [], []
-        for i, group in enumerate(groups):
-            prompts.append(group.prompt)
-            for s in group.samples:
-                s.prompt_index = i
-                samples.append(s)
-        return Rollout(prompts, fill_from_prompts(samples, prompts, self.inputs.tokenizer),
-                       waited_s)
-
-    def keep_group(self, group) -> bool:
-        """The fully-async producer's verdict on a finished group: scored, then the
-        dynamic-sampling filter (runs in the producer's thread)."""
-        samples = fill_from_prompts(group.samples, [group.prompt] * len(group.samples),
-                                    self.inputs.tokenizer, index_of=lambda s: 0)
-        self.plugins.rewards(self.settings.plugin_args, samples)
-        return self.group_filter.keep(self.settings.plugin_args, samples).keep
 
     def score(self, samples: list[Sample]) -> Scores:
         """Rewards from the reward function (kept where dynamic sampling already scored the

@@ -1,4 +1,4 @@
-"""The job's three schedules: the same steps (`Job.rollout`, `Job.learn`) in three orders.
+"""The job's three schedules: the same steps (`StepRollouts.make`, `Job.learn`) in three orders.
 
 - `sync`: rollout k, then score, check, train and sync on it; the engines wait while the
   trainer works and the trainer waits while they generate.
@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from slime_like.chaos import ChaosMonkey
 from slime_like.config.slices import JobSettings
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.inputs import JobInputs
+from slime_like.job.rollouts import StepRollouts
 from slime_like.job.samples import Rollout
 from slime_like.protocol.modes import AsyncMode
 from slime_like.rollout.dynamic_sampling import GroupFilter
@@ -49,19 +50,13 @@ class ScheduledJob(Protocol):
     group_filter: GroupFilter
     out: Path
     notes: list[str]
+    rollouts: StepRollouts | None
 
     def step(self, step: int) -> None: ...
-
-    def rollout(self, step: int) -> Rollout: ...
 
     def learn(self, step: int, rollout: Rollout,
               before_sync: Callable[[], None] | None = None) -> None: ...
 
-    def sampling_params(self, first_sample: int) -> dict[str, Any]: ...
-
-    def as_rollout(self, groups: list, waited_s: float) -> Rollout: ...
-
-    def keep_group(self, group: Any) -> bool: ...
 
 
 def run_schedule(job: ScheduledJob) -> None:
@@ -97,12 +92,12 @@ def run_one_step(job: ScheduledJob) -> None:
     """Rollout k+1 overlaps step k's training; it is drained before step k's sync."""
     steps = range(job.start_step, job.settings.num_steps)
     with ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
-        pending: Future | None = pool.submit(job.rollout, steps[0]) if steps else None
+        pending: Future | None = pool.submit(job.rollouts.make, steps[0]) if steps else None
         for step in steps:
             t0 = time.time()
             rollout = pending.result()
             waited = time.time() - t0
-            nxt = pool.submit(job.rollout, step + 1) if step + 1 < steps.stop else None
+            nxt = pool.submit(job.rollouts.make, step + 1) if step + 1 < steps.stop else None
             rollout.metrics.update({"async_mode": AsyncMode.ONE_STEP,
                                     "trainer_wait_s": round(waited, 4)})
             job.learn(step, rollout, before_sync=(lambda f=nxt: f.exception()) if nxt else None)
@@ -147,9 +142,9 @@ def run_fully_async(job: ScheduledJob) -> None:
                          partial_rollout=asynchrony.partial_rollout) as generator:
         producer = RolloutProducer(
             generator, job.inputs.source.next_batch, n=n,
-            sampling_params=job.sampling_params(job.start_step * batch * n),
+            sampling_params=job.rollouts.sampling_params(job.start_step * batch * n),
             batch_groups=batch, max_staleness=asynchrony.max_staleness, on_sample=hook,
-            keep_group=job.keep_group if job.group_filter.enabled else None,
+            keep_group=job.rollouts.keep_group if job.group_filter.enabled else None,
             draw_size=settings.dynamic_sampling.draw_size(batch))
         producer.start()
         seen = {"aborted": 0, "partial": 0, "resubmitted": 0, "filtered": 0}
@@ -159,7 +154,7 @@ def run_fully_async(job: ScheduledJob) -> None:
                     hook.arm(job.chaos.rollout_hook(step, batch * n))
                 version = int(fleet.version)
                 taken = producer.take(version)
-                rollout = job.as_rollout(taken.groups, taken.waited_s)
+                rollout = job.rollouts.as_rollout(taken.groups, taken.waited_s)
                 now = {"aborted": generator.aborted, "partial": generator.partial_resubmits,
                        "resubmitted": generator.resubmitted,
                        "filtered": producer.counts.filtered}

@@ -29,6 +29,7 @@ from slime_like.reference_engine.kv_cache import BatchKV, KVPool, PrefixCache, e
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.request import Req, finish_abort, finish_abort_waiting
 from slime_like.reference_engine.sampling import adjust_logits, make_generator, sample_batch
+from slime_like.reference_engine.step_outputs import append_token, prompt_logprobs, stop_reason
 
 logger = logging.getLogger(__name__)
 
@@ -388,65 +389,23 @@ class Scheduler:
         now = time.perf_counter()
         for b, r in enumerate(rows):
             if r.input_logprob_start is not None and not r.input_logprobs:
-                self._input_logprobs(r, logits[b, :lens[b]], starts[b])
+                prompt_logprobs(r, logits[b, :lens[b]], starts[b])
             r.kv_len += lens[b]
             if r.spec.max_new_tokens == 0:  # prefill only (sglang's cache warm-up request)
                 self._finish(r, {"type": "length", "length": 0})
                 continue
             tok = tokens[b]
-            r.ids.append(tok)
-            if r.return_logprob:
-                r.output_logprobs.append(logprobs[b])
-                if r.top_logprobs_num:
-                    vals, idx = logprobs_all[b].topk(min(r.top_logprobs_num, logprobs_all.shape[1]))
-                    r.output_top_logprobs.append(list(zip(vals.tolist(), idx.tolist(), strict=True)))
+            append_token(r, tok, logprobs[b] if r.return_logprob else None,
+                         logprobs_all[b] if r.return_logprob else None)
             if r.first_token_at is None:
                 r.first_token_at = now
                 if r.log_metrics:
                     self.metrics.first_token(now - r.created)
-            reason = self._finish_reason(r, tok)
+            reason = stop_reason(r, tok, self.eos_id, self.context_len, self.tokenizer)
             if reason is not None:
                 self._finish(r, reason)
             elif r.stream and r.sink is not None:
                 r.sink(r, r.num_output, False)
-
-    def _input_logprobs(self, r: Req, row_logits: torch.Tensor, kv_start: int) -> None:
-        """Logprobs of prompt tokens from the window start (the first prompt token has none)."""
-        lp = torch.log_softmax(row_logits.float(), dim=-1)
-        prompt = r.prompt_ids
-        out: list[tuple[float | None, int]] = []
-        tops: list[list[tuple[float, int]] | None] = []
-        k = min(r.top_logprobs_num, lp.shape[-1])
-        for pos in range(r.input_logprob_start, len(prompt)):
-            if pos == 0:
-                out.append((None, prompt[0]))
-                tops.append(None)
-            else:
-                out.append((lp[pos - 1 - kv_start, prompt[pos]].item(), prompt[pos]))
-                if k:
-                    vals, idx = lp[pos - 1 - kv_start].topk(k)
-                    tops.append(list(zip(vals.tolist(), idx.tolist(), strict=True)))
-        r.input_logprobs = out
-        r.input_top_logprobs = tops if k else []
-
-    def _finish_reason(self, r: Req, tok: int) -> dict | None:
-        n_out = r.num_output
-        spec = r.spec
-        if n_out >= spec.min_new_tokens:
-            if tok == self.eos_id and not spec.ignore_eos:
-                return {"type": "stop", "matched": tok}
-            if tok in spec.stop_token_ids:
-                return {"type": "stop", "matched": tok}
-            if spec.stop_strs:
-                longest = max(len(s.encode()) for s in spec.stop_strs)
-                tail = self.tokenizer.decode(r.ids[len(r.prompt_ids):][-(longest + 3):])
-                for s in spec.stop_strs:
-                    if s in tail:
-                        r.matched_stop_str = s
-                        return {"type": "stop", "matched": s}
-        if len(r.ids) >= r.max_len or len(r.ids) >= self.context_len:
-            return {"type": "length", "length": n_out}
-        return None
 
     def _finish(self, r: Req, reason: dict) -> None:
         r.finish = reason

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import requests
@@ -42,17 +43,25 @@ STEPS = {  # step -> (endpoint, which call of it; None: the last bucket)
 
 
 class Fleet:
-    """Engine A (direct) and engine B (behind the fault proxy); B is relaunched when killed."""
+    """Engine A (direct) and engine B (behind the fault proxy). A killed B is replaced by a
+    spare started in the background while earlier cases ran: the engine's start-up is not
+    on the test's path."""
 
     def __init__(self, model_dir, log_dir):
         self.model_dir, self.log_dir = model_dir, log_dir
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="spare-engine")
         self.a = start_engine(model_dir, log_dir, 1, *KEYS)
         self.b = start_engine(model_dir, log_dir, 1, *KEYS)
         self.proxy = FaultProxy(self.b.url, self.b.process)
+        self.spare = self._start_spare()
+
+    def _start_spare(self) -> Future:
+        return self._starter.submit(start_engine, self.model_dir, self.log_dir, 1, *KEYS)
 
     def relaunch_b(self) -> None:
         self.b.process.terminate(grace=5)
-        self.b = start_engine(self.model_dir, self.log_dir, 1, *KEYS)
+        self.b = self.spare.result()
+        self.spare = self._start_spare()
         self.proxy.retarget(self.b.url, self.b.process)
 
     def sessions(self) -> list[EngineSession]:
@@ -63,6 +72,8 @@ class Fleet:
         self.proxy.close()
         for e in (self.a, self.b):
             e.process.terminate(grace=5)
+        self._starter.shutdown(wait=True)
+        self.spare.result().process.terminate(grace=5)
 
 
 @pytest.fixture(scope="module")
