@@ -25,6 +25,7 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -63,9 +64,12 @@ class HealthMonitor:
                  on_dead: Callable[[Hashable, str], None], policy: HealthPolicy | None = None, *,
                  should_probe: Callable[[Hashable], bool] | None = None,
                  on_suspect: Callable[[Hashable, str], None] | None = None,
-                 on_healthy: Callable[[Hashable], None] | None = None):
+                 on_healthy: Callable[[Hashable], None] | None = None,
+                 alive_all: Callable[[list[Hashable]], dict[Hashable, bool]] | None = None):
         self.probe = probe
         self.is_alive = is_alive
+        # Liveness of a whole round at once (one round trip for the fleet), else per key.
+        self.alive_all = alive_all
         self.on_dead = on_dead
         self.should_probe = should_probe or (lambda key: True)
         self.on_suspect = on_suspect or (lambda key, why: None)
@@ -74,8 +78,12 @@ class HealthMonitor:
         self._engines: dict[Hashable, _Watched] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="health-probe")
+        # A worker per engine probed at once (threads start only as needed): a round's
+        # probes run side by side whatever the fleet's size, a hung one holding only its own.
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="health-probe")
         self._thread: threading.Thread | None = None
+        self.rounds = 0  # rounds done, and the last rounds' wall times (what a round costs)
+        self.round_seconds: deque[float] = deque(maxlen=256)
 
     # ---- membership ------------------------------------------------------------------------
 
@@ -104,10 +112,13 @@ class HealthMonitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.policy.interval_s):
+            started = time.monotonic()
             try:
                 self.check_once()
             except Exception:  # the monitor must outlive any one bad round
                 logger.exception("health check round failed")
+            self.rounds += 1
+            self.round_seconds.append(time.monotonic() - started)
 
     def check_once(self) -> list[Hashable]:
         """One round over all engines; returns the keys declared dead in this round.
@@ -120,8 +131,9 @@ class HealthMonitor:
             engines = dict(self._engines)
         dead: list[Hashable] = []
         futures = {}
+        alive = self._alive_all(list(engines))
         for key, w in engines.items():
-            if not self._alive(key):
+            if not alive.get(key, True):
                 if self._declare_dead(key, "server process exited"):
                     dead.append(key)
                 continue
@@ -167,6 +179,14 @@ class HealthMonitor:
             return bool(self.should_probe(key))
         except Exception:  # noqa: BLE001 - an engine we cannot ask about is probed
             return True
+
+    def _alive_all(self, keys: list[Hashable]) -> dict[Hashable, bool]:
+        if self.alive_all is not None and keys:
+            try:
+                return self.alive_all(keys)
+            except Exception:  # noqa: BLE001 - ask one by one instead
+                logger.exception("liveness of the whole fleet failed; asking each engine")
+        return {key: self._alive(key) for key in keys}
 
     def _alive(self, key: Hashable) -> bool:
         try:
@@ -223,7 +243,8 @@ class FleetHealth:
             should_probe=lambda engine_id: find(engine_id).phase in WATCHED,
             on_suspect=lambda engine_id, why: self.report(
                 Verdict(find(engine_id), Finding.SUSPECT, why)),
-            on_healthy=lambda engine_id: self.report(Verdict(find(engine_id), Finding.HEALTHY)))
+            on_healthy=lambda engine_id: self.report(Verdict(find(engine_id), Finding.HEALTHY)),
+            alive_all=lambda ids: self.launcher.alive_all([find(i) for i in ids]))
         for engine_id in self._by_id:
             self.monitor.watch(engine_id)
         self.monitor.start()

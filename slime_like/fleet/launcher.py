@@ -121,6 +121,34 @@ class Launcher:
         except Exception:  # noqa: BLE001 - an actor that died (or cannot be asked) is not alive
             return False
 
+    def alive_all(self, engines: list[ManagedEngine]) -> dict[str, bool]:
+        """`alive` for many engines in one round trip: every actor is asked at once, so a
+        health round costs the same wall time at 64 engines as at 4."""
+        found: dict[str, bool] = {}
+        asked: dict[Any, str] = {}
+        for e in engines:
+            if e.external_address is not None:
+                found[e.engine_id] = self.alive(e)
+                continue
+            found[e.engine_id] = True
+            for a in e.actors:
+                try:
+                    asked[a.is_alive.remote()] = e.engine_id
+                except Exception:  # noqa: BLE001 - an actor that cannot be asked is not alive
+                    found[e.engine_id] = False
+        if not asked:
+            return found
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=10)
+        for ref in ready:  # not ready in time: no answer is not an exit (see `alive`)
+            try:
+                answer = bool(ray.get(ref))
+            except ray.exceptions.ActorUnavailableError:
+                answer = True
+            except Exception:  # noqa: BLE001 - an actor that died is not alive
+                answer = False
+            found[asked[ref]] = found[asked[ref]] and answer
+        return found
+
     def answers(self, e: ManagedEngine, timeout: float = 1.0) -> bool:
         """Whether the engine answers `/ping` within `timeout`."""
         try:

@@ -1,0 +1,282 @@
+"""What a fleet costs as it grows: the real fleet at N engines, side by side in one run.
+
+    python benchmarks/fleet_scale.py --engines 1 4 16          # this machine (2 cores: to 16)
+    python benchmarks/fleet_scale.py --engines 64 --json rows.jsonl    # one N per command
+
+For each N it starts a fresh Ray cluster of simulated nodes (`ray.cluster_utils.Cluster`,
+one node of 8 declared GPUs per 8 engines, on 127.0.0.2, 127.0.0.3, ...), launches the
+real fleet (`slime_like.api.launch_fleet`: sglang-router, reference engines with the tiny
+model) and measures, with a client sending requests through the router throughout:
+
+- launch: `launch_fleet` until every engine is LOADED, then the first sync until every
+  engine is routed at version 1;
+- a steady sync (the median of `--syncs`): its wall time, the transfer (data) and the
+  rest (control calls: pause, begin, end, flush, continue, routing);
+- the health monitor: driver CPU per round (and per engine), and its round's wall time;
+- one engine SIGKILLed: detection (kill -> DEAD), recovery (kill -> routed again at the
+  fleet's version), and the others' requests/s during the recovery against before it;
+- the end: `fleet.shutdown()` until every engine process is gone.
+
+Rows print with their ratio to the N = 4 row where one ran (or the first row's); `--json`
+appends them, so runs of one N each can be put side by side (`--table FILE` prints them).
+What bounds each figure: on a CPU machine the engines, the router, Ray and this driver
+share the cores, so "cpu busy" (the machine's, over the run) says when cores, not the
+fleet's design, set a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import ray
+import requests
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from slime_like.api import (  # noqa: E402
+    FleetEvent,
+    FleetLayout,
+    FleetWeights,
+    HealthSettings,
+    launch_fleet,
+)
+from slime_like.chaos import kill_engine  # noqa: E402
+from slime_like.models import load_pretrained  # noqa: E402
+from slime_like.models.tiny import make_tiny_model  # noqa: E402
+
+ENGINES_PER_NODE = 8
+
+
+class Timeline:
+    """Every lifecycle event, with the time it was seen."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str, str]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: FleetEvent) -> None:
+        with self.lock:
+            self.events.append((time.time(), event.subject, event.kind.value,
+                                str(event.details.get("version", ""))))
+
+    def wait(self, engine: str, state: str, after: float, timeout: float = 600.0) -> float:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            with self.lock:
+                for t, subject, kind, _ in self.events:
+                    if subject == engine and kind == state and t >= after:
+                        return t
+            time.sleep(0.01)
+        raise TimeoutError(f"{engine} did not reach {state} within {timeout}s")
+
+
+class Load:
+    """Requests through the router from a few threads; completions counted by time."""
+
+    def __init__(self, url: str, api_key: str | None, threads: int):
+        self.url, self.done, self.failed = url + "/generate", [], 0
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self) -> None:
+        body = {"text": "Say a: ", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        with requests.Session() as s:
+            while not self.stop.is_set():
+                try:
+                    s.post(self.url, json=body, headers=self.headers, timeout=60).raise_for_status()
+                    self.done.append(time.time())
+                except requests.RequestException:
+                    self.failed += 1
+                    time.sleep(0.05)
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t < end for t in list(self.done)) / max(1e-9, end - start)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=70)
+
+
+def _engine_processes(log_dir: Path) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "slime_like.reference_engine" in cmd and str(log_dir) in cmd:
+            out.append(p)
+    return out
+
+
+def _health_round_cost(fleet, seconds: float) -> dict:
+    """Driver CPU per health round over `seconds` of an idle fleet (no sync, no load)."""
+    monitor = fleet.health.monitor
+    me = psutil.Process()
+    rounds0, cpu0 = monitor.rounds, sum(me.cpu_times()[:2])
+    time.sleep(seconds)
+    rounds = monitor.rounds - rounds0
+    cpu = sum(me.cpu_times()[:2]) - cpu0
+    return {"health_rounds": rounds, "health_cpu_ms_per_round": 1e3 * cpu / max(1, rounds),
+            "health_round_ms": 1e3 * statistics.median(list(monitor.round_seconds)[-max(1, rounds):] or [0.0])}
+
+
+def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
+    """Every figure of one fleet of `n` engines, on a fresh cluster."""
+    from ray.cluster_utils import Cluster
+
+    nodes = -(-n // ENGINES_PER_NODE)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
+    for i in range(nodes):
+        cluster.add_node(num_cpus=ENGINES_PER_NODE * 2, num_gpus=ENGINES_PER_NODE,
+                         node_ip_address=f"127.0.0.{i + 2}")
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    log_dir = work / f"logs-{n}"
+    timeline = Timeline()
+    row: dict = {"engines": n, "nodes": nodes}
+    psutil.cpu_percent()  # the machine's busy share from here on
+    t0 = time.time()
+    fleet = launch_fleet(None, model_path=args.model, engine="reference", log_dir=log_dir,
+                         on_event=timeline, layout=FleetLayout(num_gpus=n),
+                         health=HealthSettings(enabled=True, interval_s=args.probe_interval,
+                                               timeout_s=args.probe_timeout, first_wait_s=0.0,
+                                               failure_threshold=2))
+    load = None
+    try:
+        row["launch_s"] = time.time() - t0
+        model = load_pretrained(args.model, dtype=torch.float32)
+        weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20)
+        t1 = time.time()
+        weights.push(model)
+        row["first_sync_s"] = time.time() - t1
+        row["launch_to_serving_s"] = time.time() - t0
+        load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
+        walls, data = [], []
+        for _ in range(args.syncs):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.999)
+            t = time.time()
+            report = weights.push(model)
+            walls.append(time.time() - t)
+            seconds = report.get("seconds", {}) if isinstance(report, dict) else report.seconds
+            data.append(seconds.get("transfer", 0.0))
+        row["sync_s"] = statistics.median(walls)
+        row["sync_data_s"] = statistics.median(data)
+        row["sync_control_s"] = row["sync_s"] - row["sync_data_s"]
+        load.stop.set()
+        for t in load.threads:
+            t.join(timeout=70)
+        row.update(_health_round_cost(fleet, args.health_window))
+        row["health_cpu_ms_per_engine"] = row["health_cpu_ms_per_round"] / n
+        load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
+        time.sleep(args.rate_window)
+        killed_at = time.time()
+        engine = kill_engine(fleet, n - 1)
+        dead = timeline.wait(engine, "DEAD", killed_at)
+        back = timeline.wait(engine, "REGISTERED", dead)
+        row["detect_s"] = dead - killed_at
+        row["recovery_s"] = back - killed_at
+        before = load.rate(killed_at - args.rate_window, killed_at)
+        during = load.rate(killed_at, back)
+        # the others' share: the killed engine served 1/n of the requests before
+        row["others_rps_before"] = before * (n - 1) / n if n > 1 else 0.0
+        row["others_rps_during"] = during
+        row["others_rps_ratio"] = during / row["others_rps_before"] if n > 1 and before else None
+        load.close()
+        load = None
+        weights.close()
+    finally:
+        if load is not None:
+            load.close()
+        t2 = time.time()
+        fleet.shutdown()
+        deadline = time.time() + 120
+        while _engine_processes(log_dir) and time.time() < deadline:
+            time.sleep(0.05)
+        row["shutdown_s"] = time.time() - t2
+        row["leftover_engines"] = len(_engine_processes(log_dir))
+        row["cpu_busy"] = psutil.cpu_percent() / 100
+        ray.shutdown()
+        cluster.shutdown()
+    return row
+
+
+FIELDS = [("launch_s", "launch"), ("first_sync_s", "1st sync"),
+          ("launch_to_serving_s", "to serving"), ("sync_s", "sync"),
+          ("sync_control_s", "control"), ("sync_data_s", "data"),
+          ("health_cpu_ms_per_round", "hc ms/rnd"), ("health_round_ms", "rnd ms"),
+          ("detect_s", "detect"), ("recovery_s", "recover"),
+          ("others_rps_ratio", "others rps"), ("shutdown_s", "shutdown"),
+          ("cpu_busy", "cpu busy")]
+
+
+def print_table(rows: list[dict]) -> None:
+    """Each row, then each row's ratio to the N = 4 row (or the first)."""
+    base = next((r for r in rows if r["engines"] == 4), rows[0])
+    print(f"{'N':>4} " + " ".join(f"{label:>10}" for _, label in FIELDS))
+    for r in rows:
+        print(f"{r['engines']:>4} " + " ".join(
+            f"{r[k]:10.3f}" if isinstance(r.get(k), float | int) else f"{'-':>10}"
+            for k, _ in FIELDS))
+    print(f"ratio to N = {base['engines']}:")
+    for r in rows:
+        cells = []
+        for k, _ in FIELDS:
+            a, b = r.get(k), base.get(k)
+            cells.append(f"{a / b:9.2f}x" if isinstance(a, float | int) and b else f"{'-':>10}")
+        print(f"{r['engines']:>4} " + " ".join(cells))
+    for r in rows:  # where the cores are the bound, the cost per engine says more
+        if r["engines"] > 1 and r.get("sync_control_s") is not None:
+            marginal = (r["sync_control_s"] - base["sync_control_s"]) / max(
+                1, r["engines"] - base["engines"]) if r is not base else None
+            print(f"N={r['engines']}: control per engine {1e3 * r['sync_control_s'] / r['engines']:.2f} ms"
+                  + (f", marginal vs N={base['engines']}: {1e3 * marginal:.2f} ms"
+                     if marginal is not None else ""))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--syncs", type=int, default=5)
+    p.add_argument("--clients", type=int, default=4, help="request threads through the router")
+    p.add_argument("--probe-interval", type=float, default=1.0)
+    p.add_argument("--probe-timeout", type=float, default=5.0)
+    p.add_argument("--health-window", type=float, default=5.0)
+    p.add_argument("--rate-window", type=float, default=3.0)
+    p.add_argument("--json", default=None, help="append each row as a JSON line")
+    p.add_argument("--table", default=None, help="print the rows of this JSON-lines file")
+    a = p.parse_args(argv)
+    if a.table:
+        rows = [json.loads(x) for x in Path(a.table).read_text().splitlines() if x.strip()]
+        print_table(rows)
+        return rows
+    work = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
+    a.model = str(make_tiny_model(work / "model", seed=0))
+    rows = []
+    for n in a.engines:
+        row = measure(n, a, work)
+        rows.append(row)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print_table(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
