@@ -11,7 +11,7 @@ told apart:
   recovery ended).
 
 `ROUTINE` is the one definition of what a healthy run does over and over (start, every
-weight update, a colocated engine's release and resume around each train step); the
+weight update and the fleet's new version, a colocated engine's release and resume around each train step); the
 report lists the other events, and the incidents, tracking and Prometheus read the same
 enums.
 """
@@ -133,6 +133,8 @@ ROUTINE: frozenset[tuple[State | None, Kind]] = frozenset({
     (S.UPDATING, S.REGISTERED), (S.SUSPECT, S.REGISTERED),
     # colocated: memory released for the train step, and resumed (with or without weights)
     (S.REGISTERED, S.OFFLOADED), (S.OFFLOADED, S.REGISTERED), (S.OFFLOADED, S.STALE),
+    # the fleet's version moving on: once per sync (the metrics carry it per step)
+    (None, Happening.VERSION),
 })
 
 

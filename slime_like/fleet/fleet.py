@@ -140,6 +140,11 @@ class Fleet(Supervision):
                 self.events.emit("fleet", Happening.VERSION, version=str(self.version))
             for e in chosen:
                 e.verified_version = verified[e.engine_id]
+            # The router learns every verified engine at once (a registration waits for the
+            # router to list it); one it refuses is tried again by its move, then resyncs.
+            each([e for e in chosen if e.phase is P.UPDATING
+                  and e.verified_version == self.version], self._route)
+            for e in chosen:
                 if e.phase not in (P.UPDATING, P.UPDATING_ROUTED):
                     continue  # declared dead meanwhile; its recovery owns it
                 if e.verified_version == self.version:

@@ -46,7 +46,10 @@ class Launcher:
     # ---- coming up ---------------------------------------------------------------------------
 
     def launch(self, e: ManagedEngine) -> Any:
-        """Create the engine's node actors and start their servers; an ObjectRef of the URL."""
+        """Create the engine's node actors and start their servers; an ObjectRef of the URL.
+        Refused once the fleet shuts down (a relaunch then would outlive it)."""
+        if self.closing:
+            raise FleetError(f"{e.engine_id}: not launched: the fleet is shutting down")
         e.actors = [EngineActor.options(**self.placement.engine_options(p)).remote(
             engine_config(p, self.settings.engine, model_path=self.model_path(p),
                           log_dir=str(self.log_dir))) for p in e.placements]
@@ -176,14 +179,30 @@ class Launcher:
                 ray.get(a.shutdown.remote(1.0), timeout=30)  # dead or hung: no grace
             ray.kill(a)
 
-    def shutdown(self, e: ManagedEngine) -> None:
-        """Stop the engine's servers and actors (the fleet unrouted it first)."""
-        for a in e.actors:
+    def shutdown(self, engines: list[ManagedEngine], timeout_s: float = 30.0) -> None:
+        """Stop the engines' servers and actors (the fleet unrouted them first), all at
+        once: a fleet's end takes one engine's stop, not one per engine."""
+        asked: dict[Any, ManagedEngine] = {}
+        for e in engines:
+            for a in e.actors:
+                try:
+                    asked[a.shutdown.remote()] = e
+                except Exception as err:  # noqa: BLE001 - keep tearing the rest down
+                    logger.warning("%s: shutdown failed: %s", e.engine_id, err)
+        ready, late = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s) \
+            if asked else ([], [])
+        for ref in ready:
             try:
-                ray.get(a.shutdown.remote(), timeout=30)
+                ray.get(ref)
             except Exception as err:  # noqa: BLE001 - keep tearing the rest down
-                logger.warning("%s: shutdown failed: %s", e.engine_id, err)
-            ray.kill(a)
+                logger.warning("%s: shutdown failed: %s", asked[ref].engine_id, err)
+        for ref in late:
+            logger.warning("%s: no answer to its shutdown in %.0fs: its actor is killed",
+                           asked[ref].engine_id, timeout_s)
+        for e in engines:
+            for a in e.actors:
+                with contextlib.suppress(Exception):  # gone already
+                    ray.kill(a)
 
     def close(self) -> None:
         """The fleet is shutting down: a reattach in progress gives up."""

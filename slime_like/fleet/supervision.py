@@ -156,7 +156,8 @@ class Supervision:
         self.routers.start()
         refs = {}
         for e in self.engines:
-            self.events.emit(e.engine_id, EngineState.LAUNCHING)
+            self.events.emit(e.engine_id, EngineState.LAUNCHING,
+                             **({"node": e.placements[0].node_ip} if e.placements else {}))
             if e.external_address is None:
                 refs[e.engine_id] = self.launcher.launch(e)
         for e in self.engines:
@@ -310,6 +311,9 @@ class Supervision:
             e.restarts += 1
             launcher.wait_launched(launcher.launch(e))
             with self.lock:
+                if self.closing:  # it stopped the actors it knew of, maybe not these
+                    launcher.shutdown([e])
+                    return
                 self.move(e, P.STALE, **launcher.loaded(e))
             self.health.watch_exit(e)
             self.health.watch(e)
@@ -337,12 +341,13 @@ class Supervision:
     def wait_recovered(self, timeout: float = 300.0) -> bool:
         """Block until no recovery or resync is running (True) or the timeout passes."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             with self.lock:
                 if not self._tending:
                     return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.1)
-        return False
 
     # ---- colocated engines ------------------------------------------------------------------
 
@@ -416,14 +421,14 @@ class Supervision:
         self.launcher.close()
         self.routers.closing = True
         self.health.stop()
-        for e in self.engines:
-            with self.lock:
+        with self.lock:
+            for e in self.engines:
                 if e.phase is P.LAUNCHING:
                     self.move(e, P.STOPPED, reason=f"{reason or 'the fleet shut down'} while "
                                                    "it was launching: it never served")
                 elif e.phase is not P.STOPPED:
                     self.move(e, P.STOPPED, **({"reason": reason} if reason else {}))
-            self.launcher.shutdown(e)
+        self.launcher.shutdown(self.engines)
         self.routers.stop()
         for fn in self._on_shutdown:
             fn()

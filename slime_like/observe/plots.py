@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slime_like.fleet.events import EngineState, kind_of
+from slime_like.fleet.events import EngineState, is_router, kind_of
 from slime_like.observe.incidents import Incident
 
 S = EngineState
@@ -70,7 +70,17 @@ def plot_run(out_dir: Path, steps: list[dict], events: list[dict],
     return figures
 
 
+# Up to this many engines the timeline has a row per engine; a larger fleet gets a line per
+# state (how many engines are in it over time): 64 rows would be unreadable.
+ROWS_PER_ENGINE_UP_TO = 16
+
+
 def _plot_timeline(out_dir: Path, events: list[dict], plt) -> str:
+    engines = sorted({e["engine"] for e in events if e["engine"] != "fleet"
+                      and not is_router(str(e["engine"]))})
+    if len(engines) > ROWS_PER_ENGINE_UP_TO:
+        return _plot_state_counts(out_dir, [e for e in events if e["engine"] in engines],
+                                  len(engines), plt)
     engines = sorted({e["engine"] for e in events})
     end = max(e["time_s"] for e in events) + 1.0
     fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(engines)))
@@ -85,6 +95,37 @@ def _plot_timeline(out_dir: Path, events: list[dict], plt) -> str:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
     ax.legend(handles, [s.value for s in STATE_COLORS], fontsize=6, ncol=4, loc="upper center",
               bbox_to_anchor=(0.5, -0.35), frameon=False)
+    fig.tight_layout()
+    fig.savefig(out_dir / "engine_timeline.png", dpi=110)
+    plt.close(fig)
+    return "engine_timeline.png"
+
+
+def _plot_state_counts(out_dir: Path, events: list[dict], fleet_size: int, plt) -> str:
+    """Engines per state over time (a line per state that ever held one)."""
+    state: dict[str, str] = {}
+    times: list[float] = []
+    counts: dict[str, list[int]] = {}
+    for e in sorted(events, key=lambda e: e["time_s"]):
+        kind = kind_of(e["state"], e["engine"])
+        if not isinstance(kind, EngineState):
+            continue  # a happening: no state left or entered
+        state[e["engine"]] = kind.value
+        times.append(e["time_s"])
+        now = {s: 0 for s in counts}
+        for value in state.values():
+            now[value] = now.get(value, 0) + 1
+        for s, n in now.items():
+            counts.setdefault(s, [0] * (len(times) - 1)).append(n)
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for s, series in counts.items():
+        ax.step(times, series, where="post", label=s, lw=1.4,
+                color=STATE_COLORS.get(EngineState(s), "tab:purple"))
+    ax.set_ylim(0, fleet_size + 0.5)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"engines (of {fleet_size})")
+    ax.legend(fontsize=6, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_dir / "engine_timeline.png", dpi=110)
     plt.close(fig)

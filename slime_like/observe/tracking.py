@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from slime_like.config.slices import TrackingSettings
 from slime_like.errors import ConfigError
@@ -185,8 +186,9 @@ class PrometheusBackend:
         self._gauge_cls = Gauge
         self.registry = CollectorRegistry()
         self._step_gauges: dict[str, Any] = {}
+        # `node`: the host the engine runs on (a node's engines sum up by it at 64 engines)
         self.engine_state = Gauge("slime_like_engine_state", "1 for the state each engine is in",
-                                  ["engine", "state"], registry=self.registry)
+                                  ["engine", "node", "state"], registry=self.registry)
         self.deaths = Counter("slime_like_engine_deaths", "Engine deaths", ["engine"],
                               registry=self.registry)
         self.recoveries = Counter("slime_like_engine_recoveries",
@@ -202,7 +204,7 @@ class PrometheusBackend:
                                    buckets=STALENESS_BUCKETS)
         self.async_mode = Gauge("slime_like_async_mode", "1 for the schedule the job runs",
                                 ["mode"], registry=self.registry)
-        self._states: dict[str, str] = {}
+        self._states: dict[str, tuple[str, str]] = {}  # engine -> (state, node)
         self._incidents = IncidentLog()
         try:
             self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
@@ -238,11 +240,12 @@ class PrometheusBackend:
 
     def log_event(self, event: dict[str, Any]) -> None:
         engine, state = event["engine"], kind_of(event["state"], event["engine"]).value
+        node = node_of(event) or (self._states.get(engine) or ("", ""))[1]
         old = self._states.get(engine)
-        if old is not None and old != state:
-            self.engine_state.labels(engine=engine, state=old).set(0)
-        self.engine_state.labels(engine=engine, state=state).set(1)
-        self._states[engine] = state
+        if old is not None and old != (state, node):
+            self.engine_state.labels(engine=engine, node=old[1], state=old[0]).set(0)
+        self.engine_state.labels(engine=engine, node=node, state=state).set(1)
+        self._states[engine] = (state, node)
         outcome = self._incidents.feed(event)
         if outcome is None:
             return
@@ -332,3 +335,11 @@ def build_tracker(settings: TrackingSettings, run_dir: Path,
         Tracker(backends).close()
         raise
     return Tracker(backends)
+
+
+def node_of(event: dict[str, Any]) -> str | None:
+    """The node an event places its engine on: its `node` detail, or its URL's host."""
+    if event.get("node"):
+        return str(event["node"])
+    url = event.get("url")
+    return urlparse(str(url)).hostname if url else None

@@ -263,3 +263,38 @@ def test_a_colocated_release_and_resume_are_routine(tmp_path):
     text = report.render().read_text()
     assert "12 events, 12 routine ones left out" in text
     assert "| OFFLOADED |" not in text
+
+
+def test_a_64_engine_run_reads_as_well_as_a_2_engine_one(tmp_path):
+    """The fleet's version each sync is routine; the timeline draws engines per state, not
+    a row per engine (64 rows would not fit a page)."""
+    report = RunReport(tmp_path)
+    log = Events(report)
+    engines = [f"default/g{i // 8}/e{i % 8}" for i in range(64)]
+    t = 0.0
+    for e in engines:
+        log(e, "LAUNCHING", time_s=t)
+    t = 10.0
+    for e in engines:
+        log(e, "LOADED", time_s=t)
+    for step in range(20):
+        t += 1.0
+        for e in engines:
+            log(e, "UPDATING", time_s=t)
+        t += 0.1
+        for e in engines:
+            log(e, "REGISTERED", time_s=t, version=str(step + 1))
+        log("fleet", "VERSION", time_s=t, version=str(step + 1))
+        if step == 5:
+            log(engines[9], "DEAD", time_s=t + 0.2, reason="server process exited (-9)")
+            log(engines[9], "RELAUNCHING", time_s=t + 0.3)
+        if step == 8:
+            log(engines[9], "STALE", time_s=t + 0.2)
+        report.log_step(step, {"reward_mean": 0.5, "sync_s": 0.2}, time_s=t)
+
+    text = report.render().read_text()
+    table = [x for x in text.splitlines() if x.startswith("| ") and not x.startswith("| t (s)")]
+    assert not any("VERSION" in row for row in table), table
+    assert any("DEAD" in row for row in table)
+    height = plt.imread(tmp_path / "engine_timeline.png").shape[0]
+    assert height < 600, height  # a row per engine would be 64 * 55 px

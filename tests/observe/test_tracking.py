@@ -114,7 +114,7 @@ def test_job_metrics_endpoint_serves_steps_engine_states_and_recoveries(tmp_path
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         for engine in ("e0", "e1"):
-            tracker.log_event(_event(engine, "LOADED"))
+            tracker.log_event(_event(engine, "LOADED", url="http://127.0.0.3:30001"))
             tracker.log_event(_event(engine, "REGISTERED", version="1"))
         tracker.log_step(3, {"reward_mean": 0.5, "sync_s": 0.25, "sync_gbps": 2.0})
         tracker.log_event(_event("e0", "DEAD", reason="exit -9"))
@@ -125,13 +125,14 @@ def test_job_metrics_endpoint_serves_steps_engine_states_and_recoveries(tmp_path
         body = _get(url)
     finally:
         tracker.close()
-    assert 'slime_like_engine_state{engine="e0",state="STALE"} 1.0' in mid
+    # the node from the engine's URL, kept for the states after it
+    assert 'slime_like_engine_state{engine="e0",node="127.0.0.3",state="STALE"} 1.0' in mid
     assert 'slime_like_engine_recoveries_total{engine="e0"}' not in mid
     assert "slime_like_step 3.0" in body
     assert "slime_like_reward_mean 0.5" in body
     assert "slime_like_sync_seconds 0.25" in body and "slime_like_sync_gbps 2.0" in body
-    assert 'slime_like_engine_state{engine="e0",state="REGISTERED"} 1.0' in body
-    assert 'slime_like_engine_state{engine="e0",state="STALE"} 0.0' in body
+    assert 'slime_like_engine_state{engine="e0",node="127.0.0.3",state="REGISTERED"} 1.0' in body
+    assert 'slime_like_engine_state{engine="e0",node="127.0.0.3",state="STALE"} 0.0' in body
     assert 'slime_like_engine_deaths_total{engine="e0"} 1.0' in body
     assert 'slime_like_engine_recoveries_total{engine="e0"} 1.0' in body
     assert 'slime_like_engine_deaths_total{engine="e1"}' not in body
