@@ -22,7 +22,7 @@ def build_model(config: ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype | None = None) -> CausalLM:
     """An uninitialised model allocated straight on `device` (no CPU detour for big layouts)."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, init_weights=False)
     # Cast while still on meta (free): casting after allocation would hold a float32 copy
     # (2x the bf16 bytes) and leave it fragmented in the CUDA caching allocator.
     model = model.to(dtype or config.dtype).to_empty(device=device)

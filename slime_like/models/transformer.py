@@ -149,9 +149,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, init_weights: bool = True):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Uninitialised when the weights come from elsewhere: normal_ on the meta device
+        # imports torch._dynamo, 1.7 s of CPU at every engine and trainer start.
+        empty = None if init_weights else torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -159,10 +162,12 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM. `forward` serves training (full causal) and decoding (KV cache)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, init_weights: bool = True):
+        """`init_weights=False`: the embedding is left uninitialised (the caller loads or
+        overwrites every weight, or only reads shapes on the meta device)."""
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = Backbone(config, init_weights)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

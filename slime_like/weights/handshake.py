@@ -38,7 +38,7 @@ def engine_model_metadata(engine: EngineSession) -> tuple[list[TensorMeta] | Non
     except ValueError as e:
         return None, path, f"unknown engine dtype: {e}"
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, init_weights=False)
     metas = [TensorMeta(n, dtype, tuple(prm.shape)) for n, prm in hf_named_parameters(model)]
     return metas, path, ""
 
