@@ -205,7 +205,7 @@ class Scheduler:
                 r.generator = self._shared_gen
             r.generator_state = None
             if r.num_output:  # PD decode: the handed-over first token may already finish it
-                reason = self._finish_reason(r, r.ids[-1])
+                reason = stop_reason(r, r.ids[-1], self.eos_id, self.context_len, self.tokenizer)
                 if reason is not None:
                     self._finish(r, reason)
                     continue
