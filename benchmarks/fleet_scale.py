@@ -137,7 +137,8 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     from ray.cluster_utils import Cluster
 
     nodes = -(-n // ENGINES_PER_NODE)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0,
+                                                            "include_dashboard": False})
     for i in range(nodes):
         cluster.add_node(num_cpus=ENGINES_PER_NODE * 2, num_gpus=ENGINES_PER_NODE,
                          node_ip_address=f"127.0.0.{i + 2}")
