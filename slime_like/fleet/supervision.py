@@ -416,7 +416,7 @@ class Supervision:
         self.launcher.close()
         self.routers.closing = True
         self.health.stop()
-        for e in self.engines:
+        for e in list(self.engines):
             with self.lock:
                 if e.phase is P.LAUNCHING:
                     self.move(e, P.STOPPED, reason=f"{reason or 'the fleet shut down'} while "
