@@ -153,14 +153,12 @@ class WeightSync:
     # ---- engines coming and going ---------------------------------------------------------------
 
     def add_engine(self, engine: EngineLike) -> None:
-        """An engine (e.g. a recovered or added one) joins; the next sync rebuilds the group
-        with it."""
+        """An engine (recovered, added) joins; the next sync rebuilds the group with it."""
         with self._lock:
             self._add(session_for(engine))
 
     def remove_engine(self, url: str) -> None:
-        """An engine (e.g. a drained one) leaves: the next sync rebuilds the group without
-        it, and asks it to leave the old one (the regroup's teardown)."""
+        """An engine (drained) leaves; the next sync regroups and it leaves the old group."""
         with self._lock:
             self._remove(url.rstrip("/"))
 
@@ -203,9 +201,8 @@ class WeightSync:
             return self._update(weights, weight_version, frozenset(quiet))
 
     def _set_engines(self, engines: Sequence[EngineLike]) -> None:
-        """The update's engines, as the membership changes they make (a fleet's engines
-        added, drained, recovered): each leaver removed, each joiner added; a session kept
-        for an engine still synced (it remembers the groups it joined)."""
+        """The update's engines as membership changes (leavers removed, joiners added); an
+        engine still synced keeps its session (it remembers the groups it joined)."""
         new = [session_for(e) for e in engines]
         if [e.url for e in new] == [e.url for e in self.engines]:
             return
