@@ -14,6 +14,8 @@
     with fleet.stream(prompts, n=4, sampling_params=..., batch_size=8) as stream:
         batch = stream.next_batch()           # generation never waits for your loop
         weights.push(model)                   # updated while requests run
+    fleet.add_engines(2)                      # serving at the fleet's version, verified
+    fleet.drain(["policy/g0/e0"], deadline_s=30)   # no request lost; stops at the next push
     fleet.shutdown()
 
 Settings are the job's own typed slices (`EngineSettings`, `RouterSettings`,
@@ -31,6 +33,7 @@ from slime_like.config.fleet_config import FleetLayout, fleet_config
 from slime_like.config.slices import EngineSettings, HealthSettings, RouterSettings
 from slime_like.errors import FleetError
 from slime_like.fleet.attempts import Update
+from slime_like.fleet.draining import Drained, DrainReport
 from slime_like.fleet.events import EngineState, EventSink, FleetEvent, Happening, RouterState
 from slime_like.fleet.fleet import Fleet
 from slime_like.fleet.push import FleetWeights
@@ -41,11 +44,11 @@ from slime_like.protocol.weight_version import WeightVersion
 from slime_like.rollout.logprob_check import LogprobCheck, LogprobMismatch
 from slime_like.rollout.producer import Batch, ProducerCounts
 
-__all__ = ["Batch", "EngineSettings", "EngineState", "Fleet", "FleetError", "FleetEvent",
-           "FleetLayout", "FleetWeights", "Happening", "HealthSettings", "LogprobCheck",
-           "LogprobChecker", "LogprobMismatch", "PauseMode", "ProducerCounts", "RolloutStream",
-           "RouterSettings", "RouterState", "Transport", "Update", "WeightVersion", "WorkerType",
-           "launch_fleet"]
+__all__ = ["Batch", "DrainReport", "Drained", "EngineSettings", "EngineState", "Fleet",
+           "FleetError", "FleetEvent", "FleetLayout", "FleetWeights", "Happening",
+           "HealthSettings", "LogprobCheck", "LogprobChecker", "LogprobMismatch",
+           "PauseMode", "ProducerCounts", "RolloutStream", "RouterSettings", "RouterState",
+           "Transport", "Update", "WeightVersion", "WorkerType", "launch_fleet"]
 
 
 def launch_fleet(sglang_config: str | Path | None = None, *, model_path: str | Path,

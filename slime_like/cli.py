@@ -74,6 +74,41 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+def _fleet(argv: list[str]) -> int:
+    """`slime-like fleet scale RUN_DIR --engines N`: resize a running job's fleet."""
+    import json
+
+    from slime_like.job.scaling import ScaleError, request_scale
+
+    p = argparse.ArgumentParser(prog=f"{PROG} fleet", description=COMMANDS["fleet"].help)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    scale = sub.add_parser(
+        "scale", help="Add or drain engines of a running job until it has N.",
+        description="Ask the job running in RUN_DIR (its --output-dir) for N engines of a "
+                    "model: engines are added (routed once they serve the job's weight "
+                    "version) or drained (out of the router; requests still running after "
+                    "the deadline move to other engines). Prints the job's answer as JSON.")
+    scale.add_argument("run_dir", metavar="RUN_DIR")
+    scale.add_argument("--engines", type=int, required=True, metavar="N")
+    scale.add_argument("--model", default=None,
+                       help="The model's engines to scale (default: the updatable model).")
+    scale.add_argument("--drain-deadline", type=float, default=30.0, metavar="S",
+                       help="Seconds a drained engine's running requests may take before "
+                            "they are moved (default: 30).")
+    scale.add_argument("--wait", type=float, default=900.0, metavar="S",
+                       help="Seconds to wait for the job's answer; 0 only queues the "
+                            "command (default: 900).")
+    a = p.parse_args(argv)
+    try:
+        answer = request_scale(a.run_dir, a.engines, model=a.model,
+                               drain_deadline_s=a.drain_deadline, wait_s=a.wait)
+    except ScaleError as err:
+        print(f"{PROG} fleet scale: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=1))
+    return 0
+
+
 @dataclass(frozen=True)
 class Command:
     """A subcommand: what `--help` says about it, and what runs it."""
@@ -91,6 +126,8 @@ COMMANDS: dict[str, Command] = {
     "make-tiny-model": Command("Write a tiny HF-layout Llama checkpoint (for the reference "
                                "engine and tests).", _make_tiny_model),
     "report": Command("Re-render report.md and the plots of a run folder.", _report),
+    "fleet": Command("Change a running job's fleet: `fleet scale RUN_DIR --engines N` adds "
+                     "or drains engines while it trains.", _fleet),
 }
 
 

@@ -20,7 +20,7 @@ def test_help_lists_every_command_with_its_description():
     assert r.returncode == 0, r.stderr
     assert "usage: slime-like [-h] [--version] COMMAND" in r.stdout
     for line in ("train ", "Run an RL job", "make-tiny-model", "Write a tiny HF-layout Llama",
-                 "report ", "Re-render report.md"):
+                 "report ", "Re-render report.md", "fleet ", "Change a running job's fleet"):
         assert line in r.stdout
 
 
@@ -31,7 +31,7 @@ def test_a_mistyped_command_gets_a_suggestion_and_exit_2():
     r = _cli("zzz")
     assert r.returncode == 2
     assert r.stderr == ("slime-like: error: unknown command 'zzz' (commands: train, train-async, "
-                        "make-tiny-model, report)\n")
+                        "make-tiny-model, report, fleet)\n")
 
 
 def test_version_comes_from_the_package_metadata():

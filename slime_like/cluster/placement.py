@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -60,15 +60,19 @@ def _cluster_gpus() -> str:
 
 
 def create_placement_group(num_bundles: int, *, timeout_s: float | None = None,
-                           log_every_s: float = 30.0, name: str = "") -> PlacementGroup | None:
-    """A PACK placement group of `num_bundles` {GPU:1, CPU:1} bundles, once it is ready.
+                           log_every_s: float = 30.0, name: str = "",
+                           strategy: str = "PACK") -> PlacementGroup | None:
+    """A placement group of `num_bundles` {GPU:1, CPU:1} bundles (PACK, or STRICT_PACK for
+    one engine's GPUs on one node), once it is ready.
 
-    Without a timeout it waits as long as the autoscaler needs, logging what it waits for;
-    with one it removes the group and raises PlacementError when time is up.
+    Without a timeout it waits as long as the autoscaler needs, logging what it waits for
+    (a node that joins the cluster meanwhile is capacity it takes); with one it removes the
+    group and raises PlacementError when time is up.
     """
     if num_bundles == 0:
         return None
-    pg = placement_group([dict(BUNDLE) for _ in range(num_bundles)], strategy="PACK", name=name)
+    pg = placement_group([dict(BUNDLE) for _ in range(num_bundles)], strategy=strategy,
+                         name=name)
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
     while True:
@@ -116,10 +120,14 @@ def probe_bundles(pg: PlacementGroup | None, num_bundles: int, *,
 
 @dataclass
 class JobPlacement:
-    """The job's placement group and the plan over it; `release()` gives the GPUs back."""
+    """The job's placement group and the plan over it; `release()` gives the GPUs back.
+
+    Engines added mid-run may get placement groups of their own (`add_group`); an
+    `EnginePlacement` names its group by index (0: the job's own)."""
 
     pg: PlacementGroup | None
     plan: JobPlan
+    added: dict[int, PlacementGroup] = field(default_factory=dict)
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
         """Ray actor options for trainer rank `rank`."""
@@ -130,15 +138,32 @@ class JobPlacement:
     def engine_options(self, engine: EnginePlacement) -> dict[str, Any]:
         """Ray actor options for one engine actor."""
         return {"num_gpus": ENGINE_ACTOR_GPUS, "num_cpus": ENGINE_ACTOR_GPUS,
-                "scheduling_strategy": bundle_strategy(self._pg(), engine.bundle_index)}
+                "scheduling_strategy": bundle_strategy(self._pg(engine.placement_group),
+                                                       engine.bundle_index)}
 
-    def _pg(self) -> PlacementGroup:
-        if self.pg is None:
-            raise PlacementError("this job has no placement group (it places no GPUs)")
-        return self.pg
+    def _pg(self, index: int = 0) -> PlacementGroup:
+        pg = self.pg if index == 0 else self.added.get(index)
+        if pg is None:
+            raise PlacementError("this job has no placement group (it places no GPUs)"
+                                 if index == 0 else f"placement group {index} was released")
+        return pg
+
+    def add_group(self, pg: PlacementGroup) -> int:
+        """Hold a placement group made for added engines; its index."""
+        index = max(self.added, default=0) + 1
+        self.added[index] = pg
+        return index
+
+    def remove_group(self, index: int) -> None:
+        """Give an added group's GPUs back (its engines stopped)."""
+        pg = self.added.pop(index, None)
+        if pg is not None:
+            remove_placement_group(pg)
 
     def release(self) -> None:
-        """Remove the placement group; actors still in it are killed by Ray."""
+        """Remove the placement groups; actors still in them are killed by Ray."""
+        for index in list(self.added):
+            self.remove_group(index)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -47,9 +47,11 @@ def _cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--actor-num-gpus-per-node", type=t.positive_int, default=8,
                    help="Trainer GPUs per node.")
     g.add_argument("--rollout-num-gpus", type=t.non_negative_int, default=None,
-                   help="GPUs of all rollout engines together. Default: the trainer's GPUs with "
-                        "--colocate, the sum of the server groups with --sglang-config; 0 only "
-                        "with --rollout-external-engine-addrs.")
+                   help="GPUs of all rollout engines together when the run starts (`slime-like "
+                        "fleet scale RUN_DIR --engines N` adds or drains engines while it "
+                        "runs). Default: the trainer's GPUs with --colocate, the sum of the "
+                        "server groups with --sglang-config; 0 only with "
+                        "--rollout-external-engine-addrs.")
     g.add_argument("--rollout-num-gpus-per-engine", type=t.positive_int, default=1,
                    help="GPUs per engine (tp_size x pp_size). An engine larger than a node "
                         "spans whole nodes, one engine actor per node.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from slime_like.errors import ConfigError
@@ -109,7 +109,8 @@ class EnginePlacement:
     `bundle_index` is the placement-group bundle to schedule the actor on; the sglang
     process uses `gpus_on_node` GPUs from `base_gpu_id` (gpu_id_step 1) on `node_ip`.
     `dist_init_host` is the node of node_rank 0 for multi-node engines (that actor reserves
-    the port), else None.
+    the port), else None. An engine added mid-run (`fleet.add_engines`) may sit in a
+    placement group of its own (`placement_group` > 0).
     """
 
     model_name: str
@@ -131,6 +132,7 @@ class EnginePlacement:
     dist_init_host: str | None = None
     shares_trainer_gpus: bool = False
     group_where: str = ""
+    placement_group: int = 0  # 0: the job's own group; k: the k-th added for new engines
 
     @property
     def engine_id(self) -> str:
@@ -248,3 +250,31 @@ def plan_job(topology: Topology, bundles: Sequence[Bundle],
     routers = tuple(RouterPlan(m.name, m.model_path, m.update_weights, m.pd_disaggregation,
                                m.num_engines) for m in topology.models)
     return JobPlan(layout, tuple(bundles), trainer, tuple(engines), routers, tuple(reserved))
+
+
+def consecutive_gpus(bundles: Sequence[Bundle]) -> bool:
+    """Whether `bundles` are on one node with consecutive GPU ids (one engine's GPUs)."""
+    first = bundles[0]
+    return all(b.node_ip == first.node_ip and b.gpu_id == first.gpu_id + k
+               for k, b in enumerate(bundles))
+
+
+def added_engine(template: EnginePlacement, bundles: Sequence[Bundle], engine_index: int,
+                 placement_group: int) -> EnginePlacement:
+    """An engine like `template` (its group's model, size, worker type and overrides) on
+    `bundles` (already in slot order) of placement group `placement_group`: an engine added
+    mid-run. Only engines of one node are added; ConfigError names what does not fit."""
+    if template.nnodes != 1:
+        raise ConfigError(template.group_where or template.engine_id,
+                          f"engines of {template.nnodes} nodes cannot be added mid-run yet")
+    if len(bundles) != template.num_gpus or not consecutive_gpus(bundles):
+        where = [(b.node_ip, b.gpu_id) for b in bundles]
+        raise ConfigError(template.group_where or template.engine_id,
+                          f"an added engine needs {template.num_gpus} consecutive GPUs of "
+                          f"one node; got (node, GPU) {where}")
+    first = bundles[0]
+    return replace(template, engine_index=engine_index, node_rank=0, bundle_index=first.index,
+                   node_ip=first.node_ip, base_gpu_id=first.gpu_id,
+                   gpus_on_node=template.num_gpus, slot=-1,
+                   bundle_indices=tuple(b.index for b in bundles), dist_init_host=None,
+                   shares_trainer_gpus=False, placement_group=placement_group)

@@ -156,11 +156,12 @@ class EngineSession:
     def loads(self, timeout: float | None = None) -> dict:
         return self.http.loads(timeout)
 
-    def in_flight(self) -> int | None:
-        """Running plus waiting requests (what an abort-mode pause is about to abort)."""
+    def in_flight(self, timeout: float | None = None) -> int | None:
+        """Running plus waiting requests (what an abort-mode pause is about to abort, what
+        a drain waits for); None when the engine does not answer."""
         with contextlib.suppress(EngineError, KeyError, TypeError, ValueError):
             return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
-                       for x in self.loads().get("loads") or [])
+                       for x in self.loads(timeout).get("loads") or [])
         return None
 
     def weights_checker(self, req: p.WeightsCheckerRequest | None = None,

@@ -52,6 +52,7 @@ class EngineState(_Name):
     RELAUNCHING = "RELAUNCHING"
     REATTACHING = "REATTACHING"
     OFFLOADED = "OFFLOADED"
+    DRAINING = "DRAINING"      # leaving the fleet: out of the router, its requests end
     STOPPED = "STOPPED"
 
 
@@ -69,6 +70,7 @@ class Happening(_Name):
     VERSION = "VERSION"        # the fleet serves a new weight version
     UNROUTED = "UNROUTED"      # a paused engine stopped answering: out of its router
     RECOVERED = "RECOVERED"    # an engine's recovery ended (it serves again)
+    DRAINED = "DRAINED"        # a draining engine's requests finished or were moved
 
 
 State = EngineState | RouterState

@@ -11,6 +11,10 @@ parts do one concern each and advise, never move an engine:
     recovery.py    what a dead or STALE engine needs next (`Step`), and the recoveries' record
     offload.py     colocated engines' memory release and resume, and where each goes after
     generation.py  generation and scoring through the routers (`fleet.generate`, ...)
+    draining.py    a drained engine's running requests: waited for, moved at the deadline
+
+Membership changes while it runs (`membership.py`, a layer of the fleet like
+`supervision.py`): `add_engines`, `drain`, `resize`.
 
 A weight update is a context:
 
@@ -39,8 +43,8 @@ from slime_like.errors import FleetError, WeightSyncError
 from slime_like.fleet.attempts import SyncAttempts, Update, WeightSource
 from slime_like.fleet.events import Happening
 from slime_like.fleet.lifecycle import FOR_FULL_SYNC, SYNCABLE, ManagedEngine, Phase
+from slime_like.fleet.membership import Membership
 from slime_like.fleet.stream import RolloutStream
-from slime_like.fleet.supervision import Supervision
 from slime_like.protocol.weight_version import WeightVersion, parse_weight_version
 from slime_like.rollout.generate import RouterGenerator, Sample
 
@@ -50,9 +54,9 @@ logger = logging.getLogger(__name__)
 P = Phase
 
 
-class Fleet(Supervision):
-    """Engines of every model in the job, their routers, health and recovery; their weight
-    updates and generation through their routers."""
+class Fleet(Membership):
+    """Engines of every model in the job, their routers, health and recovery, engines
+    added and drained; their weight updates and generation through their routers."""
 
     # ---- weight updates ---------------------------------------------------------------------
 
@@ -168,6 +172,7 @@ class Fleet(Supervision):
             for e in chosen:  # failures are the health monitor's to find, deaths ours
                 if not self.launcher.alive(e):
                     self.start_recovery(e, "server gone after a failed weight update")
+        self._after_update(chosen, update, failed)  # drained engines stop after a regroup
         self._tend_stale()
 
     def sync_attempts(self, retries: int = 3, wait_for_engines_s: float = 600.0,

@@ -249,6 +249,11 @@ class FleetHealth:
             self.monitor.watch(engine_id)
         self.monitor.start()
 
+    def admit(self, e: ManagedEngine) -> None:
+        """An engine added mid-run: known by id from now on (probed once `watch`ed; one
+        that left stays known, so a probe already under way still finds it)."""
+        self._by_id[e.engine_id] = e
+
     def watch(self, e: ManagedEngine) -> None:
         if self.monitor is not None:
             self.monitor.watch(e.engine_id)

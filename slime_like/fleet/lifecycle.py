@@ -8,13 +8,16 @@
            sync right after) -> UPDATING
     any -> DEAD -> RELAUNCHING | REATTACHING (an external engine) -> STALE -> UPDATING
         -> REGISTERED, or DEAD -> LOST (its recovery gave up)
+    LOADED -> STALE (an engine added to a fleet that serves a version: it resyncs)
+    REGISTERED | SUSPECT | LOADED | STALE -> DRAINING (out of the router; its running
+        requests finish or are moved) -> DRAINED (waits for the next regroup) -> STOPPED
     any -> STOPPED (shutdown)
 
 The phase is the whole truth of an engine: whether it is in its router (`ROUTED`), whether
 a sync needs to pause it, whether it waits for the next full sync or gets a resync of its
 own. Several phases share the `EngineState` events and views name them by
-(UPDATING_ROUTED is UPDATING, AWAITING_SYNC and HELD are STALE, LOST is DEAD), so the
-timeline reads as before. Invariant: an engine is in its router only while its verified
+(UPDATING_ROUTED is UPDATING, AWAITING_SYNC and HELD are STALE, LOST is DEAD, DRAINED is
+DRAINING), so the timeline reads as before. Invariant: an engine is in its router only while its verified
 weight version equals the fleet's current version (see docs/ARCHITECTURE.md). Only the
 fleet moves engines; `move` refuses anything not in `TRANSITIONS`, so an illegal move is a
 bug that shows at once.
@@ -56,6 +59,9 @@ class Phase(enum.Enum):
     RELAUNCHING = "RELAUNCHING"
     REATTACHING = "REATTACHING"
     LOST = "LOST"                        # DEAD for good: its recovery gave up
+    DRAINING = "DRAINING"                # leaving: unrouted, its running requests end
+    DRAINED = "DRAINED"                  # DRAINING, idle: stops once the weight group
+    #                                      is rebuilt without it (the next full update)
     STOPPED = "STOPPED"
 
     @property
@@ -65,23 +71,28 @@ class Phase(enum.Enum):
 
 P = Phase
 _STATE = {P.UPDATING_ROUTED: S.UPDATING, P.AWAITING_SYNC: S.STALE, P.HELD: S.STALE,
-          P.LOST: S.DEAD}
+          P.LOST: S.DEAD, P.DRAINED: S.DRAINING}
 _DOWN = frozenset({P.DEAD, P.STOPPED})
+_LEAVE = frozenset({P.DRAINING})  # a drain: the engine leaves the fleet
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.LAUNCHING: frozenset({P.LOADED}) | _DOWN,
-    P.LOADED: frozenset({P.UPDATING}) | _DOWN,
+    P.LOADED: frozenset({P.UPDATING, P.STALE}) | _DOWN | _LEAVE,
     P.UPDATING: frozenset({P.REGISTERED, P.STALE}) | _DOWN,
     P.UPDATING_ROUTED: frozenset({P.REGISTERED, P.STALE, P.UPDATING}) | _DOWN,
-    P.REGISTERED: frozenset({P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED}) | _DOWN,
-    P.SUSPECT: frozenset({P.REGISTERED, P.STALE}) | _DOWN,
+    P.REGISTERED: frozenset({P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED}) | _DOWN
+    | _LEAVE,
+    P.SUSPECT: frozenset({P.REGISTERED, P.STALE}) | _DOWN | _LEAVE,
     P.OFFLOADED: frozenset({P.REGISTERED, P.STALE, P.AWAITING_SYNC, P.HELD}) | _DOWN,
-    P.STALE: frozenset({P.UPDATING}) | _DOWN,
-    P.AWAITING_SYNC: frozenset({P.UPDATING, P.STALE}) | _DOWN,
-    P.HELD: frozenset({P.UPDATING, P.STALE}) | _DOWN,
+    P.STALE: frozenset({P.UPDATING}) | _DOWN | _LEAVE,
+    P.AWAITING_SYNC: frozenset({P.UPDATING, P.STALE}) | _DOWN | _LEAVE,
+    P.HELD: frozenset({P.UPDATING, P.STALE}) | _DOWN | _LEAVE,
     P.DEAD: frozenset({P.RELAUNCHING, P.REATTACHING, P.LOST, P.STOPPED}),
     P.RELAUNCHING: frozenset({P.STALE}) | _DOWN,
     P.REATTACHING: frozenset({P.STALE}) | _DOWN,
     P.LOST: frozenset({P.STOPPED}),
+    # Leaving: a death is no news (nothing relaunches it), so only STOPPED follows.
+    P.DRAINING: frozenset({P.DRAINED, P.STOPPED}),
+    P.DRAINED: frozenset({P.STOPPED}),
     P.STOPPED: frozenset(),
 }
 
@@ -94,6 +105,10 @@ SYNCABLE: frozenset[Phase] = frozenset({P.LOADED, P.REGISTERED, P.STALE, P.AWAIT
 FOR_FULL_SYNC: frozenset[Phase] = frozenset({P.AWAITING_SYNC, P.HELD})
 # Dead, on its way back, or given up: a death seen now is no news.
 GONE: frozenset[Phase] = frozenset({P.DEAD, P.RELAUNCHING, P.REATTACHING, P.LOST, P.STOPPED})
+# Leaving the fleet (`fleet.drain`): never synced, probed or recovered again.
+LEAVING: frozenset[Phase] = frozenset({P.DRAINING, P.DRAINED})
+# A drain may take an engine from these (one in a weight update is waited for first).
+DRAINABLE: frozenset[Phase] = frozenset(p for p, to in TRANSITIONS.items() if P.DRAINING in to)
 # Probed by the health monitor (a STOPPED or dead engine is not) ...
 WATCHED: frozenset[Phase] = frozenset({P.REGISTERED, P.SUSPECT, P.LOADED, P.STALE,
                                        P.AWAITING_SYNC, P.HELD, P.UPDATING, P.UPDATING_ROUTED,
@@ -164,6 +179,16 @@ class ManagedEngine:
         return src
 
 
+def record_of(placements: list[EnginePlacement], settings: FleetSettings,
+              update_weights: bool) -> ManagedEngine:
+    """The record of one engine of ours (its node placements, node rank 0 first)."""
+    ps = sorted(placements, key=lambda p: p.node_rank)
+    path = settings.model_paths.get(ps[0].model_name) or ps[0].model_path or ""
+    cfg = engine_config(ps[0], settings.engine, model_path=path)
+    return ManagedEngine(ps[0].engine_id, ps[0].model_name, ps, update_weights,
+                         tp_size=max(1, ps[0].num_gpus // cfg.pp_size))
+
+
 def records_from_plan(plan: JobPlan, settings: FleetSettings) -> list[ManagedEngine]:
     """One record per engine of the plan (all its node placements), then the external ones."""
     engines: list[ManagedEngine] = []
@@ -172,12 +197,7 @@ def records_from_plan(plan: JobPlan, settings: FleetSettings) -> list[ManagedEng
         for p in plan.engines_of(router.model_name):
             by_engine.setdefault(p.engine_index, []).append(p)
         for _, ps in sorted(by_engine.items()):
-            ps.sort(key=lambda p: p.node_rank)
-            path = settings.model_paths.get(ps[0].model_name) or ps[0].model_path or ""
-            cfg = engine_config(ps[0], settings.engine, model_path=path)
-            engines.append(ManagedEngine(
-                ps[0].engine_id, router.model_name, ps, router.update_weights,
-                tp_size=max(1, ps[0].num_gpus // cfg.pp_size)))
+            engines.append(record_of(ps, settings, router.update_weights))
     model = plan.updatable_model
     for i, addr in enumerate(settings.external_addrs):
         engines.append(ManagedEngine(f"{model}/external/e{i}", model, [], True,

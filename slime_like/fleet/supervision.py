@@ -422,7 +422,7 @@ class Supervision:
         self.routers.closing = True
         self.health.stop()
         with self.lock:
-            for e in self.engines:
+            for e in list(self.engines):
                 if e.phase is P.LAUNCHING:
                     self.move(e, P.STOPPED, reason=f"{reason or 'the fleet shut down'} while "
                                                    "it was launching: it never served")

@@ -41,6 +41,7 @@ from slime_like.job.inputs import JobInputs, prepare_inputs
 from slime_like.job.kl import reference_kl
 from slime_like.job.rollouts import StepRollouts
 from slime_like.job.samples import Rollout, staleness_of, train_masks
+from slime_like.job.scaling import ScaleWatcher
 from slime_like.job.schedules import run_schedule
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
@@ -96,6 +97,7 @@ class Job:
         self.sampler: InvariantSampler | None = None
         self.crash: ChaosMonkey | None = None
         self.utilization = None
+        self.scaler: ScaleWatcher | None = None  # the operator's scale commands
         self._step_started = 0.0
         self.phases: dict[str, float] = {}  # this step's phase seconds (docs/COLOCATE.md)
         self._weight_bytes = 0  # what one engine's weights take (from the last sync)
@@ -113,6 +115,7 @@ class Job:
             self.first_sync()
             self.start_chaos()
             self.start_utilization()
+            self.scaler = ScaleWatcher(self.fleet, self.out).start()  # `slime-like fleet scale`
             run_schedule(self)
             self.finish()
             return 0
@@ -428,6 +431,8 @@ class Job:
         """Trainer, fleet and placement stopped (saying why, if the job failed); the report
         rendered."""
         try:
+            if self.scaler is not None:
+                self.scaler.stop()
             if self.trainer is not None:
                 self.trainer.shutdown()
         finally:

@@ -16,7 +16,8 @@ from slime_like.observe.incidents import Incident
 S = EngineState
 STATE_COLORS = {S.REGISTERED: "tab:green", S.UPDATING: "tab:blue", S.DEAD: "tab:red",
                 S.RELAUNCHING: "tab:orange", S.STALE: "tab:olive", S.LAUNCHING: "tab:gray",
-                S.LOADED: "tab:cyan", S.OFFLOADED: "tab:pink", S.REATTACHING: "tab:brown"}
+                S.LOADED: "tab:cyan", S.OFFLOADED: "tab:pink", S.REATTACHING: "tab:brown",
+                S.DRAINING: "tab:purple"}
 SERIES = (("reward_mean", "reward", "reward.png"), ("sync_s", "weight sync (s)", "weight_sync.png"))
 
 

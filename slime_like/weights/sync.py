@@ -153,21 +153,27 @@ class WeightSync:
     # ---- engines coming and going ---------------------------------------------------------------
 
     def add_engine(self, engine: EngineLike) -> None:
-        """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
+        """An engine (recovered, added) joins; the next sync rebuilds the group with it."""
         with self._lock:
-            target = session_for(engine)
-            target.timeout = self.config.http_timeout_s
-            if any(e.url == target.url for e in self.engines):
-                raise ConfigError("engines", f"engine {target.url} is already synced")
-            self.dropped = [e for e in self.dropped if e.url != target.url]
-            self._probed.discard(target.url)
-            self.engines.append(target)
-            if self.transport is not None:
-                self.transport.forget([target.url])
+            self._add(session_for(engine))
 
     def remove_engine(self, url: str) -> None:
+        """An engine (drained) leaves; the next sync regroups and it leaves the old group."""
         with self._lock:
-            self.engines = [e for e in self.engines if e.url != url.rstrip("/")]
+            self._remove(url.rstrip("/"))
+
+    def _add(self, target: EngineSession) -> None:
+        target.timeout = self.config.http_timeout_s
+        if any(e.url == target.url for e in self.engines):
+            raise ConfigError("engines", f"engine {target.url} is already synced")
+        self.dropped = [e for e in self.dropped if e.url != target.url]
+        self._probed.discard(target.url)
+        self.engines.append(target)
+        if self.transport is not None:
+            self.transport.forget([target.url])
+
+    def _remove(self, url: str) -> None:
+        self.engines = [e for e in self.engines if e.url != url]
 
     def take_dropped(self) -> list[str]:
         """URLs of engines dropped after they stopped answering (for recovery), once each."""
@@ -195,16 +201,19 @@ class WeightSync:
             return self._update(weights, weight_version, frozenset(quiet))
 
     def _set_engines(self, engines: Sequence[EngineLike]) -> None:
+        """The update's engines as membership changes (leavers removed, joiners added); an
+        engine still synced keeps its session (it remembers the groups it joined)."""
         new = [session_for(e) for e in engines]
         if [e.url for e in new] == [e.url for e in self.engines]:
             return
-        known = {e.url: e for e in self.engines}
-        self.engines = []
+        wanted = {e.url for e in new}
+        for e in [e for e in self.engines if e.url not in wanted]:
+            self._remove(e.url)
         for e in new:
-            if e.url not in known:
-                e.timeout = self.config.http_timeout_s
-                self._probed.discard(e.url)
-            self.engines.append(known.get(e.url, e))
+            if all(have.url != e.url for have in self.engines):
+                self._add(e)
+        order = {e.url: i for i, e in enumerate(new)}
+        self.engines.sort(key=lambda e: order[e.url])
 
     def _update(self, weights: Any, weight_version: str | None,
                 quiet: frozenset[str] = frozenset()) -> SyncReport:

@@ -22,19 +22,21 @@ DOWN = {P.DEAD, P.STOPPED}
 # The moves the fleet relies on, written out independently of the table.
 LEGAL = {(a, b) for a, bs in {
     P.LAUNCHING: {P.LOADED, *DOWN},
-    P.LOADED: {P.UPDATING, *DOWN},
+    P.LOADED: {P.UPDATING, P.STALE, P.DRAINING, *DOWN},
     P.UPDATING: {P.REGISTERED, P.STALE, *DOWN},
     P.UPDATING_ROUTED: {P.REGISTERED, P.STALE, P.UPDATING, *DOWN},
-    P.REGISTERED: {P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED, *DOWN},
-    P.SUSPECT: {P.REGISTERED, P.STALE, *DOWN},
+    P.REGISTERED: {P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED, P.DRAINING, *DOWN},
+    P.SUSPECT: {P.REGISTERED, P.STALE, P.DRAINING, *DOWN},
     P.OFFLOADED: {P.REGISTERED, P.STALE, P.AWAITING_SYNC, P.HELD, *DOWN},
-    P.STALE: {P.UPDATING, *DOWN},
-    P.AWAITING_SYNC: {P.UPDATING, P.STALE, *DOWN},
-    P.HELD: {P.UPDATING, P.STALE, *DOWN},
+    P.STALE: {P.UPDATING, P.DRAINING, *DOWN},
+    P.AWAITING_SYNC: {P.UPDATING, P.STALE, P.DRAINING, *DOWN},
+    P.HELD: {P.UPDATING, P.STALE, P.DRAINING, *DOWN},
     P.DEAD: {P.RELAUNCHING, P.REATTACHING, P.LOST, P.STOPPED},
     P.RELAUNCHING: {P.STALE, *DOWN},
     P.REATTACHING: {P.STALE, *DOWN},
     P.LOST: {P.STOPPED},
+    P.DRAINING: {P.DRAINED, P.STOPPED},
+    P.DRAINED: {P.STOPPED},
 }.items() for b in bs}
 # What the timeline shows: the state moves of docs/ARCHITECTURE.md's table.
 PUBLIC = {
@@ -51,6 +53,9 @@ PUBLIC = {
     (S.DEAD, S.RELAUNCHING), (S.DEAD, S.REATTACHING), (S.DEAD, S.STOPPED),
     (S.REATTACHING, S.STALE), (S.REATTACHING, S.DEAD), (S.REATTACHING, S.STOPPED),
     (S.RELAUNCHING, S.STALE), (S.RELAUNCHING, S.DEAD), (S.RELAUNCHING, S.STOPPED),
+    # elastic membership: an added engine resyncs; a drained one leaves
+    (S.LOADED, S.STALE), (S.LOADED, S.DRAINING), (S.REGISTERED, S.DRAINING),
+    (S.SUSPECT, S.DRAINING), (S.STALE, S.DRAINING), (S.DRAINING, S.STOPPED),
 }
 
 
@@ -129,3 +134,13 @@ def test_an_engine_stopped_while_launching_says_it_never_served_and_why(tmp_path
         (e.engine_id, S.STOPPED, S.LAUNCHING) for e in fleet.engines]
     assert all(e.details["reason"] == "the job failed (LaunchError: engine0: healthy but cannot "
                "generate) while it was launching: it never served" for e in events)
+
+
+def test_a_drained_engine_never_comes_back_and_a_death_while_leaving_is_no_recovery():
+    """DRAINING and DRAINED lead only to STOPPED: not DEAD (nothing relaunches an engine
+    that is leaving), never a routed or syncable phase."""
+    e = engine_in(P.REGISTERED)
+    for phase in (P.DRAINING, P.DRAINED, P.STOPPED):
+        e.move(phase)
+    assert P.DEAD not in TRANSITIONS[P.DRAINING] | TRANSITIONS[P.DRAINED]
+    assert P.DRAINED.state is S.DRAINING
