@@ -15,6 +15,9 @@ model) and measures, with a client sending requests through the router throughou
 - the health monitor: driver CPU per round (and per engine), and its round's wall time;
 - one engine SIGKILLed: detection (kill -> DEAD), recovery (kill -> routed again at the
   fleet's version), and the others' requests/s during the recovery against before it;
+- elastic membership: a node joins and 8 engines are added on it (until each serves at the
+  fleet's version), 8 of the first engines are drained (requests moved), and the next push
+  regroups without them;
 - the end: `fleet.shutdown()` until every engine process is gone.
 
 Rows print with their ratio to the N = 4 row where one ran (or the first row's); `--json`
@@ -196,6 +199,21 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["others_rps_before"] = before * (n - 1) / n if n > 1 else 0.0
         row["others_rps_during"] = during
         row["others_rps_ratio"] = during / row["others_rps_before"] if n > 1 and before else None
+        # Elastic membership: a node joins and 8 engines are added on it while the load
+        # runs; then 8 of the first engines are drained (the next push regroups without them).
+        cluster.add_node(num_cpus=ENGINES_PER_NODE * 2, num_gpus=ENGINES_PER_NODE,
+                         node_ip_address=f"127.0.0.{nodes + 2}")
+        t = time.time()
+        fleet.add_engines(ENGINES_PER_NODE, timeout_s=600)
+        row["add8_s"] = time.time() - t
+        leaving = [e.engine_id for e in fleet.engines][:min(ENGINES_PER_NODE, n)]
+        t = time.time()
+        drained = fleet.drain(leaving, deadline_s=args.drain_deadline)
+        row["drain8_s"] = time.time() - t
+        row["drain8_moved"] = drained.moved
+        t = time.time()
+        weights.push(model)  # the regroup: the drained engines leave the group and stop
+        row["regroup_sync_s"] = time.time() - t
         load.close()
         load = None
         weights.close()
@@ -220,7 +238,8 @@ FIELDS = [("launch_s", "launch"), ("first_sync_s", "1st sync"),
           ("sync_control_s", "control"), ("sync_data_s", "data"),
           ("health_cpu_ms_per_round", "hc ms/rnd"), ("health_round_ms", "rnd ms"),
           ("detect_s", "detect"), ("recovery_s", "recover"),
-          ("others_rps_ratio", "others rps"), ("shutdown_s", "shutdown"),
+          ("others_rps_ratio", "others rps"), ("add8_s", "add 8"), ("drain8_s", "drain 8"),
+          ("shutdown_s", "shutdown"),
           ("cpu_busy", "cpu busy")]
 
 
@@ -257,6 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--probe-timeout", type=float, default=5.0)
     p.add_argument("--health-window", type=float, default=5.0)
     p.add_argument("--rate-window", type=float, default=3.0)
+    p.add_argument("--drain-deadline", type=float, default=2.0)
     p.add_argument("--json", default=None, help="append each row as a JSON line")
     p.add_argument("--table", default=None, help="print the rows of this JSON-lines file")
     a = p.parse_args(argv)
