@@ -166,7 +166,8 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         weights.push(model)
         row["first_sync_s"] = time.time() - t1
         row["launch_to_serving_s"] = time.time() - t0
-        load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
+        # Steady syncs with no request client in this process: its threads would take the
+        # GIL from the sync's (a job generates from the driver too, but that is its load).
         walls, data = [], []
         for _ in range(args.syncs):
             with torch.no_grad():
@@ -180,9 +181,6 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["sync_s"] = statistics.median(walls)
         row["sync_data_s"] = statistics.median(data)
         row["sync_control_s"] = row["sync_s"] - row["sync_data_s"]
-        load.stop.set()
-        for t in load.threads:
-            t.join(timeout=70)
         row.update(_health_round_cost(fleet, args.health_window))
         row["health_cpu_ms_per_engine"] = row["health_cpu_ms_per_round"] / n
         load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
