@@ -403,15 +403,11 @@ class Job:
     # ---- the end --------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """The chaos verdict; a note per recovery. A run with planned faults (chaos, the
-        demo crash) waits for the recoveries still running, as its verdict is that every
-        engine came back; any other run ends at once: a recovery no step will use is
-        stopped with the fleet, and said so."""
+        """Wait for recoveries still running (an external engine's return included: the
+        run's promise is every engine back); the chaos verdict; a note per recovery."""
         fleet = self.fleet
-        planned = self.chaos is not None or self.crash is not None
-        if not fleet.wait_recovered(timeout=300 if planned else 0):
-            self.notes.append("a recovery was still running at the end of the run"
-                              + ("" if planned else ": stopped with the fleet"))
+        if not fleet.wait_recovered(timeout=300):
+            self.notes.append("a recovery was still running at the end of the run")
         if self.sampler is not None and self.chaos is not None:
             found = self.sampler.stop()
             chaos = {"seed": self.settings.chaos.seed, "faults": self.chaos.summary(), **found,
