@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from slime_like.cluster.placement import JobPlacement, place_job
+from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.config.fleet_config import FleetLayout, fleet_config
 from slime_like.config.slices import EngineSettings, HealthSettings, RouterSettings
 from slime_like.errors import FleetError
@@ -41,7 +42,7 @@ from slime_like.protocol.weight_version import WeightVersion
 from slime_like.rollout.logprob_check import LogprobCheck, LogprobMismatch
 from slime_like.rollout.producer import Batch, ProducerCounts
 
-__all__ = ["Batch", "EngineSettings", "EngineState", "Fleet", "FleetError", "FleetEvent",
+__all__ = ["Batch", "DeadlinePolicy", "EngineSettings", "EngineState", "Fleet", "FleetError", "FleetEvent",
            "FleetLayout", "FleetWeights", "Happening", "HealthSettings", "LogprobCheck",
            "LogprobChecker", "LogprobMismatch", "PauseMode", "ProducerCounts", "RolloutStream",
            "RouterSettings", "RouterState", "Transport", "Update", "WeightVersion", "WorkerType",
