@@ -17,11 +17,13 @@ The transaction, per `update()` (its engine calls are in `control.py`):
   continue        every engine that was paused, in a `finally`
 
 Every engine call goes through the engine's `EngineSession`, which remembers what it
-changed; on failure the sessions undo it: pending collectives are aborted, open update
-sessions ended, every paused engine continued (or handed to the caller), engines that
-stopped answering are dropped (the next sync rebuilds the group for the living;
-`take_dropped()` hands them to recovery), and the `WeightSyncError` names the step and
-the engine.
+changed, and has its call type's deadline (`engine/deadlines.py`): an engine past it while
+the others answered is hung, and the sync fails naming it (`WeightSyncError.hung`) rather
+than waiting for it. On failure the sessions undo what they changed: pending collectives
+are aborted, open update sessions ended, every paused engine continued (or handed to the
+caller), engines that stopped answering (or hung) are dropped (the next sync rebuilds the
+group for the living; `take_dropped()` hands them to recovery), and the `WeightSyncError`
+names the step and the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from slime_like.engine.deadlines import CallClock
 from slime_like.engine.fanout import each, on_all
 from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
@@ -97,12 +100,16 @@ class WeightSync:
         # Called with each step's name as it starts (progress displays, chaos runs).
         self.on_step: Callable[[str], None] | None = None
         self.control = Control(self.config, self._warn_once)
+        # What each call type took on these engines lately: every call's deadline.
+        self.clock = CallClock(self.config.deadlines, cap_s=self.config.http_timeout_s)
+        self._unclocked: list[EngineCall] = []  # answers still due (continue, pipelined)
 
     # ---- set-up ------------------------------------------------------------------------------
 
     def _transport(self) -> Transport:
         if self.transport is None:
             self.transport = make_transport(self.config)
+            self.transport.clock = self.clock
         return self.transport
 
     def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
@@ -232,7 +239,8 @@ class WeightSync:
                 raise self._failed(e, "attach", []) from e
         buckets = self._plan(metas)
         engines = list(self.engines)
-        watch = Watch(cfg.http_timeout_s)
+        self._clock_answers()
+        watch = Watch(cfg.http_timeout_s, self.clock)
         sent: list[EngineCall] = []      # control calls in the engines' lanes
         answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
@@ -258,35 +266,27 @@ class WeightSync:
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
-                    ends = self.control.submit_end(engines)
-                    sent += ends
-                    resumed = self.control.submit_continue(engines, ends)
-                    sent += resumed
-                    closing = Watch(cfg.http_timeout_s)  # its own deadline, like any step
-                    for c in ends:
-                        closing.add(c)
-                    closing.wait_calls(ends)  # a failure names the engine and the step
+                    resumed = self.control.end_and_continue(
+                        engines, sent, Watch(cfg.http_timeout_s, self.clock))
+                    self._unclocked = list(resumed)  # their answers come after the sync
                 with steps("flush"):
                     self.control.flush(engines, folded, answers.refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so
             else:
-                with steps("end"):
-                    on_all([e for e in engines if e.in_update], "end_weight_update",
-                           lambda e: e.end_weight_update())
-                with steps("flush"):
-                    self.control.flush(engines, folded, answers.refused, report)
-                with steps("verify"):
-                    unverified = [e for e in engines if not answers.version_set(e)]
-                    on_all(unverified, "verify_weight_version", lambda e: e.verify_version(version))
+                self.control.end_flush_verify(engines, folded, answers, report, steps, sent,
+                                              Watch(cfg.http_timeout_s, self.clock))
         except BaseException as e:
             failure = e
             error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
+            hung = set(getattr(e, "hung", None) or ())
             for engine in engines:
                 engine.cancel_pending()
-            settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
+            # No control call in flight during the clean-up, but for a hung engine's: it
+            # will not answer, and its lane is stopped (its undo is its recovery's).
+            settle([c for c in sent if c.engine.url not in hung], cfg.http_timeout_s)
             # Only engines that still answer are undone: each call to a hung one would wait
             # out its timeout. The others are dropped, their undo left to whoever recovers them.
-            answering = self._answering(engines)
+            answering = self._answering([e for e in engines if e.url not in hung])
             error = self._failed(e, steps.current, answering)
         finally:
             # The living engines resume first: finding out which engines died (pings with
@@ -328,12 +328,17 @@ class WeightSync:
         leave the others in a collective it will never join (gloo cannot abort one)."""
         transport = self._transport()
         payloads = transport.payloads(engines, source, buckets, version, watch, stats)
-        before = {c.engine.url: c.future for c in control}
+        # The first update waits for every engine's pause and begin, not only its own: an
+        # engine that took it joins the broadcast, and one whose receive hangs on a peer
+        # that never paused (gloo relays along a tree) would hold its scheduler until then.
+        every = [c.future for c in control]
+        own = {c.engine.url: [c.future] for c in control}
         posted: list[EngineCall] = []
         try:
             for payload in payloads:
                 payload.calls = [self._post(e, payload, version, e.url in folded,
-                                            before.get(e.url), watch, stats, answers)
+                                            own.get(e.url, []) if posted else every,
+                                            not posted, watch, stats)
                                  for e in engines]
                 if not posted:
                     watch.wait_calls(control)
@@ -357,17 +362,16 @@ class WeightSync:
             raise err from e
 
     def _post(self, engine: EngineSession, payload: Payload, version: str, folded: bool,
-              before: Future | None, watch: Watch, stats: TransferStats,
-              answers: LastAnswers) -> EngineCall:
+              before: list[Future], first: bool, watch: Watch,
+              stats: TransferStats) -> EngineCall:
         """One payload into one engine's lane; the last one carries the version (and the
-        flush, where it is folded into the update)."""
+        flush, where it is folded into the update). `before`: the control calls it comes
+        after (the first payload: every engine's; the others: the engine's own)."""
         last = payload.last
         req = payload.request(engine, last and folded, version if last else None)
-        after = None
+        after = list(before) if first and before else None
         if payload.after is not None:  # not the lane's strict order: still after pause/begin
-            after = [c.future for p in payload.after for c in p.calls]
-            if before is not None:
-                after.append(before)
+            after = [c.future for p in payload.after for c in p.calls] + list(before)
         future = engine.submit(getattr(engine, payload.verb), req, self.config.http_timeout_s,
                                after=after)
         return watch.add(EngineCall(engine, payload.step, future))
@@ -385,6 +389,12 @@ class WeightSync:
         if isinstance(exc, WeightSyncError):
             return exc
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
+
+    def _clock_answers(self) -> None:
+        """The answers that came after the last sync returned (its pipelined continues)."""
+        for call in self._unclocked:
+            self.clock.record_answer(call.step, call.future)
+        self._unclocked = []
 
     def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:
         def alive(engine: EngineSession) -> bool:

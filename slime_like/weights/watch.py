@@ -1,8 +1,12 @@
 """Waiting on engine calls during a transfer: deadlines, and the engine to blame.
 
 Every HTTP call of a transfer is an `EngineCall` (engine, step, future). A `Watch` waits
-with a deadline and gives up as soon as any watched call fails, naming the engine and the
-step; after a broken collective it picks the engine that most likely broke it.
+with an overall deadline and gives up as soon as any watched call fails, naming the engine
+and the step; after a broken collective it picks the engine that most likely broke it.
+With a `CallClock` it also gives each call a deadline of its own, derived from what that
+call type took across the engines: a call past it, while another engine answered the same
+step, is that engine hanging (`WeightSyncError.hung`), and the sync goes on without it
+instead of waiting for the health monitor to declare it dead.
 """
 
 from __future__ import annotations
@@ -10,11 +14,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
+from slime_like.engine.deadlines import CallClock, call_type
 from slime_like.engine.fanout import describe
 from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
+
+# A call found past its deadline gets this long to show its answer is in already (its pool
+# thread may not have run yet, e.g. while the trainer's own thread held the GIL).
+LAST_CHANCE_S = 0.05
+
+
+class DeadlinePassed(WeightSyncError):
+    """A wait's overall deadline passed (not one call's: see `Watch`)."""
 
 
 @dataclass
@@ -44,10 +58,17 @@ class Watch:
     broadcast sees that at once instead of sitting out the group timeout.
     """
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, clock: CallClock | None = None, *,
+                 per_call: bool = True):
+        """`clock`: answers are recorded there and, with `per_call`, each call waited on
+        gets the deadline of its call type (a group join does not: every join of a
+        rendezvous waits for the slowest, so the late one cannot be told apart)."""
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.calls: list[EngineCall] = []
+        self.clock = clock
+        self.per_call = per_call and clock is not None
+        self._answered: set[str] = set()  # steps at least one engine answered
 
     def add(self, call: EngineCall) -> EngineCall:
         self.calls.append(call)
@@ -59,7 +80,47 @@ class Watch:
         if failed:
             first = min(failed, key=lambda c: c.done_at or 0.0)
             raise call_error(first, first.error)
-        self.calls = [c for c in self.calls if not c.future.done()]
+        pending = []
+        for c in self.calls:
+            if not c.future.done():
+                pending.append(c)
+                continue
+            self._answered.add(c.step)
+            if self.clock is not None:
+                self.clock.record_answer(c.step, c.future)
+        self.calls = pending
+        if self.per_call:
+            late = self._late()
+            if late:
+                raise self._hung(late)
+
+    def _late(self) -> list[EngineCall]:
+        """Calls past their call type's deadline, on a step another engine answered (a
+        step nobody answered is not one engine's hang: the trainer, or a collective)."""
+        assert self.clock is not None
+        now = time.perf_counter()
+        late = [c for c in self.calls if c.step in self._answered
+                and (sent := getattr(c.future, "sent_at", None)) is not None
+                and now - sent > self.clock.deadline(call_type(c.step))]
+        if late:
+            wait_futures([c.future for c in late], timeout=LAST_CHANCE_S)
+            late = [c for c in late if not c.future.done()]
+        return late
+
+    def _hung(self, late: list[EngineCall]) -> WeightSyncError:
+        assert self.clock is not None
+        first = min(late, key=lambda c: c.future.sent_at)
+        kind = call_type(first.step)
+        waited = time.perf_counter() - first.future.sent_at
+        others = sorted({c.engine.url for c in late} - {first.engine.url})
+        err = WeightSyncError(first.step, (
+            f"no answer after {waited:.2f}s, past the deadline of {kind} "
+            f"({self.clock.deadline(kind):.2f}s = {self.clock.basis(kind)}) while other "
+            "engines answered: left out as hung"
+            + (f"; also hung: {', '.join(others)}" if others else "")), first.engine.url)
+        err.hung = sorted({c.engine.url for c in late})
+        err.unresponsive = list(err.hung)
+        return err
 
     def wait(self, done: Callable[[], bool], what: str, poll_s: float = 2e-4) -> None:
         """Spin until done() (or an engine call fails, or the deadline passes)."""
@@ -67,7 +128,7 @@ class Watch:
             self.check()
             if time.monotonic() > self.deadline:
                 slow = sorted({c.engine.url for c in self.calls if not c.future.done()})
-                raise WeightSyncError(
+                raise DeadlinePassed(
                     what, f"not finished after {self.timeout_s:.0f}s"
                     + (f"; engines still busy: {', '.join(slow)}" if slow else ""),
                     slow[0] if slow else None)
@@ -88,6 +149,8 @@ class Watch:
         engine that no longer answers, an engine whose refusal is not itself a broken
         connection, then the earliest failure.
         """
+        if isinstance(exc, WeightSyncError) and exc.hung:
+            return exc  # past its deadline: the cause is known, and it will not answer
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
             time.sleep(0.01)
