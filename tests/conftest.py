@@ -61,6 +61,7 @@ HEAVY_MODULES = (
     "tests/topologies/test_external.py",
     "tests/job/test_fsdp_job.py",
     "tests/fleet/test_public_api.py",
+    "tests/fleet/test_hung_engine.py",
     "tests/weights/test_sharded_sync.py",
     "tests/scripts/test_run_job.py",
     "tests/weights/test_benchmark_tiny.py",

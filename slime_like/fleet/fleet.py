@@ -128,6 +128,14 @@ class Fleet(Supervision):
         that are partly new under the old version string, so every target resyncs.
         """
         verified: dict[str, WeightVersion | None] = {e.engine_id: None for e in chosen}
+        # Engines the sync found hung (a call past its deadline while the others answered)
+        # are handed to recovery now, as a death is: out of the router, relaunched,
+        # resynced. Waiting for the health monitor to find them would hold the next
+        # attempt, and every engine it pauses, for the monitor's whole budget.
+        hung = set(getattr(failed, "hung", None) or ())
+        for e in chosen:
+            if e.url in hung:
+                self.start_recovery(e, f"hung during a weight sync: {failed}")
         if failed is None:
             synced = set(update.report.get("engines") or [h.url for h in update.targets])
             pushed = parse_weight_version(update.report.get("weight_version")) or update.version
@@ -158,8 +166,8 @@ class Fleet(Supervision):
                     self.move(e, P.STALE, reason="version moved on")
         if failed is not None:
             # Resumed only now, after the unverified engines left the router.
-            each(chosen, lambda e: e.handle.continue_generation(
-                timeout=self.settings.verify_timeout_s))
+            each([e for e in chosen if e.url not in hung],
+                 lambda e: e.handle.continue_generation(timeout=self.settings.verify_timeout_s))
             for e in chosen:  # failures are the health monitor's to find, deaths ours
                 if not self.launcher.alive(e):
                     self.start_recovery(e, "server gone after a failed weight update")
