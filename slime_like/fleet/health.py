@@ -189,7 +189,8 @@ class HealthMonitor:
                     if self.clock is not None and fut.exception() is None:
                         self.clock.record(kind, fut.result())
                 elif self.clock is not None and key not in early and started and \
-                        now - started[0] > (limit := self.clock.deadline(kind)):
+                        now - started[0] > (limit := self.clock.deadline(kind)) and \
+                        limit < self.clock.cap_s:
                     early.add(key)
                     self.on_suspect(key, f"no answer to its {kind} probe within {limit:.2f}s "
                                          f"(its deadline: {self.clock.basis(kind)})")

@@ -97,7 +97,7 @@ def wait_for_group(watch: Watch, formed: Callable[[], bool], joins: Sequence[Eng
     answer at all is hung, and the group is given up naming it (`WeightSyncError.hung`);
     if every one answers, the rendezvous is slow, not stuck, and is waited for.
     """
-    if clock is not None:
+    if clock is not None and clock.deadline(JOIN) < clock.cap_s:  # a basis to judge by
         deadline = time.monotonic() + clock.deadline(JOIN)
         watch.wait(lambda: formed() or time.monotonic() > deadline, JOIN)
         pending = [] if formed() else [c for c in joins if not c.future.done()]

@@ -25,6 +25,9 @@ from slime_like.errors import EngineError, WeightSyncError
 # A call found past its deadline gets this long to show its answer is in already (its pool
 # thread may not have run yet, e.g. while the trainer's own thread held the GIL).
 LAST_CHANCE_S = 0.05
+# How often a spinning wait looks for calls past their deadline (deadlines are >= the
+# policy's floor, a second by default: no need to look at every poll).
+LATE_CHECK_S = 0.005
 
 
 class DeadlinePassed(WeightSyncError):
@@ -69,6 +72,7 @@ class Watch:
         self.clock = clock
         self.per_call = per_call and clock is not None
         self._answered: set[str] = set()  # steps at least one engine answered
+        self._late_check_at = 0.0
 
     def add(self, call: EngineCall) -> EngineCall:
         self.calls.append(call)
@@ -89,19 +93,23 @@ class Watch:
             if self.clock is not None:
                 self.clock.record_answer(c.step, c.future)
         self.calls = pending
-        if self.per_call:
+        if self.per_call and (now := time.monotonic()) >= self._late_check_at:
+            self._late_check_at = now + LATE_CHECK_S
             late = self._late()
             if late:
                 raise self._hung(late)
 
     def _late(self) -> list[EngineCall]:
         """Calls past their call type's deadline, on a step another engine answered (a
-        step nobody answered is not one engine's hang: the trainer, or a collective)."""
-        assert self.clock is not None
+        step nobody answered is not one engine's hang: the trainer, or a collective).
+        A deadline at the cap (no basis yet) is left to the call's own HTTP timeout."""
+        clock = self.clock
+        assert clock is not None
         now = time.perf_counter()
         late = [c for c in self.calls if c.step in self._answered
                 and (sent := getattr(c.future, "sent_at", None)) is not None
-                and now - sent > self.clock.deadline(call_type(c.step))]
+                and now - sent > (limit := clock.deadline(call_type(c.step)))
+                and limit < clock.cap_s]
         if late:
             wait_futures([c.future for c in late], timeout=LAST_CHANCE_S)
             late = [c for c in late if not c.future.done()]
