@@ -193,7 +193,7 @@ def test_requests_on_an_engine_hung_during_rollout_go_elsewhere_at_its_deadline(
     assert hung_at, "the victim never ran requests"
     # every sample back exactly once, some of them resubmitted away from the victim
     assert len(samples) == len(prompts) * n
-    assert Counter(s.index for s in samples) == {i: n for i in range(len(prompts))}
+    assert Counter(s.prompt_index for s in samples) == {i: n for i in range(len(prompts))}
     assert all(len(s.output_ids) == 48 for s in samples)
     assert fleet.generation.last["resubmitted"] > 0
     # the order: stopped, then out of the router at its probe's deadline (SUSPECT), then
