@@ -18,12 +18,6 @@ from concurrent.futures import Future
 from slime_like.config.deadlines import DeadlinePolicy
 
 
-def call_type(step: str) -> str:
-    """The call type of a step's name: "update_weights_from_distributed (bucket 3/15)" is
-    an "update_weights_from_distributed"."""
-    return step.split(" (", 1)[0]
-
-
 class CallClock:
     """Recent answer times per call type (thread-safe) and each type's deadline."""
 
@@ -43,7 +37,7 @@ class CallClock:
             answers.append(float(seconds))
             self._deadlines.pop(kind, None)
 
-    def record_answer(self, step: str, future: Future) -> None:
+    def record_answer(self, kind: str, future: Future) -> None:
         """A lane call's round trip (`future.seconds`, set by its session), once, if it
         was answered without an error (a failure says nothing of how long answers take)."""
         seconds = getattr(future, "seconds", None)
@@ -51,7 +45,15 @@ class CallClock:
                 or future.cancelled() or future.exception() is not None:
             return
         future.clocked = True  # type: ignore[attr-defined]
-        self.record(call_type(step), seconds)
+        self.record(kind, seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        """The deadline of every call type with a basis (below the cap), as of now: what a
+        wait looks up while it spins, without asking the clock each time."""
+        with self._lock:
+            kinds = list(self._answers)
+        limits = {kind: self.deadline(kind) for kind in kinds}
+        return {kind: limit for kind, limit in limits.items() if limit < self.cap_s}
 
     def deadline(self, kind: str) -> float:
         """Seconds a call of type `kind` may take before its engine counts as hung."""

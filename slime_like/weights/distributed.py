@@ -40,6 +40,7 @@ from slime_like.protocol.weight_group import (
     join_store,
 )
 from slime_like.weights.group_setup import (
+    JOIN,
     PENDING_JOINS,
     UNANSWERED_GRACE_S,
     backend_hint,
@@ -138,7 +139,7 @@ class DistributedTransport(Transport):
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
         address = self.master_address or master_address_for(engines)
-        step = "init_weights_update_group"
+        step = JOIN
         try:  # a wrong interface fails here in seconds, not in the rendezvous after minutes
             choice = check_reachable(self.backend, [host_port(e.url) for e in engines],
                                      who="the trainer (rank 0)")
@@ -192,6 +193,8 @@ class DistributedTransport(Transport):
                 raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
                                       f"({world_size} ranks): {err}{backend_hint(self.backend)}")
             watch.wait_calls(http)
+            for call in http if self.clock is not None else ():
+                self.clock.record_answer(JOIN, call.future)
         except BaseException as exc:
             held.clear()  # closes the store: every rank still in the rendezvous fails at once
             if "pg" in result:

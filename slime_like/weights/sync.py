@@ -102,7 +102,7 @@ class WeightSync:
         self.control = Control(self.config, self._warn_once)
         # What each call type took on these engines lately: every call's deadline.
         self.clock = CallClock(self.config.deadlines, cap_s=self.config.http_timeout_s)
-        self._unclocked: list[EngineCall] = []  # answers still due (continue, pipelined)
+        self._unclocked: list[EngineCall] = []  # the last update's calls, for the clock
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -241,6 +241,7 @@ class WeightSync:
         engines = list(self.engines)
         self._clock_answers()
         watch = Watch(cfg.http_timeout_s, self.clock)
+        closing = Watch(cfg.http_timeout_s, self.clock)  # end, flush, verify: their own
         sent: list[EngineCall] = []      # control calls in the engines' lanes
         answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
@@ -266,15 +267,13 @@ class WeightSync:
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
-                    resumed = self.control.end_and_continue(
-                        engines, sent, Watch(cfg.http_timeout_s, self.clock))
-                    self._unclocked = list(resumed)  # their answers come after the sync
+                    resumed = self.control.end_and_continue(engines, sent, closing)
                 with steps("flush"):
                     self.control.flush(engines, folded, answers.refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so
             else:
                 self.control.end_flush_verify(engines, folded, answers, report, steps, sent,
-                                              Watch(cfg.http_timeout_s, self.clock))
+                                              closing)
         except BaseException as e:
             failure = e
             error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
@@ -289,6 +288,7 @@ class WeightSync:
             answering = self._answering([e for e in engines if e.url not in hung])
             error = self._failed(e, steps.current, answering)
         finally:
+            self._unclocked = sent + watch.answered  # answered by the next update, if not now
             # The living engines resume first: finding out which engines died (pings with
             # a timeout) must not keep the healthy ones paused. A caller that routes engines
             # (the fleet) resumes them itself, after unrouting the unverified ones.
@@ -391,9 +391,11 @@ class WeightSync:
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
 
     def _clock_answers(self) -> None:
-        """The answers that came after the last sync returned (its pipelined continues)."""
+        """What the last update's calls took, into the clock: read at the next update's
+        start, so that its continues (answered after it returned) count too, and nothing
+        of the clock's runs while a transfer waits."""
         for call in self._unclocked:
-            self.clock.record_answer(call.step, call.future)
+            self.clock.record_answer(call.kind, call.future)
         self._unclocked = []
 
     def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:

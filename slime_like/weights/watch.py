@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-from slime_like.engine.deadlines import CallClock, call_type
+from slime_like.engine.deadlines import CallClock
 from slime_like.engine.fanout import describe
 from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
@@ -32,6 +32,12 @@ LATE_CHECK_S = 0.005
 
 class DeadlinePassed(WeightSyncError):
     """A wait's overall deadline passed (not one call's: see `Watch`)."""
+
+
+def call_type(step: str) -> str:
+    """The call type of a step's name: "update_weights_from_distributed (bucket 3/15)" is
+    an "update_weights_from_distributed"."""
+    return step.split(" (", 1)[0]
 
 
 @dataclass
@@ -52,6 +58,10 @@ class EngineCall:
     def error(self) -> BaseException | None:
         return self.future.exception() if self.future.done() else None
 
+    @property
+    def kind(self) -> str:
+        return call_type(self.step)
+
 
 class Watch:
     """Waits that give up at a deadline, or as soon as any watched engine call fails.
@@ -63,14 +73,17 @@ class Watch:
 
     def __init__(self, timeout_s: float, clock: CallClock | None = None, *,
                  per_call: bool = True):
-        """`clock`: answers are recorded there and, with `per_call`, each call waited on
-        gets the deadline of its call type (a group join does not: every join of a
-        rendezvous waits for the slowest, so the late one cannot be told apart)."""
+        """`clock`: with `per_call`, each call waited on gets its call type's deadline as
+        of now (a group join does not: every join of a rendezvous waits for the slowest,
+        so the late one cannot be told apart). The calls answered meanwhile are kept in
+        `answered`, for the owner to teach the clock (the wait itself only looks up)."""
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.calls: list[EngineCall] = []
         self.clock = clock
-        self.per_call = per_call and clock is not None
+        self.limits = clock.snapshot() if clock is not None and per_call else {}
+        self.per_call = bool(self.limits)
+        self.answered: list[EngineCall] = []
         self._answered: set[str] = set()  # steps at least one engine answered
         self._late_check_at = 0.0
 
@@ -90,8 +103,7 @@ class Watch:
                 pending.append(c)
                 continue
             self._answered.add(c.step)
-            if self.clock is not None:
-                self.clock.record_answer(c.step, c.future)
+            self.answered.append(c)
         self.calls = pending
         if self.per_call and (now := time.monotonic()) >= self._late_check_at:
             self._late_check_at = now + LATE_CHECK_S
@@ -102,14 +114,11 @@ class Watch:
     def _late(self) -> list[EngineCall]:
         """Calls past their call type's deadline, on a step another engine answered (a
         step nobody answered is not one engine's hang: the trainer, or a collective).
-        A deadline at the cap (no basis yet) is left to the call's own HTTP timeout."""
-        clock = self.clock
-        assert clock is not None
+        A type without a basis yet is left to the call's own HTTP timeout."""
         now = time.perf_counter()
         late = [c for c in self.calls if c.step in self._answered
                 and (sent := getattr(c.future, "sent_at", None)) is not None
-                and now - sent > (limit := clock.deadline(call_type(c.step)))
-                and limit < clock.cap_s]
+                and (limit := self.limits.get(c.kind)) is not None and now - sent > limit]
         if late:
             wait_futures([c.future for c in late], timeout=LAST_CHANCE_S)
             late = [c for c in late if not c.future.done()]
@@ -118,12 +127,12 @@ class Watch:
     def _hung(self, late: list[EngineCall]) -> WeightSyncError:
         assert self.clock is not None
         first = min(late, key=lambda c: c.future.sent_at)
-        kind = call_type(first.step)
+        kind = first.kind
         waited = time.perf_counter() - first.future.sent_at
         others = sorted({c.engine.url for c in late} - {first.engine.url})
         err = WeightSyncError(first.step, (
             f"no answer after {waited:.2f}s, past the deadline of {kind} "
-            f"({self.clock.deadline(kind):.2f}s = {self.clock.basis(kind)}) while other "
+            f"({self.limits[kind]:.2f}s = {self.clock.basis(kind)}) while other "
             "engines answered: left out as hung"
             + (f"; also hung: {', '.join(others)}" if others else "")), first.engine.url)
         err.hung = sorted({c.engine.url for c in late})

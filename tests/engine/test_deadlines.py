@@ -7,9 +7,10 @@ import pytest
 
 from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.config.slices import HealthSettings
-from slime_like.engine.deadlines import CallClock, call_type
+from slime_like.engine.deadlines import CallClock
 from slime_like.errors import ConfigError
 from slime_like.weights.sync_config import WeightSyncConfig
+from slime_like.weights.watch import call_type
 
 
 def test_the_cap_until_enough_answers_then_the_floor_or_a_multiple_of_the_quantile():
@@ -27,6 +28,7 @@ def test_the_cap_until_enough_answers_then_the_floor_or_a_multiple_of_the_quanti
     assert clock.deadline("update_weights_from_distributed") == 30.0  # never above the cap
     assert "quantile" in clock.basis("pause_generation")
     assert clock.deadline("end_weight_update") == 30.0  # never answered
+    assert clock.snapshot() == {"pause_generation": 1.0}  # only the types with a basis
 
 
 def test_a_window_forgets_old_answers():
