@@ -72,6 +72,9 @@ class WeightSyncError(SlimeLikeError):
         # engines whose call went past its deadline while others answered: hung, handed to
         # recovery by the fleet (a subset of `unresponsive`)
         self.hung: list[str] = []
+        # no engine was sent an update (failed at the attach, pause or begin): every
+        # engine still serves the weights it had
+        self.untouched = False
         where = f" on engine {engine}" if engine else ""
         super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
 

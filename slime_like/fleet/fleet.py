@@ -125,7 +125,9 @@ class Fleet(Supervision):
         """After a sync: route what is verified at the fleet's version, unroute the rest.
 
         After a failure nothing is verified: a transfer that stopped midway leaves weights
-        that are partly new under the old version string, so every target resyncs.
+        that are partly new under the old version string, so every target resyncs. Unless
+        no update request went out at all (`WeightSyncError.untouched`): then every target
+        keeps the version it had, and a routed one stays routed.
         """
         verified: dict[str, WeightVersion | None] = {e.engine_id: None for e in chosen}
         # Engines the sync found hung (a call past its deadline while the others answered)
@@ -140,6 +142,14 @@ class Fleet(Supervision):
             synced = set(update.report.get("engines") or [h.url for h in update.targets])
             pushed = parse_weight_version(update.report.get("weight_version")) or update.version
             verified = {e.engine_id: pushed if e.url in synced else None for e in chosen}
+        elif getattr(failed, "untouched", False):
+            # No update request reached any engine (it failed at the pause or begin, e.g.
+            # on a hung engine): each still serves what it was verified at, so one that
+            # was routed stays routed while the next attempt runs (the others resync).
+            verified = {e.engine_id: e.verified_version if e.phase is P.UPDATING_ROUTED
+                        else None for e in chosen}
+            logger.warning("weight update to version %s failed before any weights moved: %s",
+                           update.version, failed)
         else:
             logger.warning("weight update to version %s failed: %s", update.version, failed)
         with self.lock:

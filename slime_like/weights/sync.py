@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from slime_like.engine.deadlines import CallClock
-from slime_like.engine.fanout import each, on_all
+from slime_like.engine.fanout import on_all
 from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol import modes
@@ -52,6 +52,7 @@ from slime_like.weights.attach import (
 )
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
 from slime_like.weights.handshake import check_same_metadata
+from slime_like.weights.members import Members
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
     DEFAULT_BUFFER_BYTES,
@@ -70,7 +71,7 @@ __all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", 
 
 log = logging.getLogger(__name__)
 
-class WeightSync:
+class WeightSync(Members):
     """Pushes weights from this process (trainer rank 0) into a set of engines."""
 
     def __init__(self, engines: Sequence[EngineLike],
@@ -157,31 +158,6 @@ class WeightSync:
         if not getattr(source, "buckets_in_wire_layout", False):
             self._transport().prepare(self._plan(metas))
 
-    # ---- engines coming and going ---------------------------------------------------------------
-
-    def add_engine(self, engine: EngineLike) -> None:
-        """An engine (e.g. a recovered one) joins; the next sync rebuilds the group with it."""
-        with self._lock:
-            target = session_for(engine)
-            target.timeout = self.config.http_timeout_s
-            if any(e.url == target.url for e in self.engines):
-                raise ConfigError("engines", f"engine {target.url} is already synced")
-            self.dropped = [e for e in self.dropped if e.url != target.url]
-            self._probed.discard(target.url)
-            self.engines.append(target)
-            if self.transport is not None:
-                self.transport.forget([target.url])
-
-    def remove_engine(self, url: str) -> None:
-        with self._lock:
-            self.engines = [e for e in self.engines if e.url != url.rstrip("/")]
-
-    def take_dropped(self) -> list[str]:
-        """URLs of engines dropped after they stopped answering (for recovery), once each."""
-        with self._lock:
-            out, self.dropped = [e.url for e in self.dropped], []
-            return out
-
     # ---- the transaction ------------------------------------------------------------------------
 
     def update(self, weights: Any, weight_version: str | None = None,
@@ -200,18 +176,6 @@ class WeightSync:
             if engines is not None:
                 self._set_engines(engines)
             return self._update(weights, weight_version, frozenset(quiet))
-
-    def _set_engines(self, engines: Sequence[EngineLike]) -> None:
-        new = [session_for(e) for e in engines]
-        if [e.url for e in new] == [e.url for e in self.engines]:
-            return
-        known = {e.url: e for e in self.engines}
-        self.engines = []
-        for e in new:
-            if e.url not in known:
-                e.timeout = self.config.http_timeout_s
-                self._probed.discard(e.url)
-            self.engines.append(known.get(e.url, e))
 
     def _update(self, weights: Any, weight_version: str | None,
                 quiet: frozenset[str] = frozenset()) -> SyncReport:
@@ -236,13 +200,14 @@ class WeightSync:
             except WeightMetadataError:
                 raise
             except Exception as e:  # e.g. an engine died between syncs: drop it, say so
-                raise self._failed(e, "attach", []) from e
+                raise _untouched(self._failed(e, "attach", []), True) from e
         buckets = self._plan(metas)
         engines = list(self.engines)
         self._clock_answers()
         watch = Watch(cfg.http_timeout_s, self.clock)
         closing = Watch(cfg.http_timeout_s, self.clock)  # end, flush, verify: their own
         sent: list[EngineCall] = []      # control calls in the engines' lanes
+        updates: list[EngineCall] = []   # the transfer's calls
         answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
         failure: BaseException | None = None
@@ -261,7 +226,7 @@ class WeightSync:
                                    and self.control.flush_plan(e, report) is None)
                 answers = LastAnswers(version)
                 self._transfer(engines, source, buckets, version, watch, stats, folded,
-                               control, answers)
+                               control, answers, updates)
                 report.transfer = stats.as_dict()
             if self.control.can_pipeline_end(engines, folded, answers, report):
                 # Every engine's last answer carries the new version and no separate flush is
@@ -285,8 +250,10 @@ class WeightSync:
             settle([c for c in sent if c.engine.url not in hung], cfg.http_timeout_s)
             # Only engines that still answer are undone: each call to a hung one would wait
             # out its timeout. The others are dropped, their undo left to whoever recovers them.
+            # No update request went out (the lanes are quiet now): no engine's weights moved.
+            untouched = all(getattr(c.future, "sent_at", None) is None for c in updates)
             answering = self._answering([e for e in engines if e.url not in hung])
-            error = self._failed(e, steps.current, answering)
+            error = _untouched(self._failed(e, steps.current, answering), untouched)
         finally:
             self._unclocked = sent + watch.answered  # answered by the next update, if not now
             # The living engines resume first: finding out which engines died (pings with
@@ -318,7 +285,7 @@ class WeightSync:
     def _transfer(self, engines: list[EngineSession], source: WeightSource,
                   buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,
                   folded: frozenset[str], control: list[EngineCall],
-                  answers: LastAnswers) -> None:
+                  answers: LastAnswers, updates: list[EngineCall]) -> None:
         """Every payload the transport makes of the buckets, posted through every engine's
         session before the next is asked for; then every answer, or the first failure,
         blamed on the engine that most likely caused it.
@@ -340,6 +307,7 @@ class WeightSync:
                                             own.get(e.url, []) if posted else every,
                                             not posted, watch, stats)
                                  for e in engines]
+                updates += payload.calls
                 if not posted:
                     watch.wait_calls(control)
                 posted += payload.calls
@@ -398,35 +366,6 @@ class WeightSync:
             self.clock.record_answer(call.kind, call.future)
         self._unclocked = []
 
-    def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:
-        def alive(engine: EngineSession) -> bool:
-            return engine.ping(timeout=self.config.liveness_timeout_s)
-
-        return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
-
-    def _with_dead_dropped(self, err: WeightSyncError,
-                           silent: list[EngineSession] | None = None) -> WeightSyncError:
-        """Drop engines that stopped answering (`silent`, when known) and say so in the error."""
-        dead = self._drop_dead(silent)
-        if dead:
-            if err.engine is None:
-                err.engine = dead[0]
-            err.args = (f"{err.args[0]}; dropped engines that stopped answering: "
-                        f"{', '.join(dead)} (the next sync rebuilds the group without them)",)
-        return err
-
-    def _drop_dead(self, silent: list[EngineSession] | None = None) -> list[str]:
-        dead = silent if silent is not None else [
-            e for e in self.engines if e not in self._answering(self.engines)]
-        dead = [e for e in dead if e in self.engines]
-        if dead:
-            self.engines = [e for e in self.engines if e not in dead]
-            self.dropped += dead
-            if self.transport is not None:
-                self.transport.forget([e.url for e in dead])
-            log.error("dropped engines that stopped answering: %s", [e.url for e in dead])
-        return [e.url for e in dead]
-
     # ---- teardown ---------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -443,6 +382,13 @@ class WeightSync:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _untouched(err: WeightSyncError, untouched: bool) -> WeightSyncError:
+    """Say whether the failed sync sent any engine an update (the fleet keeps routing
+    engines whose weights it never touched)."""
+    err.untouched = untouched
+    return err
 
 
 def _timed(stats: TransferStats, url: str, future: Future) -> None:

@@ -3,11 +3,11 @@ elsewhere, each once the hung engine missed its deadline, not the health monitor
 
 Real Ray, the real sglang-router, two reference-engine processes; the fault is a real
 SIGSTOP of one engine's server. One fleet for the module, its health monitor on with a
-budget for a death (3 failed probes of up to 4 s, 1 s apart) far above the deadlines (1 s
-floor), so the tests can tell which of the two found the engine: they assert the order of
-the fleet's events, never a time. Every stopped process is continued (or is already gone)
-before its test ends; after the fleet's shutdown no engine process is left and every
-engine's port is free again.
+budget for a death (2 failed probes of up to 10 s, 1 s apart) far above the deadlines
+(1 s floor, or 10x what probes took lately), so the tests can tell which of the two found
+the engine: they assert the order of the fleet's events, never a time. Every stopped
+process is continued (or is already gone) before its test ends; after the fleet's
+shutdown no engine process is left and every engine's port is free again.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from slime_like.models import load_pretrained
 
 FLEET_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "own_trainer",
                           "fleet.yaml")
-HEALTH = HealthSettings(enabled=True, interval_s=1.0, timeout_s=4.0, first_wait_s=1.0,
-                        failure_threshold=3)
+HEALTH = HealthSettings(enabled=True, interval_s=1.0, timeout_s=10.0, first_wait_s=3.0,
+                        failure_threshold=2)
 
 
 @pytest.fixture(scope="module")
