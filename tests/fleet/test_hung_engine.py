@@ -102,6 +102,16 @@ def stopped(pid: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
+def probes_have_a_deadline(fleet, timeout: float = 30.0) -> None:
+    """Wait until enough probes answered for their deadline to be derived (below the
+    probe timeout): before that, only the timeout finds a hang."""
+    clock = fleet.health.monitor.clock
+    deadline = time.monotonic() + timeout
+    while "health_generate" not in clock.snapshot() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "health_generate" in clock.snapshot(), clock.basis("health_generate")
+
+
 def recorder(fleet) -> list:
     events: list = []
     fleet.subscribe(events.append)
@@ -117,49 +127,14 @@ def first(events: list, start: int = 0, **match) -> int | None:
     return None
 
 
-def test_a_sync_lands_on_the_others_before_the_monitor_would_call_the_hung_engine_dead(
+def test_requests_on_an_engine_hung_during_rollout_go_elsewhere_at_its_deadline(
         fleet, tiny_model_dir):
-    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
-    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
-    steps = []
-    for _ in range(3):  # every call type answered by both engines: deadlines have a basis
-        t0 = time.perf_counter()
-        weights.push(model)
-        steps.append(time.perf_counter() - t0)
-    hung, other = fleet.engines
-    fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
-    events = recorder(fleet)
-    with stopped(pid):  # just before the sync, as a wedged host or a debugger would
-        t0 = time.perf_counter()
-        report = weights.push(model)
-        step_after = time.perf_counter() - t0
-    # the sync landed on the other engine, at the next version
-    assert report["engines"] == [other.url]
-    assert fleet.version.wire == "4" == other.handle.weight_version()
-    # the order: the hung engine was handed to recovery by the sync (its pause went past
-    # the deadline while the other engine answered), then the sync landed; the health
-    # monitor's verdict (3 failed probes) never came first
-    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
-    landed = first(events, subject="fleet", kind=Happening.VERSION)
-    assert dead is not None and landed is not None and dead < landed, events
-    reason = str(events[dead].details.get("reason"))
-    assert "hung during a weight sync" in reason and "pause_generation" in reason, reason
-    assert "deadline" in reason and hung.url in reason, reason
-    assert not [ev for ev in events[:landed] if "consecutive failed probes"
-                in str(ev.details.get("reason"))]
-    print(f"\nstep after SIGSTOP {step_after:.3f}s against a median step of "
-          f"{statistics.median(steps):.3f}s ({step_after / statistics.median(steps):.1f}x)")
-    # recovered: the stopped process is gone, a new one serves the fleet's version, routed
-    wait_all_registered(fleet)
-    assert first(events, subject=hung.engine_id, kind=Happening.RECOVERED) is not None
-    assert not _running(pid)
-    assert {e.handle.weight_version() for e in fleet.engines} == {"4"}
-    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    """First in the module: its probes' deadline is derived from a quiet fleet's probes,
+    not from those a relaunch elsewhere on two cores slowed down."""
+    weights = FleetWeights(fleet, transport="distributed")
+    weights.push(load_pretrained(tiny_model_dir, dtype=torch.float32))  # both routed
     weights.close()
-
-
-def test_requests_on_an_engine_hung_during_rollout_go_elsewhere_at_its_deadline(fleet):
-    wait_all_registered(fleet)
+    probes_have_a_deadline(fleet)
     victim = fleet.engines[1]
     pid = server_pid(victim)
     fleet.seen_servers[pid] = urlparse(victim.url).port
@@ -206,3 +181,45 @@ def test_requests_on_an_engine_hung_during_rollout_go_elsewhere_at_its_deadline(
     # continued, it serves again (or, had the monitor given it up meanwhile, its replacement)
     wait_all_registered(fleet)
     assert routed_urls(fleet) == {e.url for e in fleet.engines}
+
+
+def test_a_sync_lands_on_the_others_before_the_monitor_would_call_the_hung_engine_dead(
+        fleet, tiny_model_dir):
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
+    steps = []
+    for _ in range(3):  # every call type answered by both engines: deadlines have a basis
+        t0 = time.perf_counter()
+        weights.push(model)
+        steps.append(time.perf_counter() - t0)
+    hung, other = fleet.engines
+    fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
+    expected = fleet.version.next().wire
+    events = recorder(fleet)
+    with stopped(pid):  # just before the sync, as a wedged host or a debugger would
+        t0 = time.perf_counter()
+        report = weights.push(model)
+        step_after = time.perf_counter() - t0
+    # the sync landed on the other engine, at the next version
+    assert report["engines"] == [other.url]
+    assert fleet.version.wire == expected == other.handle.weight_version()
+    # the order: the hung engine was handed to recovery by the sync (its pause went past
+    # the deadline while the other engine answered), then the sync landed; the health
+    # monitor's verdict (3 failed probes) never came first
+    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
+    landed = first(events, subject="fleet", kind=Happening.VERSION)
+    assert dead is not None and landed is not None and dead < landed, events
+    reason = str(events[dead].details.get("reason"))
+    assert "hung during a weight sync" in reason and "pause_generation" in reason, reason
+    assert "deadline" in reason and hung.url in reason, reason
+    assert not [ev for ev in events[:landed] if "consecutive failed probes"
+                in str(ev.details.get("reason"))]
+    print(f"\nstep after SIGSTOP {step_after:.3f}s against a median step of "
+          f"{statistics.median(steps):.3f}s ({step_after / statistics.median(steps):.1f}x)")
+    # recovered: the stopped process is gone, a new one serves the fleet's version, routed
+    wait_all_registered(fleet)
+    assert first(events, subject=hung.engine_id, kind=Happening.RECOVERED) is not None
+    assert not _running(pid)
+    assert {e.handle.weight_version() for e in fleet.engines} == {expected}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    weights.close()
