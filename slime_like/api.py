@@ -29,6 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from slime_like.cluster.placement import JobPlacement, place_job
+from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.config.fleet_config import FleetLayout, fleet_config
 from slime_like.config.slices import EngineSettings, HealthSettings, RouterSettings
 from slime_like.errors import FleetError
@@ -44,9 +45,9 @@ from slime_like.protocol.weight_version import WeightVersion
 from slime_like.rollout.logprob_check import LogprobCheck, LogprobMismatch
 from slime_like.rollout.producer import Batch, ProducerCounts
 
-__all__ = ["Batch", "DrainReport", "Drained", "EngineSettings", "EngineState", "Fleet",
-           "FleetError", "FleetEvent", "FleetLayout", "FleetWeights", "Happening",
-           "HealthSettings", "LogprobCheck", "LogprobChecker", "LogprobMismatch",
+__all__ = ["Batch", "DeadlinePolicy", "DrainReport", "Drained", "EngineSettings",
+           "EngineState", "Fleet", "FleetError", "FleetEvent", "FleetLayout", "FleetWeights",
+           "Happening", "HealthSettings", "LogprobCheck", "LogprobChecker", "LogprobMismatch",
            "PauseMode", "ProducerCounts", "RolloutStream", "RouterSettings", "RouterState",
            "Transport", "Update", "WeightVersion", "WorkerType", "launch_fleet"]
 

@@ -69,6 +69,12 @@ class WeightSyncError(SlimeLikeError):
         self.detail = message
         self.paused: list[str] = []  # engines left paused for the caller (resume_on_failure off)
         self.unresponsive: list[str] = []  # engines that took no control call (a retry leaves them out)
+        # engines whose call went past its deadline while others answered: hung, handed to
+        # recovery by the fleet (a subset of `unresponsive`)
+        self.hung: list[str] = []
+        # no engine was sent an update (failed at the attach, pause or begin): every
+        # engine still serves the weights it had
+        self.untouched = False
         where = f" on engine {engine}" if engine else ""
         super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
 

@@ -62,6 +62,7 @@ HEAVY_MODULES = (
     "tests/job/test_fsdp_job.py",
     "tests/fleet/test_public_api.py",
     "tests/fleet/test_elastic.py",
+    "tests/fleet/test_hung_engine.py",
     "tests/weights/test_sharded_sync.py",
     "tests/scripts/test_run_job.py",
     "tests/weights/test_benchmark_tiny.py",

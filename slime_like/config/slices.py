@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_like.config.async_flags import staleness_bound
+from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
 
@@ -52,13 +53,20 @@ class RouterSettings:
 @dataclass(frozen=True)
 class HealthSettings:
     """Engine probing (`--use-fault-tolerance`); off, the monitor is nothing and no engine
-    is probed."""
+    is probed. A probe unanswered past its deadline (`deadlines`: derived from what the
+    engines' probes took lately, at most `timeout_s`) already makes its engine SUSPECT: out
+    of the router, its requests in flight resubmitted; a death still takes
+    `failure_threshold` probes that fail or time out."""
 
     enabled: bool = False
     interval_s: float = 30.0
     timeout_s: float = 30.0
     first_wait_s: float = 300.0
     failure_threshold: int = 3
+    deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deadlines", DeadlinePolicy.of(self.deadlines))
 
 
 @dataclass(frozen=True)

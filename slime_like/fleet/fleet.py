@@ -129,13 +129,31 @@ class Fleet(Membership):
         """After a sync: route what is verified at the fleet's version, unroute the rest.
 
         After a failure nothing is verified: a transfer that stopped midway leaves weights
-        that are partly new under the old version string, so every target resyncs.
+        that are partly new under the old version string, so every target resyncs. Unless
+        no update request went out at all (`WeightSyncError.untouched`): then every target
+        keeps the version it had, and a routed one stays routed.
         """
         verified: dict[str, WeightVersion | None] = {e.engine_id: None for e in chosen}
+        # Engines the sync found hung (a call past its deadline while the others answered)
+        # are handed to recovery now, as a death is: out of the router, relaunched,
+        # resynced. Waiting for the health monitor to find them would hold the next
+        # attempt, and every engine it pauses, for the monitor's whole budget.
+        hung = set(getattr(failed, "hung", None) or ())
+        for e in chosen:
+            if e.url in hung:
+                self.start_recovery(e, f"hung during a weight sync: {failed}")
         if failed is None:
             synced = set(update.report.get("engines") or [h.url for h in update.targets])
             pushed = parse_weight_version(update.report.get("weight_version")) or update.version
             verified = {e.engine_id: pushed if e.url in synced else None for e in chosen}
+        elif getattr(failed, "untouched", False):
+            # No update request reached any engine (it failed at the pause or begin, e.g.
+            # on a hung engine): each still serves what it was verified at, so one that
+            # was routed stays routed while the next attempt runs (the others resync).
+            verified = {e.engine_id: e.verified_version if e.phase is P.UPDATING_ROUTED
+                        else None for e in chosen}
+            logger.warning("weight update to version %s failed before any weights moved: %s",
+                           update.version, failed)
         else:
             logger.warning("weight update to version %s failed: %s", update.version, failed)
         with self.lock:
@@ -167,8 +185,8 @@ class Fleet(Membership):
                     self.move(e, P.STALE, reason="version moved on")
         if failed is not None:
             # Resumed only now, after the unverified engines left the router.
-            each(chosen, lambda e: e.handle.continue_generation(
-                timeout=self.settings.verify_timeout_s))
+            each([e for e in chosen if e.url not in hung],
+                 lambda e: e.handle.continue_generation(timeout=self.settings.verify_timeout_s))
             for e in chosen:  # failures are the health monitor's to find, deaths ours
                 if not self.launcher.alive(e):
                     self.start_recovery(e, "server gone after a failed weight update")

@@ -8,7 +8,11 @@ Two signals per engine, checked every `interval_s` for all engines concurrently:
   `failure_threshold` consecutive failures, and never during the `first_wait_s` grace after
   an engine (re)starts, so a cold compile is not mistaken for a hang (slime's default of 0 s
   kills engines during their first compile).
-A hung probe never delays the others: each runs in its own worker with a deadline.
+A hung probe never delays the others: each runs in its own worker with a deadline. With a
+`CallClock`, a probe also has the deadline of its kind (what the engines' probes of that
+kind took lately, at most the timeout): one still unanswered past it makes its engine
+suspect at once (`on_suspect`), so the requests it holds go elsewhere long before the
+probe's timeout; the probe still runs to its timeout to count as a failure.
 
 The monitor holds health counters only; lifecycle decisions are the fleet's. It asks
 whether to probe an engine now (`should_probe`: not a dead one) and reports: `on_suspect`
@@ -27,16 +31,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_any
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from slime_like.config.slices import HealthSettings
+from slime_like.engine.deadlines import CallClock
 from slime_like.fleet.launcher import Launcher
-from slime_like.fleet.lifecycle import WATCHED, ManagedEngine
+from slime_like.fleet.lifecycle import PING_ONLY, WATCHED, ManagedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,9 @@ class HealthMonitor:
                  should_probe: Callable[[Hashable], bool] | None = None,
                  on_suspect: Callable[[Hashable, str], None] | None = None,
                  on_healthy: Callable[[Hashable], None] | None = None,
-                 alive_all: Callable[[list[Hashable]], dict[Hashable, bool]] | None = None):
+                 alive_all: Callable[[list[Hashable]], dict[Hashable, bool]] | None = None,
+                 clock: CallClock | None = None,
+                 probe_kind: Callable[[Hashable], str] | None = None):
         self.probe = probe
         self.is_alive = is_alive
         # Liveness of a whole round at once (one round trip for the fleet), else per key.
@@ -75,6 +82,10 @@ class HealthMonitor:
         self.on_suspect = on_suspect or (lambda key, why: None)
         self.on_healthy = on_healthy or (lambda key: None)
         self.policy = policy or HealthPolicy()
+        # What probes of each kind took lately, and so each probe's deadline (none: the
+        # timeout alone decides).
+        self.clock = clock
+        self.probe_kind = probe_kind or (lambda key: "probe")
         self._engines: dict[Hashable, _Watched] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -130,7 +141,7 @@ class HealthMonitor:
         with self._lock:
             engines = dict(self._engines)
         dead: list[Hashable] = []
-        futures = {}
+        futures: dict[Hashable, tuple[Future, list[float], str]] = {}
         alive = self._alive_all(list(engines))
         for key, w in engines.items():
             if not alive.get(key, True):
@@ -139,31 +150,63 @@ class HealthMonitor:
                 continue
             if now - w.since < self.policy.first_wait_s or not self._should_probe(key):
                 continue
-            futures[key] = self._pool.submit(self.probe, key, self.policy.timeout_s)
-        deadline = time.monotonic() + self.policy.timeout_s + 1.0
-        for key, fut in futures.items():
+            started: list[float] = []
+            futures[key] = (self._pool.submit(self._probe, key, started), started,
+                            self.probe_kind(key))
+        early = self._wait(futures)
+        for key, (fut, _, _) in futures.items():
             try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 ok, why = True, ""
-            except FutureTimeout:
-                ok, why = False, f"probe timed out after {self.policy.timeout_s:.0f}s"
+                if not fut.done():
+                    ok, why = False, f"probe timed out after {self.policy.timeout_s:.0f}s"
+                else:
+                    fut.result()
             except Exception as e:  # noqa: BLE001 - any probe failure counts
                 ok, why = False, f"probe failed: {e}"
             with self._lock:
                 w = self._engines.get(key)
                 if w is None:
                     continue
-                was_failing = w.failures > 0
+                was_failing = w.failures > 0 or key in early
                 w.failures = 0 if ok else w.failures + 1
                 failures = w.failures
             if ok and was_failing:
                 self.on_healthy(key)
-            elif failures == 1:
+            elif failures == 1 and key not in early:
                 self.on_suspect(key, why)
             if failures >= self.policy.failure_threshold and self._declare_dead(
                     key, f"{failures} consecutive failed probes; last: {why}"):
                 dead.append(key)
         return dead
+
+    def _probe(self, key: Hashable, started: list[float]) -> float:
+        started.append(time.monotonic())
+        self.probe(key, self.policy.timeout_s)
+        return time.monotonic() - started[0]
+
+    def _wait(self, futures: dict[Hashable, tuple[Future, list[float], str]]) -> set[Hashable]:
+        """Wait for the round's probes (at most the timeout); the engines whose probe went
+        past its kind's deadline meanwhile are suspect at once: returned, `on_suspect`
+        called. A probe answered in time teaches the clock how long its kind takes."""
+        end = time.monotonic() + self.policy.timeout_s + 1.0
+        early: set[Hashable] = set()
+        pending = dict(futures)
+        while pending and time.monotonic() < end:
+            wait_any([f for f, _, _ in pending.values()], return_when=FIRST_COMPLETED,
+                     timeout=min(0.05, max(0.0, end - time.monotonic())))
+            now = time.monotonic()
+            for key, (fut, started, kind) in list(pending.items()):
+                if fut.done():
+                    del pending[key]
+                    if self.clock is not None and fut.exception() is None:
+                        self.clock.record(kind, fut.result())
+                elif self.clock is not None and key not in early and started and \
+                        now - started[0] > (limit := self.clock.deadline(kind)) and \
+                        limit < self.clock.cap_s:
+                    early.add(key)
+                    self.on_suspect(key, f"no answer to its {kind} probe within {limit:.2f}s "
+                                         f"(its deadline: {self.clock.basis(kind)})")
+        return early
 
     def _declare_dead(self, key: Hashable, reason: str) -> bool:
         """Stop watching `key` and call on_dead once; False if it was already gone."""
@@ -244,7 +287,10 @@ class FleetHealth:
             on_suspect=lambda engine_id, why: self.report(
                 Verdict(find(engine_id), Finding.SUSPECT, why)),
             on_healthy=lambda engine_id: self.report(Verdict(find(engine_id), Finding.HEALTHY)),
-            alive_all=lambda ids: self.launcher.alive_all([find(i) for i in ids]))
+            alive_all=lambda ids: self.launcher.alive_all([find(i) for i in ids]),
+            clock=CallClock(health.deadlines, cap_s=health.timeout_s),
+            probe_kind=lambda engine_id: "ping" if find(engine_id).phase in PING_ONLY
+            else "health_generate")
         for engine_id in self._by_id:
             self.monitor.watch(engine_id)
         self.monitor.start()

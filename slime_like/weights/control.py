@@ -22,9 +22,9 @@ from slime_like.engine.fanout import on_all
 from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol.modes import PauseMode
-from slime_like.weights.sync_config import SyncReport, WeightSyncConfig
+from slime_like.weights.sync_config import StepClock, SyncReport, WeightSyncConfig
 from slime_like.weights.transport import TransferStats
-from slime_like.weights.watch import EngineCall
+from slime_like.weights.watch import EngineCall, Watch
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,39 @@ class Control:
             return "skipped: engine keeps retracted KV"
         return None
 
+    def end_and_continue(self, engines: list[EngineSession], sent: list[EngineCall],
+                         watch: Watch) -> list[EngineCall]:
+        """End and continue back to back in every lane (no trainer hop); waits for the
+        ends (each with its deadline), returns the continues (answered after the sync)."""
+        ends = self.submit_end(engines)
+        sent += ends
+        resumed = self.submit_continue(engines, ends)
+        sent += resumed
+        _wait(watch, ends)  # a failure names the engine and the step
+        return resumed
+
+    def end_flush_verify(self, engines: list[EngineSession], folded: frozenset[str],
+                         answers: LastAnswers, report: SyncReport, steps: StepClock,
+                         sent: list[EngineCall], watch: Watch) -> None:
+        """The old order (a separate flush, or a version to read from `/model_info`): end,
+        flush, verify, each through the lanes and waited on with its call type's deadline."""
+        with steps("end"):
+            ends = self.submit_end(engines)
+            sent += ends
+            _wait(watch, ends)
+        with steps("flush"):
+            self.flush(engines, folded, answers.refused, report, watch, sent)
+        with steps("verify"):
+            checks = [_call(e, "verify_weight_version", lambda e: e.verify_version(answers.version))
+                      for e in engines if not answers.version_set(e)]
+            sent += checks
+            _wait(watch, checks)
+
     def flush(self, engines: list[EngineSession], folded: frozenset[str],
-               refused: dict[str, str], report: SyncReport) -> None:
+              refused: dict[str, str], report: SyncReport, watch: Watch | None = None,
+              sent: list[EngineCall] | None = None) -> None:
+        """The flush rule on every engine; with a `watch`, through the lanes (each call with
+        its deadline), else at once (nothing but folded answers to read)."""
         def flush(engine: EngineSession) -> None:
             skip = self.flush_plan(engine, report)
             if skip is not None:
@@ -130,7 +161,13 @@ class Control:
                 report.warnings.append(f"engine {engine.url} refused the cache flush after the "
                                        "new weights landed; its prefix cache may be stale")
 
-        on_all(engines, "flush_cache", flush)
+        if watch is None:
+            on_all(engines, "flush_cache", flush)
+            return
+        calls = [_call(e, "flush_cache", flush) for e in engines]
+        if sent is not None:
+            sent += calls
+        _wait(watch, calls)
 
     def undo(self, engines: list[EngineSession], sent: Sequence[EngineCall] = (), *,
              resume: bool = True) -> list[tuple[str, str]]:
@@ -180,6 +217,13 @@ def _call(engine: EngineSession, step: str, fn: Callable[[EngineSession], Any],
           after: Sequence[Future] | None = None) -> EngineCall:
     """Queue fn(engine) in the engine's ordered lane (after everything queued before it)."""
     return EngineCall(engine, step, engine.submit(fn, engine, after=after))
+
+
+def _wait(watch: Watch, calls: list[EngineCall]) -> None:
+    """Every call watched (its failure named, its deadline kept) until all answered."""
+    for call in calls:
+        watch.add(call)
+    watch.wait_calls(calls)
 
 
 def settle(sent: Sequence[EngineCall], timeout_s: float) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from slime_like.engine.fanout import on_all
-from slime_like.engine.session import EngineSession
+from slime_like.engine.session import EngineSession, engine_pool
 from slime_like.errors import WeightSyncError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import Bucket
@@ -40,6 +40,7 @@ from slime_like.protocol.weight_group import (
     join_store,
 )
 from slime_like.weights.group_setup import (
+    JOIN,
     PENDING_JOINS,
     UNANSWERED_GRACE_S,
     backend_hint,
@@ -51,6 +52,7 @@ from slime_like.weights.group_setup import (
     nccl_env_hint,
     never_answered,
     not_joined,
+    wait_for_group,
 )
 from slime_like.weights.packing import (
     BucketPacker,
@@ -112,7 +114,9 @@ class DistributedTransport(Transport):
         members = tuple((e.url, e.tp_size) for e in engines)
         if self.pg is not None and members == self.members:
             return
-        self._teardown()
+        # Engines outside the new group leave their old groups without being waited for:
+        # one dropped as hung would hold the regroup for its whole leave timeout.
+        self._teardown(aside=[url for url in self.asked if url not in {u for u, _ in members}])
         self._create(engines)
 
     def forget(self, urls: Sequence[str]) -> None:
@@ -135,7 +139,7 @@ class DistributedTransport(Transport):
         name = f"slime_like_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}_{self.attempt}"
         offsets, world_size = engine_ranks(engines)
         address = self.master_address or master_address_for(engines)
-        step = "init_weights_update_group"
+        step = JOIN
         try:  # a wrong interface fails here in seconds, not in the rendezvous after minutes
             choice = check_reachable(self.backend, [host_port(e.url) for e in engines],
                                      who="the trainer (rank 0)")
@@ -154,7 +158,7 @@ class DistributedTransport(Transport):
         # once (killed as it was asked to join) would leave the others in the rendezvous
         # until rank 0's own join timed out.
         joiner = join_store(address, port, world_size, self.group_timeout_s)
-        watch = Watch(self.group_timeout_s + 10)
+        watch = Watch(self.group_timeout_s + 10, self.clock, per_call=False)
         http = []
         for engine, offset in zip(engines, offsets, strict=True):
             req = p.InitWeightsUpdateGroupRequest(
@@ -182,13 +186,15 @@ class DistributedTransport(Transport):
         thread = threading.Thread(target=rank0, name="weight-group-rank0", daemon=True)
         thread.start()
         try:
-            watch.wait(lambda: not thread.is_alive(), step)
+            wait_for_group(watch, lambda: not thread.is_alive(), http, self.clock)
             if "error" in result:
                 err = result.pop("error")
                 watch.check()  # an engine's own answer explains more than the rendezvous error
                 raise WeightSyncError(step, f"rank 0 could not join group {name!r} "
                                       f"({world_size} ranks): {err}{backend_hint(self.backend)}")
             watch.wait_calls(http)
+            for call in http if self.clock is not None else ():
+                self.clock.record_answer(JOIN, call.future)
         except BaseException as exc:
             held.clear()  # closes the store: every rank still in the rendezvous fails at once
             if "pg" in result:
@@ -205,8 +211,11 @@ class DistributedTransport(Transport):
         log.info("weight group %s: %d ranks over %d engines (%s)", name, world_size,
                  len(engines), self.backend)
 
-    def _teardown(self, leave_timeout_s: float = 10.0, only: Sequence[str] | None = None) -> None:
-        """Drop our side of the current group and ask engines to destroy every group they joined."""
+    def _teardown(self, leave_timeout_s: float = 10.0, only: Sequence[str] | None = None,
+                  aside: Sequence[str] = ()) -> None:
+        """Drop our side of the current group and ask engines to destroy every group they
+        joined (those of `aside` on the engine pool, not waited for; a name not left stays
+        for the next teardown)."""
         if self.pg is not None:
             destroy_process_group(self.pg)
         self.pg, self.group_name, self.members, self._store = None, None, (), None
@@ -216,8 +225,10 @@ class DistributedTransport(Transport):
         sessions = [s for s in self.asked.values() if s.groups]
         self.asked = {s.url: s for s in sessions}
         leaving = [s for s in sessions if only is None or s.url in only]
+        for s in [s for s in leaving if s.url in aside]:
+            engine_pool().submit(s.leave_groups, leave_timeout_s)
         with contextlib.suppress(WeightSyncError):
-            on_all(leaving, "destroy_weights_update_group",
+            on_all([s for s in leaving if s.url not in aside], "destroy_weights_update_group",
                    lambda s: s.leave_groups(timeout=leave_timeout_s))
         self.asked = {s.url: s for s in sessions if s.groups}
         self._closed()  # a failed group closes once its engines left it

@@ -10,16 +10,18 @@ import ipaddress
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from slime_like.engine.deadlines import CallClock
+from slime_like.engine.fanout import each
 from slime_like.engine.session import EngineSession
 from slime_like.errors import WeightSyncError
 from slime_like.protocol.weight_group import destroy_process_group
-from slime_like.weights.watch import EngineCall, no_answer
+from slime_like.weights.watch import EngineCall, Watch, no_answer
 
 
 def engine_ranks(engines: Sequence[EngineSession]) -> tuple[list[int], int]:
@@ -69,6 +71,8 @@ def nccl_env_hint() -> str:
             "(or set the same on every engine)")
 
 
+JOIN = "init_weights_update_group"
+PING_S = 1.0  # how long an engine late to its join has to answer /ping
 # After a failed rendezvous closed its store, how long engines get to answer their join.
 UNANSWERED_GRACE_S = 5.0
 # Each engine's latest join call, across transports of this process (a resync builds its own).
@@ -81,6 +85,32 @@ def join_pending(url: str) -> bool:
         PENDING_JOINS.pop(url, None)
         return False
     return future is not None
+
+
+def wait_for_group(watch: Watch, formed: Callable[[], bool], joins: Sequence[EngineCall],
+                   clock: CallClock | None) -> None:
+    """Until rank 0 is in the group (or a join failed, or the group timeout passed).
+
+    A join has no deadline of its own: every join of a rendezvous waits for the slowest,
+    so a late one says nothing of who is late. At the join's deadline (what joins took
+    lately) the engines whose join is still unanswered are pinged: one that does not
+    answer at all is hung, and the group is given up naming it (`WeightSyncError.hung`);
+    if every one answers, the rendezvous is slow, not stuck, and is waited for.
+    """
+    if clock is not None and clock.deadline(JOIN) < clock.cap_s:  # a basis to judge by
+        deadline = time.monotonic() + clock.deadline(JOIN)
+        watch.wait(lambda: formed() or time.monotonic() > deadline, JOIN)
+        pending = [] if formed() else [c for c in joins if not c.future.done()]
+        answers = each(pending, lambda c: c.engine.ping(timeout=PING_S))
+        silent = sorted({c.engine.url for c, (ok, _) in zip(pending, answers, strict=True)
+                         if not ok})
+        if silent:
+            err = WeightSyncError(JOIN, f"no answer to the join within its deadline "
+                                  f"({clock.deadline(JOIN):.2f}s = {clock.basis(JOIN)}), nor "
+                                  f"to /ping within {PING_S:g}s: hung", silent[0])
+            err.hung, err.unresponsive = silent, list(silent)
+            raise err
+    watch.wait(formed, JOIN)
 
 
 def never_answered(calls: Sequence[EngineCall], grace_s: float) -> list[str]:

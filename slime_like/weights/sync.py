@@ -17,11 +17,13 @@ The transaction, per `update()` (its engine calls are in `control.py`):
   continue        every engine that was paused, in a `finally`
 
 Every engine call goes through the engine's `EngineSession`, which remembers what it
-changed; on failure the sessions undo it: pending collectives are aborted, open update
-sessions ended, every paused engine continued (or handed to the caller), engines that
-stopped answering are dropped (the next sync rebuilds the group for the living;
-`take_dropped()` hands them to recovery), and the `WeightSyncError` names the step and
-the engine.
+changed, and has its call type's deadline (`engine/deadlines.py`): an engine past it while
+the others answered is hung, and the sync fails naming it (`WeightSyncError.hung`) rather
+than waiting for it. On failure the sessions undo what they changed: pending collectives
+are aborted, open update sessions ended, every paused engine continued (or handed to the
+caller), engines that stopped answering (or hung) are dropped (the next sync rebuilds the
+group for the living; `take_dropped()` hands them to recovery), and the `WeightSyncError`
+names the step and the engine.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from slime_like.engine.fanout import each, on_all
+from slime_like.engine.deadlines import CallClock
+from slime_like.engine.fanout import on_all
 from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol import modes
@@ -49,6 +52,7 @@ from slime_like.weights.attach import (
 )
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
 from slime_like.weights.handshake import check_same_metadata
+from slime_like.weights.members import Members
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
     DEFAULT_BUFFER_BYTES,
@@ -67,7 +71,7 @@ __all__ = ["DEFAULT_BUFFER_BYTES", "LOAD_FORMATS", "PAUSE_MODES", "TRANSPORTS", 
 
 log = logging.getLogger(__name__)
 
-class WeightSync:
+class WeightSync(Members):
     """Pushes weights from this process (trainer rank 0) into a set of engines."""
 
     def __init__(self, engines: Sequence[EngineLike],
@@ -97,12 +101,16 @@ class WeightSync:
         # Called with each step's name as it starts (progress displays, chaos runs).
         self.on_step: Callable[[str], None] | None = None
         self.control = Control(self.config, self._warn_once)
+        # What each call type took on these engines lately: every call's deadline.
+        self.clock = CallClock(self.config.deadlines, cap_s=self.config.http_timeout_s)
+        self._unclocked: list[EngineCall] = []  # the last update's calls, for the clock
 
     # ---- set-up ------------------------------------------------------------------------------
 
     def _transport(self) -> Transport:
         if self.transport is None:
             self.transport = make_transport(self.config)
+            self.transport.clock = self.clock
         return self.transport
 
     def _warn_once(self, key: str, message: str, report: SyncReport | None = None) -> None:
@@ -150,37 +158,6 @@ class WeightSync:
         if not getattr(source, "buckets_in_wire_layout", False):
             self._transport().prepare(self._plan(metas))
 
-    # ---- engines coming and going ---------------------------------------------------------------
-
-    def add_engine(self, engine: EngineLike) -> None:
-        """An engine (recovered, added) joins; the next sync rebuilds the group with it."""
-        with self._lock:
-            self._add(session_for(engine))
-
-    def remove_engine(self, url: str) -> None:
-        """An engine (drained) leaves; the next sync regroups and it leaves the old group."""
-        with self._lock:
-            self._remove(url.rstrip("/"))
-
-    def _add(self, target: EngineSession) -> None:
-        target.timeout = self.config.http_timeout_s
-        if any(e.url == target.url for e in self.engines):
-            raise ConfigError("engines", f"engine {target.url} is already synced")
-        self.dropped = [e for e in self.dropped if e.url != target.url]
-        self._probed.discard(target.url)
-        self.engines.append(target)
-        if self.transport is not None:
-            self.transport.forget([target.url])
-
-    def _remove(self, url: str) -> None:
-        self.engines = [e for e in self.engines if e.url != url]
-
-    def take_dropped(self) -> list[str]:
-        """URLs of engines dropped after they stopped answering (for recovery), once each."""
-        with self._lock:
-            out, self.dropped = [e.url for e in self.dropped], []
-            return out
-
     # ---- the transaction ------------------------------------------------------------------------
 
     def update(self, weights: Any, weight_version: str | None = None,
@@ -199,21 +176,6 @@ class WeightSync:
             if engines is not None:
                 self._set_engines(engines)
             return self._update(weights, weight_version, frozenset(quiet))
-
-    def _set_engines(self, engines: Sequence[EngineLike]) -> None:
-        """The update's engines as membership changes (leavers removed, joiners added); an
-        engine still synced keeps its session (it remembers the groups it joined)."""
-        new = [session_for(e) for e in engines]
-        if [e.url for e in new] == [e.url for e in self.engines]:
-            return
-        wanted = {e.url for e in new}
-        for e in [e for e in self.engines if e.url not in wanted]:
-            self._remove(e.url)
-        for e in new:
-            if all(have.url != e.url for have in self.engines):
-                self._add(e)
-        order = {e.url: i for i, e in enumerate(new)}
-        self.engines.sort(key=lambda e: order[e.url])
 
     def _update(self, weights: Any, weight_version: str | None,
                 quiet: frozenset[str] = frozenset()) -> SyncReport:
@@ -238,11 +200,14 @@ class WeightSync:
             except WeightMetadataError:
                 raise
             except Exception as e:  # e.g. an engine died between syncs: drop it, say so
-                raise self._failed(e, "attach", []) from e
+                raise _untouched(self._failed(e, "attach", []), True) from e
         buckets = self._plan(metas)
         engines = list(self.engines)
-        watch = Watch(cfg.http_timeout_s)
+        self._clock_answers()
+        watch = Watch(cfg.http_timeout_s, self.clock)
+        closing = Watch(cfg.http_timeout_s, self.clock)  # end, flush, verify: their own
         sent: list[EngineCall] = []      # control calls in the engines' lanes
+        updates: list[EngineCall] = []   # the transfer's calls
         answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
         failure: BaseException | None = None
@@ -261,43 +226,36 @@ class WeightSync:
                                    and self.control.flush_plan(e, report) is None)
                 answers = LastAnswers(version)
                 self._transfer(engines, source, buckets, version, watch, stats, folded,
-                               control, answers)
+                               control, answers, updates)
                 report.transfer = stats.as_dict()
             if self.control.can_pipeline_end(engines, folded, answers, report):
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
-                    ends = self.control.submit_end(engines)
-                    sent += ends
-                    resumed = self.control.submit_continue(engines, ends)
-                    sent += resumed
-                    closing = Watch(cfg.http_timeout_s)  # its own deadline, like any step
-                    for c in ends:
-                        closing.add(c)
-                    closing.wait_calls(ends)  # a failure names the engine and the step
+                    resumed = self.control.end_and_continue(engines, sent, closing)
                 with steps("flush"):
                     self.control.flush(engines, folded, answers.refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so
             else:
-                with steps("end"):
-                    on_all([e for e in engines if e.in_update], "end_weight_update",
-                           lambda e: e.end_weight_update())
-                with steps("flush"):
-                    self.control.flush(engines, folded, answers.refused, report)
-                with steps("verify"):
-                    unverified = [e for e in engines if not answers.version_set(e)]
-                    on_all(unverified, "verify_weight_version", lambda e: e.verify_version(version))
+                self.control.end_flush_verify(engines, folded, answers, report, steps, sent,
+                                              closing)
         except BaseException as e:
             failure = e
             error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
+            hung = set(getattr(e, "hung", None) or ())
             for engine in engines:
                 engine.cancel_pending()
-            settle(sent, cfg.http_timeout_s)  # no control call in flight during the clean-up
+            # No control call in flight during the clean-up, but for a hung engine's: it
+            # will not answer, and its lane is stopped (its undo is its recovery's).
+            settle([c for c in sent if c.engine.url not in hung], cfg.http_timeout_s)
             # Only engines that still answer are undone: each call to a hung one would wait
             # out its timeout. The others are dropped, their undo left to whoever recovers them.
-            answering = self._answering(engines)
-            error = self._failed(e, steps.current, answering)
+            # No update request went out (the lanes are quiet now): no engine's weights moved.
+            untouched = all(getattr(c.future, "sent_at", None) is None for c in updates)
+            answering = self._answering([e for e in engines if e.url not in hung])
+            error = _untouched(self._failed(e, steps.current, answering), untouched)
         finally:
+            self._unclocked = sent + watch.answered  # answered by the next update, if not now
             # The living engines resume first: finding out which engines died (pings with
             # a timeout) must not keep the healthy ones paused. A caller that routes engines
             # (the fleet) resumes them itself, after unrouting the unverified ones.
@@ -327,7 +285,7 @@ class WeightSync:
     def _transfer(self, engines: list[EngineSession], source: WeightSource,
                   buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,
                   folded: frozenset[str], control: list[EngineCall],
-                  answers: LastAnswers) -> None:
+                  answers: LastAnswers, updates: list[EngineCall]) -> None:
         """Every payload the transport makes of the buckets, posted through every engine's
         session before the next is asked for; then every answer, or the first failure,
         blamed on the engine that most likely caused it.
@@ -337,13 +295,19 @@ class WeightSync:
         leave the others in a collective it will never join (gloo cannot abort one)."""
         transport = self._transport()
         payloads = transport.payloads(engines, source, buckets, version, watch, stats)
-        before = {c.engine.url: c.future for c in control}
+        # The first update waits for every engine's pause and begin, not only its own: an
+        # engine that took it joins the broadcast, and one whose receive hangs on a peer
+        # that never paused (gloo relays along a tree) would hold its scheduler until then.
+        every = [c.future for c in control]
+        own = {c.engine.url: [c.future] for c in control}
         posted: list[EngineCall] = []
         try:
             for payload in payloads:
                 payload.calls = [self._post(e, payload, version, e.url in folded,
-                                            before.get(e.url), watch, stats, answers)
+                                            own.get(e.url, []) if posted else every,
+                                            not posted, watch, stats)
                                  for e in engines]
+                updates += payload.calls
                 if not posted:
                     watch.wait_calls(control)
                 posted += payload.calls
@@ -366,17 +330,16 @@ class WeightSync:
             raise err from e
 
     def _post(self, engine: EngineSession, payload: Payload, version: str, folded: bool,
-              before: Future | None, watch: Watch, stats: TransferStats,
-              answers: LastAnswers) -> EngineCall:
+              before: list[Future], first: bool, watch: Watch,
+              stats: TransferStats) -> EngineCall:
         """One payload into one engine's lane; the last one carries the version (and the
-        flush, where it is folded into the update)."""
+        flush, where it is folded into the update). `before`: the control calls it comes
+        after (the first payload: every engine's; the others: the engine's own)."""
         last = payload.last
         req = payload.request(engine, last and folded, version if last else None)
-        after = None
+        after = list(before) if first and before else None
         if payload.after is not None:  # not the lane's strict order: still after pause/begin
-            after = [c.future for p in payload.after for c in p.calls]
-            if before is not None:
-                after.append(before)
+            after = [c.future for p in payload.after for c in p.calls] + list(before)
         future = engine.submit(getattr(engine, payload.verb), req, self.config.http_timeout_s,
                                after=after)
         return watch.add(EngineCall(engine, payload.step, future))
@@ -395,34 +358,13 @@ class WeightSync:
             return exc
         return WeightSyncError(step, f"{type(exc).__name__}: {exc}")
 
-    def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:
-        def alive(engine: EngineSession) -> bool:
-            return engine.ping(timeout=self.config.liveness_timeout_s)
-
-        return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
-
-    def _with_dead_dropped(self, err: WeightSyncError,
-                           silent: list[EngineSession] | None = None) -> WeightSyncError:
-        """Drop engines that stopped answering (`silent`, when known) and say so in the error."""
-        dead = self._drop_dead(silent)
-        if dead:
-            if err.engine is None:
-                err.engine = dead[0]
-            err.args = (f"{err.args[0]}; dropped engines that stopped answering: "
-                        f"{', '.join(dead)} (the next sync rebuilds the group without them)",)
-        return err
-
-    def _drop_dead(self, silent: list[EngineSession] | None = None) -> list[str]:
-        dead = silent if silent is not None else [
-            e for e in self.engines if e not in self._answering(self.engines)]
-        dead = [e for e in dead if e in self.engines]
-        if dead:
-            self.engines = [e for e in self.engines if e not in dead]
-            self.dropped += dead
-            if self.transport is not None:
-                self.transport.forget([e.url for e in dead])
-            log.error("dropped engines that stopped answering: %s", [e.url for e in dead])
-        return [e.url for e in dead]
+    def _clock_answers(self) -> None:
+        """What the last update's calls took, into the clock: read at the next update's
+        start, so that its continues (answered after it returned) count too, and nothing
+        of the clock's runs while a transfer waits."""
+        for call in self._unclocked:
+            self.clock.record_answer(call.kind, call.future)
+        self._unclocked = []
 
     # ---- teardown ---------------------------------------------------------------------------------
 
@@ -440,6 +382,13 @@ class WeightSync:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _untouched(err: WeightSyncError, untouched: bool) -> WeightSyncError:
+    """Say whether the failed sync sent any engine an update (the fleet keeps routing
+    engines whose weights it never touched)."""
+    err.untouched = untouched
+    return err
 
 
 def _timed(stats: TransferStats, url: str, future: Future) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.errors import ConfigError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, DEFAULT_TRANSPORT, PauseMode, Transport
@@ -49,6 +50,12 @@ class WeightSyncConfig:
     disk_dir: str | None = None        # disk transport: where checkpoints are written
     model_dir: str | None = None       # disk transport: config/tokenizer files to copy along
     liveness_timeout_s: float = 3.0
+    # Each call's deadline (pause, begin, a bucket update, end, continue, a group join):
+    # derived from what that call took on the engines lately, at most http_timeout_s. A
+    # call past it while other engines answered (a join: unanswered, and no /ping either)
+    # fails the sync naming that engine as hung (`WeightSyncError.hung`); a retry goes on
+    # without it.
+    deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
     # After a failed sync: resume every paused engine (standalone use), or leave them paused
     # for the caller (the fleet), which first takes unverified engines out of the router.
     resume_on_failure: bool = True
@@ -58,6 +65,7 @@ class WeightSyncConfig:
         def bad(name: str, expected: str) -> ConfigError:
             return ConfigError(name, f"expected {expected}, got {getattr(self, name)!r}")
 
+        object.__setattr__(self, "deadlines", DeadlinePolicy.of(self.deadlines))
         for name, kind in (("transport", Transport), ("pause_mode", PauseMode)):
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))

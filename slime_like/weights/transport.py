@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_like.engine.deadlines import CallClock
 from slime_like.engine.session import EngineSession
 from slime_like.protocol.buckets import Bucket
 from slime_like.weights.packing import WeightSource
@@ -80,6 +81,9 @@ class Transport(ABC):
     name: str = ""
     #: whether engines need begin/end_weight_update around it (sglang gates only some)
     gated: bool = True
+    #: what the engines' calls took lately (the sync's), for the waits of the transport's
+    #: own calls (a group's joins)
+    clock: CallClock | None = None
 
     def attach(self, engines: Sequence[EngineSession]) -> None:  # noqa: B027
         """Prepare before the engines are paused (e.g. build a weight group)."""

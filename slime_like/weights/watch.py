@@ -1,8 +1,12 @@
 """Waiting on engine calls during a transfer: deadlines, and the engine to blame.
 
 Every HTTP call of a transfer is an `EngineCall` (engine, step, future). A `Watch` waits
-with a deadline and gives up as soon as any watched call fails, naming the engine and the
-step; after a broken collective it picks the engine that most likely broke it.
+with an overall deadline and gives up as soon as any watched call fails, naming the engine
+and the step; after a broken collective it picks the engine that most likely broke it.
+With a `CallClock` it also gives each call a deadline of its own, derived from what that
+call type took across the engines: a call past it, while another engine answered the same
+step, is that engine hanging (`WeightSyncError.hung`), and the sync goes on without it
+instead of waiting for the health monitor to declare it dead.
 """
 
 from __future__ import annotations
@@ -10,11 +14,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
+from slime_like.engine.deadlines import CallClock
 from slime_like.engine.fanout import describe
 from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
+
+# A call found past its deadline gets this long to show its answer is in already (its pool
+# thread may not have run yet, e.g. while the trainer's own thread held the GIL).
+LAST_CHANCE_S = 0.05
+# How often a spinning wait looks for calls past their deadline (deadlines are >= the
+# policy's floor, a second by default: no need to look at every poll).
+LATE_CHECK_S = 0.005
+
+
+class DeadlinePassed(WeightSyncError):
+    """A wait's overall deadline passed (not one call's: see `Watch`)."""
+
+
+def call_type(step: str) -> str:
+    """The call type of a step's name: "update_weights_from_distributed (bucket 3/15)" is
+    an "update_weights_from_distributed"."""
+    return step.split(" (", 1)[0]
 
 
 @dataclass
@@ -35,6 +58,10 @@ class EngineCall:
     def error(self) -> BaseException | None:
         return self.future.exception() if self.future.done() else None
 
+    @property
+    def kind(self) -> str:
+        return call_type(self.step)
+
 
 class Watch:
     """Waits that give up at a deadline, or as soon as any watched engine call fails.
@@ -44,10 +71,21 @@ class Watch:
     broadcast sees that at once instead of sitting out the group timeout.
     """
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, clock: CallClock | None = None, *,
+                 per_call: bool = True):
+        """`clock`: with `per_call`, each call waited on gets its call type's deadline as
+        of now (a group join does not: every join of a rendezvous waits for the slowest,
+        so the late one cannot be told apart). The calls answered meanwhile are kept in
+        `answered`, for the owner to teach the clock (the wait itself only looks up)."""
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.calls: list[EngineCall] = []
+        self.clock = clock
+        self.limits = clock.snapshot() if clock is not None and per_call else {}
+        self.per_call = bool(self.limits)
+        self.answered: list[EngineCall] = []
+        self._answered: set[str] = set()  # steps at least one engine answered
+        self._late_check_at = 0.0
 
     def add(self, call: EngineCall) -> EngineCall:
         self.calls.append(call)
@@ -59,7 +97,47 @@ class Watch:
         if failed:
             first = min(failed, key=lambda c: c.done_at or 0.0)
             raise call_error(first, first.error)
-        self.calls = [c for c in self.calls if not c.future.done()]
+        pending = []
+        for c in self.calls:
+            if not c.future.done():
+                pending.append(c)
+                continue
+            self._answered.add(c.step)
+            self.answered.append(c)
+        self.calls = pending
+        if self.per_call and (now := time.monotonic()) >= self._late_check_at:
+            self._late_check_at = now + LATE_CHECK_S
+            late = self._late()
+            if late:
+                raise self._hung(late)
+
+    def _late(self) -> list[EngineCall]:
+        """Calls past their call type's deadline, on a step another engine answered (a
+        step nobody answered is not one engine's hang: the trainer, or a collective).
+        A type without a basis yet is left to the call's own HTTP timeout."""
+        now = time.perf_counter()
+        late = [c for c in self.calls if c.step in self._answered
+                and (sent := getattr(c.future, "sent_at", None)) is not None
+                and (limit := self.limits.get(c.kind)) is not None and now - sent > limit]
+        if late:
+            wait_futures([c.future for c in late], timeout=LAST_CHANCE_S)
+            late = [c for c in late if not c.future.done()]
+        return late
+
+    def _hung(self, late: list[EngineCall]) -> WeightSyncError:
+        assert self.clock is not None
+        first = min(late, key=lambda c: c.future.sent_at)
+        kind = first.kind
+        waited = time.perf_counter() - first.future.sent_at
+        others = sorted({c.engine.url for c in late} - {first.engine.url})
+        err = WeightSyncError(first.step, (
+            f"no answer after {waited:.2f}s, past the deadline of {kind} "
+            f"({self.limits[kind]:.2f}s = {self.clock.basis(kind)}) while other "
+            "engines answered: left out as hung"
+            + (f"; also hung: {', '.join(others)}" if others else "")), first.engine.url)
+        err.hung = sorted({c.engine.url for c in late})
+        err.unresponsive = list(err.hung)
+        return err
 
     def wait(self, done: Callable[[], bool], what: str, poll_s: float = 2e-4) -> None:
         """Spin until done() (or an engine call fails, or the deadline passes)."""
@@ -67,7 +145,7 @@ class Watch:
             self.check()
             if time.monotonic() > self.deadline:
                 slow = sorted({c.engine.url for c in self.calls if not c.future.done()})
-                raise WeightSyncError(
+                raise DeadlinePassed(
                     what, f"not finished after {self.timeout_s:.0f}s"
                     + (f"; engines still busy: {', '.join(slow)}" if slow else ""),
                     slow[0] if slow else None)
@@ -88,6 +166,8 @@ class Watch:
         engine that no longer answers, an engine whose refusal is not itself a broken
         connection, then the earliest failure.
         """
+        if isinstance(exc, WeightSyncError) and exc.hung:
+            return exc  # past its deadline: the cause is known, and it will not answer
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(c.future.done() for c in self.calls):
             time.sleep(0.01)

@@ -156,3 +156,40 @@ def test_a_fault_at_each_step_is_undone_and_the_next_update_lands(fleet, tiny_mo
         sync.close()
     for url in (fleet.a.url, fleet.b.url):
         assert_left_clean(url, fleet.proxy.groups)
+
+
+def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout(
+        fleet, tiny_model_dir):
+    """With answers to go by (two updates), a pause that engine B never answers (SIGSTOP,
+    real) is cut at the pause's deadline, not the 60 s HTTP timeout: the sync fails naming
+    B as hung without waiting for it, leaves engine A clean, and the next update lands on A
+    alone. Continued and added back, B takes the update after that."""
+    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
+                      http_timeout_s=60, group_timeout_s=GROUP_TIMEOUT_S, liveness_timeout_s=1)
+    try:
+        for version in ("1", "2"):  # every call type answered twice by each engine
+            sync.update(trainer_model(tiny_model_dir, seed=11), version)
+        fleet.proxy.arm("/pause_generation", 1, "hang")
+        with pytest.raises(WeightSyncError) as failure:
+            sync.update(trainer_model(tiny_model_dir, seed=12), "3")
+        err = failure.value
+        assert err.hung == [fleet.proxy.url] and err.engine == fleet.proxy.url, err
+        assert err.step == "pause_generation" and "deadline" in str(err), err
+        assert sync.take_dropped() == [fleet.proxy.url]
+        assert_left_clean(fleet.a.url, fleet.proxy.groups)
+        sync.update(trainer_model(tiny_model_dir, seed=13), "4")  # A alone, B still hung
+        assert sync.last_report.engines == [fleet.a.url]
+        fleet.b.process.kill(signal.SIGCONT)
+        sync.add_engine(EngineSession(EngineAddress(fleet.proxy.url, api_key=USER,
+                                                    admin_api_key=ADMIN)))
+        sync.update(trainer_model(tiny_model_dir, seed=14), "5")
+        for url in (fleet.a.url, fleet.b.url):
+            got = requests.get(url + "/model_info", timeout=30,
+                               headers={"Authorization": f"Bearer {USER}"}).json()
+            assert got["weight_version"] == "5", (url, got)
+    finally:
+        fleet.proxy.disarm()
+        fleet.b.process.kill(signal.SIGCONT)  # never leave engine B hung for the next case
+        sync.close()
+    for url in (fleet.a.url, fleet.b.url):
+        assert_left_clean(url, fleet.proxy.groups)

@@ -1,0 +1,64 @@
+"""How long an engine may take to answer one call before it counts as hung.
+
+One policy for every engine call that has a deadline: a weight sync's control calls and
+bucket updates (`WeightSyncConfig.deadlines`) and the health monitor's probes
+(`HealthSettings.deadlines`). A call type's deadline is
+
+    max(floor_s, factor x the `quantile` of the last `window` answers of that call type)
+
+over every engine of the fleet, never above the caller's own cap (the sync's HTTP
+timeout, the probe's timeout); with fewer than `min_samples` answers so far there is no
+basis yet, and the cap applies. The floor is absolute so that a fleet whose calls take a
+millisecond does not call an engine hung after ten; the factor leaves room for an engine
+that is slow for a moment. Both are far below the health monitor's budget for a death
+(`--rollout-health-check-failures` probes of `--rollout-health-check-timeout` each),
+which is what a hung engine cost every other engine before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slime_like.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """A call type's deadline: max(floor_s, factor x quantile of its recent answers)."""
+
+    floor_s: float = 1.0       # never less, whatever the answers took
+    factor: float = 10.0       # times the quantile of recent answers
+    quantile: float = 0.99     # of the last `window` answers of the call type
+    window: int = 256          # answers kept per call type (across engines)
+    min_samples: int = 4       # fewer answers than this: no deadline but the caller's cap
+
+    def __post_init__(self) -> None:
+        """The one check of a deadline policy (the sync's config and the fleet's both)."""
+        def bad(name: str, expected: str) -> ConfigError:
+            return ConfigError(f"deadlines.{name}", f"expected {expected}, "
+                               f"got {getattr(self, name)!r}")
+
+        if not float(self.floor_s) > 0:
+            raise bad("floor_s", "a positive number of seconds")
+        if not float(self.factor) >= 1:
+            raise bad("factor", "a number >= 1")
+        if not 0 < float(self.quantile) <= 1:
+            raise bad("quantile", "a number in (0, 1]")
+        if int(self.window) < 1:
+            raise bad("window", "a positive number of answers")
+        if not 1 <= int(self.min_samples) <= int(self.window):
+            raise bad("min_samples", f"a number of answers between 1 and window ({self.window})")
+
+    @classmethod
+    def of(cls, value: DeadlinePolicy | dict | None) -> DeadlinePolicy:
+        """A policy from itself, its fields as a dict (YAML, keyword settings), or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ConfigError("deadlines", f"unknown fields {sorted(unknown)}")
+            return cls(**value)
+        raise ConfigError("deadlines", f"expected a DeadlinePolicy or a dict, got {value!r}")
