@@ -113,16 +113,7 @@ class Launcher:
         """Whether every server process of the engine runs (an external one: answers /ping)."""
         if e.external_address is not None:
             return e.handle is not None and e.handle.ping(timeout=2.0)
-        try:
-            return all(ray.get([a.is_alive.remote() for a in e.actors], timeout=10))
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            # No answer is not an exit: a node cut off from the network keeps its processes
-            # and answers again when its link returns. The probes decide, as for a hang
-            # (SUSPECT at once, DEAD after --rollout-health-check-failures); a node Ray
-            # declares dead fails the call with ActorDiedError.
-            return True
-        except Exception:  # noqa: BLE001 - an actor that died (or cannot be asked) is not alive
-            return False
+        return self.alive_all([e])[e.engine_id]
 
     def alive_all(self, engines: list[ManagedEngine]) -> dict[str, bool]:
         """`alive` for many engines in one round trip: every actor is asked at once, so a
@@ -142,7 +133,11 @@ class Launcher:
         if not asked:
             return found
         ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=10)
-        for ref in ready:  # not ready in time: no answer is not an exit (see `alive`)
+        # No answer in time, or an actor Ray calls unavailable, is not an exit: a node cut
+        # off from the network keeps its processes and answers again when its link returns.
+        # The probes decide, as for a hang (SUSPECT at once, DEAD after
+        # --rollout-health-check-failures); a node Ray declares dead fails with ActorDiedError.
+        for ref in ready:
             try:
                 answer = bool(ray.get(ref))
             except ray.exceptions.ActorUnavailableError:

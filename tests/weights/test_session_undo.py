@@ -108,6 +108,13 @@ def assert_left_clean(url: str, groups: list[str], keep: str | None = None,
             assert r.status_code == 400 and "does not exist" in r.text, (url, name, r.text)
 
 
+def assert_serves(url: str, version: str) -> None:
+    """The engine reports `version` as the weights it serves."""
+    got = requests.get(url + "/model_info", timeout=30,
+                       headers={"Authorization": f"Bearer {USER}"}).json()
+    assert got["weight_version"] == version, (url, got)
+
+
 CASES = [(step, fault) for step in STEPS for fault in ("500", "kill", "hang")]
 
 
@@ -146,9 +153,7 @@ def test_a_fault_at_each_step_is_undone_and_the_next_update_lands(fleet, tiny_mo
         final = trainer_model(tiny_model_dir, seed=13)
         sync.update(final, "3")
         for url in (fleet.a.url, fleet.b.url):
-            got = requests.get(url + "/model_info", timeout=30,
-                               headers={"Authorization": f"Bearer {USER}"}).json()
-            assert got["weight_version"] == "3", (url, got)
+            assert_serves(url, "3")
             assert_left_clean(url, fleet.proxy.groups, keep=sync.transport.group_name)
     finally:
         fleet.proxy.disarm()
@@ -184,9 +189,7 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
                                                     admin_api_key=ADMIN)))
         sync.update(trainer_model(tiny_model_dir, seed=14), "5")
         for url in (fleet.a.url, fleet.b.url):
-            got = requests.get(url + "/model_info", timeout=30,
-                               headers={"Authorization": f"Bearer {USER}"}).json()
-            assert got["weight_version"] == "5", (url, got)
+            assert_serves(url, "5")
     finally:
         fleet.proxy.disarm()
         fleet.b.process.kill(signal.SIGCONT)  # never leave engine B hung for the next case
