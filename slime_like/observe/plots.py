@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slime_like.fleet.events import EngineState, is_router, kind_of
+from slime_like.fleet.events import EngineState, is_engine, kind_of
 from slime_like.observe.incidents import Incident
 
 S = EngineState
@@ -77,8 +77,7 @@ ROWS_PER_ENGINE_UP_TO = 16
 
 
 def _plot_timeline(out_dir: Path, events: list[dict], plt) -> str:
-    engines = sorted({e["engine"] for e in events if e["engine"] != "fleet"
-                      and not is_router(str(e["engine"]))})
+    engines = sorted({e["engine"] for e in events if is_engine(str(e["engine"]))})
     if len(engines) > ROWS_PER_ENGINE_UP_TO:
         return _plot_state_counts(out_dir, [e for e in events if e["engine"] in engines],
                                   len(engines), plt)
