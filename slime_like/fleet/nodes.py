@@ -49,6 +49,7 @@ class NodeLoss:
         self.events = events
         self._announced: set[str] = set()
         self._lock = threading.Lock()
+        self.waiting: set[str] = set()  # engines with no room yet: no end waits for them
 
     def lost_node(self, e: ManagedEngine) -> str | None:
         """The node of `e` Ray has declared dead, if one is (None for an external engine)."""
@@ -77,21 +78,27 @@ class NodeLoss:
         GPUs split over nodes or not consecutive)."""
         def waiting(seconds: float) -> None:
             now, of = serving()
-            logger.warning("%s: no room for it since node %s was lost (waited %.0fs); the "
-                           "fleet runs with %d of %d engines until a node with %d free GPU(s) "
-                           "joins", e.engine_id, lost, seconds, now, of,
-                           sum(len(p.bundle_indices or (p.bundle_index,)) for p in e.placements))
+            logger.warning("%s: not placed again %.0fs after node %s was lost: no node has "
+                           "room for it yet (it needs %d free GPU(s) on one node); the fleet "
+                           "runs with %d of %d engines meanwhile", e.engine_id, seconds, lost,
+                           sum(len(p.bundle_indices or (p.bundle_index,)) for p in e.placements),
+                           now, of)
+            self.waiting.add(e.engine_id)
             self.events.emit(e.engine_id, Happening.WAITING_FOR_CAPACITY, node_lost=lost,
                              serving=now, engines=of)
 
         placed: list[EnginePlacement] = []
-        for p in e.placements:
-            indices = list(p.bundle_indices or (p.bundle_index,))
-            bundles = wait_bundles(self.placement.group(p.placement_group), indices, stop=stop,
-                                   on_waiting=waiting, notice_s=CAPACITY_NOTICE_S)
-            if bundles is None:
-                return None
-            placed.append(self._moved(p, bundles))
+        try:
+            for p in e.placements:
+                indices = list(p.bundle_indices or (p.bundle_index,))
+                bundles = wait_bundles(self.placement.group(p.placement_group), indices,
+                                       stop=stop, on_waiting=waiting,
+                                       notice_s=CAPACITY_NOTICE_S)
+                if bundles is None:
+                    return None
+                placed.append(self._moved(p, bundles))
+        finally:
+            self.waiting.discard(e.engine_id)
         head = next((p.node_ip for p in placed if p.node_rank == 0), None)
         if head is not None:  # a multi-node engine: every rank meets at node_rank 0's node
             placed = [dataclasses.replace(p, dist_init_host=head) if p.dist_init_host else p

@@ -373,11 +373,12 @@ class Supervision:
 
 
     def wait_recovered(self, timeout: float = 300.0) -> bool:
-        """Block until no recovery or resync is running (True) or the timeout passes."""
+        """Block until no recovery or resync is running (True) or the timeout passes. An
+        engine of a lost node that waits for room is not waited for: no wait brings it."""
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
-                if not self._tending:
+                if not set(self._tending) - self.nodes.waiting:
                     return True
             if time.monotonic() >= deadline:
                 return False
