@@ -218,6 +218,24 @@ def test_a_torchrl_loop_syncs_the_server_and_bumps_its_collectors(engines, tiny_
         sender.shutdown()
 
 
+def test_a_transport_used_alone_sends_named_weights_and_leaves_its_group(engines,
+                                                                         tiny_model_dir):
+    engine = engines[0]
+    policy = trainer_model(tiny_model_dir, seed=next(_seeds))
+    scheme = SGLangWeightSyncScheme(engine.url, update_weight_buffer_size=BUCKET)
+    transport = scheme.create_transport()
+    try:
+        transport.init_all_workers_group(get_sglang_model_metadata(policy))
+        assert transport.check_connection() is True
+        transport.send_weights("policy", policy.hf_state_dict())
+        assert engine.rank_checksums() == [model_checksum(policy)]
+    finally:
+        transport.shutdown()
+    assert transport.check_connection() is False
+    with pytest.raises(RuntimeError, match="Communication group not initialized"):
+        transport.send_weights("policy", policy.hf_state_dict())
+
+
 def test_the_torchrl_environment_drives_a_tp2_server_between_updates(engines, tiny_model_dir,
                                                                       monkeypatch):
     engine = engines[1]  # TP=2: a group of world_size 3
