@@ -105,7 +105,11 @@ class SGLangCollectiveTransport:
         self.shutdown()  # a second call starts over
         self._metas = metadata_list(model_metadata)
         self.model_metadata = model_metadata
-        self._connect(self._config())
+        try:
+            self._connect(self._config())
+        except BaseException:
+            self.shutdown()  # nothing half formed: the next update says so
+            raise
 
     def _connect(self, config: WeightSyncConfig) -> None:
         sync = WeightSync([EngineSession(self._address)], config)
@@ -118,18 +122,21 @@ class SGLangCollectiveTransport:
 
     def _follow_settings(self) -> None:
         """torchrl reads its environment at every update: a changed pause mode or flush
-        setting rebuilds the group once, under the new settings."""
-        assert self.sync is not None
+        setting rebuilds the group once, under the new settings. A group whose rebuild
+        failed is formed again, and a server dropped after a failed update is tried again."""
         config = self._config()
-        current = self.sync.config
-        if (config.pause_mode, config.flush_cache) == (current.pause_mode, current.flush_cache):
-            if not self.sync.engines:  # dropped after a failed update: try the server again
-                self.sync.add_engine(self._address)
+        if self.sync is None:
+            self._connect(config)
             return
-        log.info("weight sync settings changed (pause_mode %s, flush_cache %s): rebuilding the "
-                 "weight group with %s", config.pause_mode, config.flush_cache, self.server_url)
-        self.shutdown()
-        self._connect(config)
+        current = self.sync.config
+        if (config.pause_mode, config.flush_cache) != (current.pause_mode, current.flush_cache):
+            log.info("weight sync settings changed (pause_mode %s, flush_cache %s): rebuilding "
+                     "the weight group with %s", config.pause_mode, config.flush_cache,
+                     self.server_url)
+            self._leave()
+            self._connect(config)
+        elif not self.sync.engines:
+            self.sync.add_engine(self._address)
 
     # ---- updates -------------------------------------------------------------------------------
 
@@ -140,13 +147,14 @@ class SGLangCollectiveTransport:
         if self.rank != 0:
             raise WeightSyncError("send_weights", f"Only rank 0 sends weights; this transport "
                                   f"has rank {self.rank}")
-        if self.sync is None or self._metas is None:
+        if self._metas is None:
             raise WeightSyncError("send_weights", "Communication group not initialized: call "
                                   "init_all_workers_group(model_metadata) first")
         source = weights if isinstance(weights, WeightSource) else self._in_metadata_order(
             weights, model_id)
-        self._follow_settings()
         try:
+            self._follow_settings()
+            assert self.sync is not None
             return self.sync.update(source)
         except Exception as e:
             reraise_as_runtime_error("send_weights", e)
@@ -189,7 +197,12 @@ class SGLangCollectiveTransport:
             return False
 
     def shutdown(self) -> None:
-        """Leave the weight group (the server destroys its side too)."""
+        """Leave the weight group (the server destroys its side too) and forget the
+        metadata: the next update needs `init_all_workers_group` again."""
+        self._leave()
+        self._metas = self.model_metadata = None
+
+    def _leave(self) -> None:
         sync, self.sync = self.sync, None
         if sync is not None:
             sync.close()
