@@ -187,10 +187,12 @@ def test_a_torchrl_loop_syncs_the_server_and_bumps_its_collectors(engines, tiny_
     sender = scheme.create_sender()
     collector = Collector()
     try:
-        sender.register_model(policy)
         sender.register_collector(collector)
         sender.init_all_workers_group(get_sglang_model_metadata(policy))
         assert sender.transport.check_connection()
+        with pytest.raises(RuntimeError, match="No model registered"):
+            sender.update_weights()
+        sender.register_model(policy)
         sender.update_weights()
         assert engine.rank_checksums() == [model_checksum(policy)]
         assert collector.version == 1
