@@ -18,6 +18,7 @@ import socket
 
 import pytest
 import torch
+from fault_proxy import FaultProxy
 from weight_sync_helpers import model_checksum, trainer_model
 
 from slime_like.cluster.ports import free_port
@@ -218,6 +219,31 @@ def test_a_torchrl_loop_syncs_the_server_and_bumps_its_collectors(engines, tiny_
             sender.init_all_workers_group(wrong)
     finally:
         sender.shutdown()
+
+
+def test_a_failed_update_is_a_runtime_error_and_the_next_update_lands(engines, tiny_model_dir):
+    engine = engines[0]
+    # The server answers its pause with a 500 once: a fault a real engine cannot be made to
+    # give on demand, so the relay fakes that one answer (and relays every other call).
+    proxy = FaultProxy(engine.url, engine.process)
+    policy = trainer_model(tiny_model_dir, seed=next(_seeds))
+    sender = SGLangWeightSyncScheme(proxy.url, update_weight_buffer_size=BUCKET).create_sender()
+    collector = Collector()
+    try:
+        sender.register_model(policy)
+        sender.register_collector(collector)
+        sender.init_all_workers_group(get_sglang_model_metadata(policy))
+        proxy.arm("/pause_generation", 1, "500")
+        with pytest.raises(RuntimeError, match="pause"):
+            sender.update_weights()
+        assert collector.version == 0  # no version for weights that did not land
+        assert engine.get("/ready").status_code == 200  # serving, not left paused
+        sender.update_weights()  # torchrl's retry: the same call again
+        assert engine.rank_checksums() == [model_checksum(policy)]
+        assert collector.version == 1
+    finally:
+        sender.shutdown()
+        proxy.close()
 
 
 def test_a_transport_used_alone_sends_named_weights_and_leaves_its_group(engines,
