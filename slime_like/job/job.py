@@ -44,6 +44,7 @@ from slime_like.job.rollouts import StepRollouts
 from slime_like.job.samples import Rollout, staleness_of, train_masks
 from slime_like.job.scaling import ScaleWatcher
 from slime_like.job.schedules import run_schedule
+from slime_like.observe.fleet_view import states_summary
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
 from slime_like.protocol.weight_version import WeightVersion
@@ -396,7 +397,7 @@ class Job:
         })
         logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                     "engines %s", step, sum(rewards) / len(rewards), rollout.seconds,
-                    sync.get("total_s", 0.0), checked.worst, fleet.states())
+                    sync.get("total_s", 0.0), checked.worst, states_summary(fleet.states()))
 
     def save(self, step: int, sync: dict) -> None:
         """Every --save-interval steps (and after the last) a checkpoint."""
