@@ -121,7 +121,7 @@ class EngineSlots:
         none_since: float | None = None
         try:
             while True:
-                done, _ = await asyncio.wait({fut}, timeout=1.0)
+                done, _ = await asyncio.wait({fut}, timeout=min(1.0, no_engine_s / 2))
                 if done:
                     return fut.result()
                 if self.routed():
