@@ -9,7 +9,9 @@ process, on the engine-call pool, the admin key on each) and once through smg (o
 `POST /v1/rl/engine/<call>?selector=...` per step; smg calls every matching worker and
 answers each one's status). The two alternate cycle by cycle, so both see the same
 machine. Prints one JSON line: the median and p90 milliseconds of a cycle each way, their
-ratio (smg / sessions), and what each engine answered smg (its HTTP status per call: the
+ratio (smg / sessions), the CPU this process spent per cycle each way (the sessions'
+fan-out costs the driver CPU per engine; smg's costs it one call), and what each engine
+answered smg (its HTTP status per call: the
 worker is registered with the key smg sends it, so whether an engine's admin routes let
 smg in depends on which key it was registered with; `--register-with` picks it).
 
@@ -118,17 +120,20 @@ def main(argv: list[str] | None = None) -> int:
             reached = len(first_pause)
             ok = all(s == 200 for s in [*first_pause.values(), *first_continue.values()])
             times: dict[str, list[float]] = {"sessions": [], "smg_rl": []}
+            cpu = {"sessions": 0.0, "smg_rl": 0.0}  # this process's CPU seconds
             for i in range(args.repeats + WARMUP_CYCLES):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 on_all(sessions, "pause", lambda s: s.pause_generation(PauseMode.RETRACT))
                 on_all(sessions, "continue", lambda s: s.continue_generation())
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
                 rl.call("pause_generation", {"mode": PauseMode.RETRACT})
                 rl.call("continue_generation", {})
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
                 if i >= WARMUP_CYCLES:
                     times["sessions"].append(t1 - t0)
                     times["smg_rl"].append(t2 - t1)
+                    cpu["sessions"] += c1 - c0
+                    cpu["smg_rl"] += c2 - c1
             for s in sessions:
                 s.undo()
         finally:
@@ -139,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
               "router_key": args.router_key, "engine_keys": args.engine_keys,
               "workers_reached": reached, "all_answered_200": ok,
               "first_pause_statuses": sorted({str(v) for v in first_pause.values()}),
-              **{k: _stats(v) for k, v in times.items()}}
+              **{k: _stats(v) for k, v in times.items()},
+              # what the caller's process spends per cycle (the sessions' fan-out runs in
+              # the driver, under its GIL; smg's in the router)
+              "caller_cpu_ms_per_cycle": {k: round(v / args.repeats * 1e3, 3)
+                                          for k, v in cpu.items()}}
     record["ratio_smg_to_sessions"] = round(record["smg_rl"]["median_ms"]
                                             / record["sessions"]["median_ms"], 3)
     line = json.dumps(record)
