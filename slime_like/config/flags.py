@@ -212,7 +212,7 @@ def _router(p: argparse.ArgumentParser) -> None:
                         "Gateway 1.13, its successor; load-aware policies such as "
                         "--router-policy least_load). Each is launched from its own Python "
                         "package; docs/COMPATIBILITY.md says what differs.")
-    g.add_argument("--rollout-dispatch", type=t.member_of(Dispatch), choices=list(Dispatch),
+    g.add_argument("--rollout-dispatch", type=t.member_of(Dispatch), choices=t.values_of(Dispatch),
                    default=RouterSettings.dispatch,
                    help="Who binds a rollout request to an engine: router (its --router-policy, "
                         "when the request is sent) or admission (the rollout client, when a "
