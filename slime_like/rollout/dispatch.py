@@ -118,6 +118,7 @@ class EngineSlots:
                     return slot
             fut: asyncio.Future = loop.create_future()
             self._waiters.append((loop, fut))
+            self._hand_out()  # a slot may be free behind waiters that just gave up
         none_since: float | None = None
         try:
             while True:
@@ -175,6 +176,7 @@ class EngineSlots:
                 loop.call_soon_threadsafe(self._deliver, fut, slot)
             except RuntimeError:  # its loop closed: the slot goes back
                 self._engines[slot.engine].in_flight -= 1
+                self.bound[slot.engine] -= 1
 
     def _deliver(self, fut: asyncio.Future, slot: Slot) -> None:
         if fut.done():
