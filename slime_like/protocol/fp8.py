@@ -68,11 +68,17 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
         raise ValueError(f"FP8 block quantization needs a 2-D weight, got shape {list(weight.shape)}")
     n, k = weight.shape
     bn, bk = block
-    padded = F.pad(weight.float(), (0, -k % bk, 0, -n % bn))
+    # One float32 copy, worked on in place: each further step is a single pass over it.
+    if n % bn or k % bk:
+        padded = F.pad(weight.to(torch.float32), (0, -k % bk, 0, -n % bn))
+    else:
+        padded = weight.to(torch.float32, copy=True)
     tiles = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX
-    values = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return values.view(padded.shape)[:n, :k].contiguous(), scale.contiguous()
+    amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_())
+    scale = amax.clamp_(min=_MIN_AMAX).div_(FP8_MAX)
+    values = tiles.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    values = values.view(padded.shape)
+    return (values if values.shape == weight.shape else values[:n, :k].contiguous()), scale
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, int],
