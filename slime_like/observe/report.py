@@ -53,6 +53,8 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
     if moved and seconds > 0:
         out["sync_gbps"] = round(moved / seconds / 1e9, 4)
         out["sync_gb"] = round(moved / 1e9, 4)
+    if "quantize_s" in sync_report:  # an FP8 sync: the trainer's time quantizing
+        out["sync_quantize_s"] = sync_report["quantize_s"]
     if transfer.get("buckets"):
         # Requests per engine, and the trainer's pack copy: 0 when the buckets went from
         # the trainer's own storage (flat weights that outlive the offload).
