@@ -137,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the trainer's torch threads (CPU; default torch's own)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible")
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16_s, fp8_s = statistics.median(times["bf16"]), statistics.median(times["fp8"])
             records.append({
                 "part": "sync", "device": args.device, "transport": args.transport,
+                "trainer_threads": torch.get_num_threads(),
                 "layout": args.layout or f"{args.layers}x{args.hidden}/{args.intermediate}",
                 "dtype": args.dtype, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
                 "bf16_s": round(bf16_s, 4), "fp8_s": round(fp8_s, 4),
