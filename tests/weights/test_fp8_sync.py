@@ -54,27 +54,32 @@ def _checksum(named) -> str:
 
 
 def test_both_ranks_load_the_quantized_sync_and_generate_as_the_served_copy(
-        fp8_tp2_engine, fp8_model_dir):
+        fp8_tp2_engine, fp8_model_dir, tmp_path):
+    """Over a broadcast (twice: the second reuses the group and the engine's load plans),
+    then from a checkpoint on disk, whose safetensors file holds the FP8 values as they are."""
     engine = fp8_tp2_engine
-    sync = WeightSync([(engine.url, engine.tp_size)], transport="distributed",
-                      update_weight_buffer_size=256 << 10, http_timeout_s=60, group_timeout_s=60)
-    try:
-        for seed in (11, 12):  # the second sync reuses the group and the engine's load plans
-            model = trainer_model(fp8_model_dir, seed=seed)
-            source = Fp8Weights(model, torch.float32)
-            metas = {m.name: m for m in source.metadata()}
-            gate = "model.layers.1.mlp.gate_proj.weight"
-            assert metas[gate].dtype == torch.float8_e4m3fn and metas[gate].shape == (512, 256)
-            assert metas[fp8.scale_name(gate)].shape == (4, 2)
-            assert metas["lm_head.weight"].dtype == torch.float32  # not quantized
-            report = sync.update(source)
-            assert report.transfer["buckets"] > 1
-            sent = list(Fp8Weights(model, torch.float32).tensors())
-            assert engine.rank_checksums() == [_checksum(sent)] * 2
-            served = ServedWeights(model, torch.float32).refresh()
-            assert engine.greedy(PROMPT, 8) == greedy_continuation(served, PROMPT, 8)
-    finally:
-        sync.close()
+    for transport, seeds in (("distributed", (11, 12)), ("disk", (13,))):
+        sync = WeightSync([(engine.url, engine.tp_size)], transport=transport,
+                          update_weight_buffer_size=256 << 10, disk_dir=str(tmp_path / "ckpt"),
+                          http_timeout_s=60, group_timeout_s=60)
+        try:
+            for seed in seeds:
+                model = trainer_model(fp8_model_dir, seed=seed)
+                source = Fp8Weights(model, torch.float32)
+                metas = {m.name: m for m in source.metadata()}
+                gate = "model.layers.1.mlp.gate_proj.weight"
+                assert metas[gate].dtype == torch.float8_e4m3fn
+                assert metas[gate].shape == (512, 256)
+                assert metas[fp8.scale_name(gate)].shape == (4, 2)
+                assert metas["lm_head.weight"].dtype == torch.float32  # not quantized
+                report = sync.update(source)
+                assert report.transfer["buckets"] > (1 if transport == "distributed" else 0)
+                sent = list(Fp8Weights(model, torch.float32).tensors())
+                assert engine.rank_checksums() == [_checksum(sent)] * 2, transport
+                served = ServedWeights(model, torch.float32).refresh()
+                assert engine.greedy(PROMPT, 8) == greedy_continuation(served, PROMPT, 8)
+        finally:
+            sync.close()
 
 
 def test_each_rank_holds_whole_blocks_of_a_split_weight(fp8_model_dir):
