@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None,
                     help="the trainer's torch threads (CPU; default torch's own)")
     ap.add_argument("--json-out", default=None)

@@ -99,7 +99,11 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         raise ValueError(f"scale grid {list(scale.shape)} does not fit a weight of shape "
                          f"{list(values.shape)} in {block[0]}x{block[1]} blocks (expected "
                          f"{list(expected)})")
-    return (values.float() * expand_scale(scale.float(), tuple(values.shape), block)).to(dtype)
+    n, k = values.shape
+    if n % block[0] == 0 and k % block[1] == 0:  # whole blocks: the scales broadcast
+        tiles = values.view(n // block[0], block[0], k // block[1], block[1])
+        return (tiles.float() * scale.float()[:, None, :, None]).to(dtype).view(n, k)
+    return (values.float() * expand_scale(scale.float(), (n, k), block)).to(dtype)
 
 
 def quantized_metadata(metas: Iterable[TensorMeta], dtype: torch.dtype,

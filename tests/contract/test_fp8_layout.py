@@ -80,10 +80,12 @@ def test_our_dequantize_is_sglangs_on_our_values_and_on_sglangs(sglang_fp8):
     values, scale = fp8.quantize(w)
     assert values.dtype == torch.float8_e4m3fn and tuple(values.shape) == SHAPE
     assert scale.dtype == torch.float32 and tuple(scale.shape) == (3, 5) == fp8.scale_shape(SHAPE)
-    for dtype in (torch.float32, torch.bfloat16):
-        ours = fp8.dequantize(values, scale, dtype)
-        theirs = sglang_fp8["block_quant_dequant"](values, scale, list(fp8.BLOCK), dtype)
-        assert torch.equal(ours, theirs), dtype
+    whole = fp8.quantize(w[:256, :512])  # whole blocks take another path of ours
+    for v, s in ((values, scale), whole):
+        for dtype in (torch.float32, torch.bfloat16):
+            ours = fp8.dequantize(v, s, dtype)
+            theirs = sglang_fp8["block_quant_dequant"](v, s, list(fp8.BLOCK), dtype)
+            assert torch.equal(ours, theirs), (tuple(v.shape), dtype)
     # a weight sglang quantized itself (its DeepGEMM path: power-of-two scales) reads back
     # through ours exactly as through sglang's
     their_values, their_scale = sglang_fp8["per_block_cast_to_fp8"](w.bfloat16())
