@@ -174,6 +174,12 @@ def _check_quantization(args: argparse.Namespace) -> None:
     if args.train_backend == "fsdp":
         raise ConfigError("--sglang-quantization", "fp8 with --train-backend fsdp: the "
                                                    "quantized sync runs from a full replica")
+    if args.engine == "sglang" and not args.rollout_external_engine_addrs:
+        raise ConfigError("--sglang-quantization", "fp8 with --engine sglang: sglang builds "
+                                                   "block-FP8 layers only from a block-FP8 "
+                                                   "checkpoint, and the job starts trainer and "
+                                                   "engines from one --hf-checkpoint (the "
+                                                   "reference engine quantizes at load)")
 
 
 def _check_checkpointing(args: argparse.Namespace) -> None:

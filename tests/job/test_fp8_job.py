@@ -51,3 +51,9 @@ def test_fp8_job_checks_every_token_against_the_quantized_trainer(tmp_path, fres
 def test_a_quantization_the_sync_cannot_make_is_refused_naming_the_flag():
     with pytest.raises(ConfigError, match="--sglang-quantization.*'awq'"):
         parse_args(["--config", "configs/quickstart.yaml", "--sglang-quantization", "awq"])
+
+
+def test_fp8_with_real_sglang_engines_is_refused_until_they_can_start_from_fp8():
+    with pytest.raises(ConfigError, match="--sglang-quantization.*--engine sglang"):
+        parse_args(["--config", "configs/quickstart.yaml", "--sglang-quantization", "fp8",
+                    "--engine", "sglang", "--hf-checkpoint", "Qwen/Qwen3-0.6B"])
