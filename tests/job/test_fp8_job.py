@@ -28,7 +28,7 @@ def test_fp8_job_checks_every_token_against_the_quantized_trainer(tmp_path, fres
                        "--num-rollout", str(STEPS), "--sglang-quantization", "fp8",
                        "--tiny-model-hidden", "256", "--tiny-model-intermediate", "512",
                        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--rollout-max-response-len", "8", "--lr", "0.01"])
+                       "--rollout-max-response-len", "8"])
     assert train(args) == 0
 
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -37,10 +37,12 @@ def test_fp8_job_checks_every_token_against_the_quantized_trainer(tmp_path, fres
         # the engines' tokens scored by the weights they hold: the fp32 check's tolerance
         assert s["logprob_sample_mean_diff_max"] < 1e-4, s
         assert s["logprob_checked_tokens"] > 0
-        # the same tokens under the trainer's own weights: FP8's error, far above that
+        # the same tokens under the trainer's own weights: FP8's error, which a check
+        # against them would take for a bad sync at this tolerance
         assert s["fp8_tokens"] == s["logprob_checked_tokens"]
-        assert 1e-3 < s["fp8_logprob_abs_diff_mean"] <= s["fp8_logprob_abs_diff_max"], s
-        assert s["fp8_logprob_abs_diff_mean"] > 10 * s["logprob_diff_median"], s
+        assert 1e-4 < s["fp8_logprob_abs_diff_mean"] <= s["fp8_logprob_abs_diff_max"], s
+        assert s["fp8_logprob_abs_diff_mean"] > 100 * s["logprob_sample_mean_diff_max"], s
+        assert s["sync_quantize_s"] > 0
         assert 0.0 < s["fp8_tis_weight_mean"] <= s["fp8_tis_weight_max"]
         assert 0.0 <= s["fp8_tis_clip_frac"] <= 1.0
     assert steps[-1]["weight_version"] == STEPS + 1
