@@ -37,6 +37,10 @@ WEIGHT_TRANSPORTS = (SLIME_TRANSPORT, *t.values_of(Transport))
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
                 "stop_engine", "kill_router")
+# Faults a run chooses by name only: they need a cluster of several nodes (`node` loses one
+# that hosts engines but not the trainer or the driver).
+CHAOS_NODE_FAULTS = ("node",)
+CHAOS_FAULT_CHOICES = CHAOS_FAULTS + CHAOS_NODE_FAULTS
 
 
 def _cluster(p: argparse.ArgumentParser) -> None:
@@ -319,10 +323,13 @@ def _ours(p: argparse.ArgumentParser) -> None:
                         "from this seed and check the routing invariant from outside; the run "
                         "fails on any violation. Writes chaos.json to the report folder.")
     g.add_argument("--chaos-faults", nargs="+", default=list(CHAOS_FAULTS),
-                   choices=list(CHAOS_FAULTS), metavar="FAULT",
+                   choices=list(CHAOS_FAULT_CHOICES), metavar="FAULT",
                    help="Faults of a chaos run, one per chosen step: " + ", ".join(CHAOS_FAULTS)
-                        + " (kill_* = SIGKILL of an engine's server during the rollout or at "
-                          "that step of a weight sync; stop_engine = SIGSTOP; kill_router).")
+                        + " by default (kill_* = SIGKILL of an engine's server during the "
+                          "rollout or at that step of a weight sync; stop_engine = SIGSTOP; "
+                          "kill_router); by name only: node = a whole node lost (its raylet "
+                          "SIGKILLed: every engine on it dies), on a cluster with a node that "
+                          "hosts engines but neither the trainer nor the driver.")
     g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,
