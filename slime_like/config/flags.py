@@ -341,6 +341,10 @@ def _ours(p: argparse.ArgumentParser) -> None:
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,
                    help="Hidden size of the tiny model made when --hf-checkpoint is not given.")
+    g.add_argument("--tiny-model-intermediate", type=t.positive_int, default=None,
+                   help="MLP size of the tiny model (default 11/4 of the hidden size); a "
+                        "multiple of 128 with --sglang-quantization fp8, whose blocks are "
+                        "128x128.")
 
 
 def _tracking(p: argparse.ArgumentParser) -> None:

@@ -344,8 +344,10 @@ class ModelSettings:
     program: str = "reference"
     tiny_layers: int = 2
     tiny_hidden: int = 64
+    tiny_intermediate: int | None = None
     seed: int = 1234
     engine_dtype: str | None = None
+    engine_quantization: str | None = None  # --sglang-quantization (fp8: weights/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -426,8 +428,10 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
                                        load=args.load),
         model=ModelSettings(hf_checkpoint=args.hf_checkpoint, program=args.engine,
                             tiny_layers=args.tiny_model_layers,
-                            tiny_hidden=args.tiny_model_hidden, seed=args.seed,
-                            engine_dtype=args.sglang_flags.get("dtype")),
+                            tiny_hidden=args.tiny_model_hidden,
+                            tiny_intermediate=args.tiny_model_intermediate, seed=args.seed,
+                            engine_dtype=args.sglang_flags.get("dtype"),
+                            engine_quantization=args.sglang_flags.get("quantization")),
         trainer=TrainerSettings(lr=args.lr, seed=args.seed,
                                 offload_train=bool(args.offload_train),
                                 offload_train_weights=args.offload_train_weights is not False,
