@@ -291,7 +291,7 @@ def register_weight_routes(app: FastAPI, engine: Any) -> None:
     @app.post(paths.UPDATE_WEIGHTS_FROM_DISK)
     async def update_weights_from_disk(obj: Annotated[p.UpdateWeightsFromDiskRequest, Body()]):
         ok, message = await weights.update_from_disk(obj)
-        if ok:
+        if ok and obj.load_format != XOR_ZSTD:  # a delta changes weights, not the checkpoint
             engine.model_path = engine.served_model_name = obj.model_path
             if obj.load_format:
                 engine.load_format = obj.load_format
