@@ -58,7 +58,6 @@ os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-
 import weight_sync_delta  # noqa: E402
 
 from slime_like.cluster.ports import free_port  # noqa: E402

@@ -1,6 +1,6 @@
 """`weight_sync.py --delta`: delta vs full weight syncs after real AdamW steps.
 
-A bf16 Llama of about 1B parameters (`--delta-layers 18`: 1.06B) trains with AdamW on a
+A bf16 Llama of about 1B parameters (`--delta-layers 17`: 1.005B) trains with AdamW on a
 random batch (one real forward, backward and optimizer step per sync); after each step the
 same weights go to one reference engine twice, side by side: first as a delta
 (`update_weight_mode="delta"`), then in full with the same version string (the engine then
@@ -300,7 +300,7 @@ def run(args) -> int:
 def add_flags(ap) -> None:
     ap.add_argument("--delta", action="store_true",
                     help="delta vs full syncs after real AdamW steps (benchmarks/weight_sync_delta.py)")
-    ap.add_argument("--delta-layers", type=int, default=18, help="1.06B parameters at 18")
+    ap.add_argument("--delta-layers", type=int, default=17, help="1.005B parameters at 17")
     ap.add_argument("--delta-steps", type=int, default=3)
     ap.add_argument("--delta-lrs", type=lambda s: [float(x) for x in s.split(",")],
                     default=[1e-6, 1e-5])
