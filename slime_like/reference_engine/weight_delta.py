@@ -47,15 +47,13 @@ class WeightDeltas:
 
     # ---- distributed -----------------------------------------------------------------------
 
-    def receive_delta(self, o: op.ReceiveDelta) -> Any:
-        """Receive one compressed bucket from the trainer's broadcast, then apply it."""
-        from slime_like.reference_engine.weight_receiver import Completion
-
+    def receive_delta(self, o: op.ReceiveDelta) -> tuple[bool, str]:
+        """Receive one compressed bucket from the trainer's broadcast, then apply it (done
+        when it returns: the CPU path; a CUDA engine would overlap as for full buckets)."""
         pg = self.groups.get(o.group_name)
         if pg is None:
-            return Completion(False, f"Failed to receive weights: Group {o.group_name} not in "
-                                     f"{list(self.groups)}. Please call "
-                                     "`init_weights_update_group` first.")
+            return False, (f"Failed to receive weights: Group {o.group_name} not in "
+                           f"{list(self.groups)}. Please call `init_weights_update_group` first.")
         header = wd.DeltaHeader.model_validate(o.header)
         buffer = torch.empty(header.encoded_nbytes, dtype=torch.uint8, device=self.device)
         try:
@@ -64,13 +62,13 @@ class WeightDeltas:
             message = f"Failed to receive weights: {e}"
             traceback.clear_frames(e.__traceback__)
             self.abandon_group(o.group_name)  # type: ignore[attr-defined]
-            return Completion(False, message)
+            return False, message
         try:
             self.apply_delta(list(o.names), list(o.dtypes), [list(s) for s in o.shapes],
                              header, buffer.cpu().numpy(), o.engine_version)
         except DeltaRefused as e:
-            return Completion(False, f"Failed to update parameter online: {wd.REFUSED}: {e}")
-        return Completion(True, APPLIED)
+            return False, f"Failed to update parameter online: {wd.REFUSED}: {e}"
+        return True, APPLIED
 
     # ---- disk ------------------------------------------------------------------------------
 
