@@ -167,6 +167,9 @@ class WeightControl:
 
     async def update_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest) -> tuple[bool, str]:
         """/update_weights_from_distributed: gate, lock, receive on every rank, version, flush."""
+        if req.load_format == XOR_ZSTD and req.weight_delta is None:
+            return False, (f"Failed to update parameter online: load_format {XOR_ZSTD!r} needs "
+                           "the bucket's weight_delta header (base version, digests, sizes)")
         refused = self._gate("update_weights_from_distributed")
         if refused:
             return refused
@@ -196,8 +199,6 @@ class WeightControl:
         if req.load_format != XOR_ZSTD:
             return op.ReceiveDistributed(names=req.names, dtypes=req.dtypes, shapes=req.shapes,
                                          group_name=req.group_name, load_format=req.load_format)
-        if req.weight_delta is None:
-            raise ValueError(f"load_format {XOR_ZSTD!r} needs the bucket's weight_delta header")
         return op.ReceiveDelta(names=req.names, dtypes=req.dtypes, shapes=req.shapes,
                                group_name=req.group_name,
                                header=req.weight_delta.model_dump(),

@@ -36,13 +36,18 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(seed)
 
     def step(self) -> None:
-        ids = torch.randint(0, 256, (2, 12), generator=self.gen)
-        logits = self.model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 ids[:, 1:].reshape(-1))
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the tiny model: 10 ms on one thread, 15x that on two
+        try:
+            ids = torch.randint(0, 256, (2, 12), generator=self.gen)
+            logits = self.model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _all_match(engines, model) -> None:
@@ -93,8 +98,13 @@ def test_a_wrong_base_is_refused_unchanged_and_the_sync_falls_back_to_full(
         assert a.weight_version() == served
         before = a.rank_checksums()
 
-        # A delta onto it straight from the last delta directory: refused, nothing changed.
+        # The last delta directory again: its base is the version before, refused as such.
         last = max((tmp_path / "ckpt").glob("*.delta"), key=lambda p: p.stat().st_mtime)
+        answer = a.post("/update_weights_from_disk", {"model_path": str(last),
+                                                      "load_format": wd.XOR_ZSTD}).json()
+        assert not answer["success"] and f"but this engine serves {served!r}" in answer["message"]
+        # Named onto the served version: the digest of A's bytes is not the base's; refused,
+        # nothing changed.
         manifest = json.loads((last / wd.MANIFEST).read_text())
         manifest["base_version"] = served
         for bucket in manifest["buckets"]:
@@ -153,6 +163,11 @@ def test_a_sglang_engine_without_delta_support_gets_full_weights(engines, tiny_m
         _all_match(engines[:1], trainer.model)
     finally:
         sync.close()
+    # A delta bucket without its header is refused before any rank waits for bytes.
+    answer = engines[0].post("/update_weights_from_distributed", {
+        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+        "load_format": wd.XOR_ZSTD}).json()
+    assert not answer["success"] and "needs the bucket's weight_delta header" in answer["message"]
 
 
 def test_fifty_delta_syncs_end_exactly_at_the_trainers_weights(engines, tiny_model_dir,
