@@ -214,9 +214,15 @@ def bench_transport(args, transport: str, model: CausalLM, model_dir: Path, work
                 assert d["mode"] == "delta", d
                 steps.append({"step": step, "train_s": round(step_s, 3),
                               "delta_s": rd.total_s, "full_s": rf.total_s,
+                              "delta_encode_s": round(rd.transfer["pack_s"], 3),
+                              "delta_engine_s": round(rd.transfer["http_s"], 3),
+                              "full_pack_s": round(rf.transfer["pack_s"], 3),
+                              "full_engine_s": round(rf.transfer["http_s"], 3),
                               "delta_bytes": rd.transfer["bytes"],
                               "full_bytes": rf.transfer["bytes"], **sizes})
-                log(f"{transport} {tag} step {step}: delta {rd.total_s:.2f}s "
+                log(f"{transport} {tag} step {step}: delta {rd.total_s:.2f}s (trainer "
+                    f"encode {rd.transfer['pack_s']:.2f}s, engine calls "
+                    f"{rd.transfer['http_s']:.2f}s) "
                     f"{rd.transfer['bytes'] / 1e6:.1f} MB, full {rf.total_s:.2f}s "
                     f"{rf.transfer['bytes'] / 1e6:.1f} MB {sizes}")
             same = engine.checksum() == trainer_checksum(model)
