@@ -1,8 +1,16 @@
 """Chaos runs: real faults at seeded moments of the real job, and the invariants checked."""
 
-from slime_like.chaos.faults import kill_engine, kill_router, revert_weights, stop_engine
+from slime_like.chaos.faults import (
+    kill_engine,
+    kill_node,
+    kill_router,
+    loseable_nodes,
+    revert_weights,
+    stop_engine,
+)
 from slime_like.chaos.invariants import InvariantSampler
 from slime_like.chaos.monkey import FAULTS, ChaosMonkey, Fault, plan_faults, simulated_crash
 
-__all__ = ["FAULTS", "ChaosMonkey", "Fault", "InvariantSampler", "kill_engine", "kill_router",
-           "plan_faults", "revert_weights", "simulated_crash", "stop_engine"]
+__all__ = ["FAULTS", "ChaosMonkey", "Fault", "InvariantSampler", "kill_engine", "kill_node",
+           "kill_router", "loseable_nodes", "plan_faults", "revert_weights", "simulated_crash",
+           "stop_engine"]

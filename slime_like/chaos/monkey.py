@@ -3,7 +3,8 @@
 `--chaos-seed N` plans one fault per chosen step. Each fault is real: a SIGKILL of an
 engine's server during a rollout or at a named step of a weight sync (armed in the
 trainer's sync-step hook, fired through the engine's actor so it lands before the step
-goes on), a SIGSTOP (a hang), a SIGKILL of the router. `--simulate-engine-crash-at` is a
+goes on), a SIGSTOP (a hang), a SIGKILL of the router, a whole node lost (its raylet
+SIGKILLed, on a node of engines only). `--simulate-engine-crash-at` is a
 plan of one fault. The `InvariantSampler` (invariants.py) watches from outside.
 """
 
@@ -14,11 +15,18 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from slime_like.chaos.faults import crash_at_sync_step, kill_engine, kill_router, stop_engine
-from slime_like.config.flags import CHAOS_FAULTS
+from slime_like.chaos.faults import (
+    crash_at_sync_step,
+    kill_engine,
+    kill_node,
+    kill_router,
+    loseable_nodes,
+    stop_engine,
+)
+from slime_like.config.flags import CHAOS_FAULT_CHOICES
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.fleet import Fleet
 from slime_like.fleet.lifecycle import ManagedEngine
@@ -34,8 +42,9 @@ FAULTS: dict[str, str | None] = {
     "kill_continue": "continue",
     "stop_engine": None,
     "kill_router": None,
+    "node": None,
 }
-assert tuple(FAULTS) == CHAOS_FAULTS, "the flag's choices and the faults must agree"
+assert tuple(FAULTS) == CHAOS_FAULT_CHOICES, "the flag's choices and the faults must agree"
 
 
 @dataclass
@@ -55,6 +64,7 @@ class Fault:
     model: str | None = None
     node_rank: int = 0
     pinned: bool = False
+    lost: list[str] = field(default_factory=list)  # a `node` fault: the engines it ran
 
 
 def simulated_crash(step: int, model: str | None = None, node_rank: int = 0) -> Fault:
@@ -118,6 +128,17 @@ class ChaosMonkey:
             f.target = "router"
             kill_router(self.fleet)
             return
+        if f.kind == "node":
+            nodes = loseable_nodes(self.fleet)
+            if not nodes:
+                logger.error("chaos: node fault at step %d: no node of this run can be lost",
+                             f.step)
+                return
+            node = nodes[f.engine % len(nodes)]
+            f.target = f"node/{node}"
+            f.lost = kill_node(self.fleet, node)
+            logger.warning("chaos: node %s lost at step %d (engines %s)", node, f.step, f.lost)
+            return
         e = self._target(f)
         f.target = e.engine_id
         if f.kind == "stop_engine":
@@ -145,7 +166,8 @@ class ChaosMonkey:
                 row["effect"] = [r for r in self.fleet.router_restarts
                                  if f.fired_at and r.get("at", 0) >= f.fired_at]
             else:
-                row["effect"] = [r for r in self.fleet.recoveries if r["engine"] == f.target
+                hit = f.lost or [f.target]
+                row["effect"] = [r for r in self.fleet.recoveries if r["engine"] in hit
                                  and f.fired_at and (r.get("dead_at") or 0) >= f.fired_at]
             out.append(row)
         return out

@@ -25,7 +25,7 @@ from slime_like.config.slices import (
     RouterSettings,
 )
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
-from slime_like.protocol.modes import Transport
+from slime_like.protocol.modes import Dispatch, Transport
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
@@ -39,6 +39,10 @@ UPDATE_WEIGHT_MODES = ("full", "delta")  # slime's --update-weight-mode
 DEFAULT_DELTA_FULL_EVERY = 20  # a delta chain's length before a full sync
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
                 "stop_engine", "kill_router")
+# Faults a run chooses by name only: they need a cluster of several nodes (`node` loses one
+# that hosts engines but not the trainer or the driver).
+CHAOS_NODE_FAULTS = ("node",)
+CHAOS_FAULT_CHOICES = CHAOS_FAULTS + CHAOS_NODE_FAULTS
 
 
 def _cluster(p: argparse.ArgumentParser) -> None:
@@ -214,6 +218,13 @@ def _router(p: argparse.ArgumentParser) -> None:
                         "Gateway 1.13, its successor; load-aware policies such as "
                         "--router-policy least_load). Each is launched from its own Python "
                         "package; docs/COMPATIBILITY.md says what differs.")
+    g.add_argument("--rollout-dispatch", type=t.member_of(Dispatch), choices=t.values_of(Dispatch),
+                   default=RouterSettings.dispatch,
+                   help="Who binds a rollout request to an engine: router (its --router-policy, "
+                        "when the request is sent) or admission (the rollout client, when a "
+                        "routed engine has a free slot of its --sglang-max-running-requests; "
+                        "the request then goes straight to that engine; not with PD). The "
+                        "router keeps health and registration either way.")
     g.add_argument("--sglang-router-ip", default=None,
                    help="Refused: the job starts and owns its routers (the fleet alone adds "
                         "and removes workers); use --sglang-router-port to fix the port.")
@@ -333,14 +344,21 @@ def _ours(p: argparse.ArgumentParser) -> None:
                         "from this seed and check the routing invariant from outside; the run "
                         "fails on any violation. Writes chaos.json to the report folder.")
     g.add_argument("--chaos-faults", nargs="+", default=list(CHAOS_FAULTS),
-                   choices=list(CHAOS_FAULTS), metavar="FAULT",
+                   choices=list(CHAOS_FAULT_CHOICES), metavar="FAULT",
                    help="Faults of a chaos run, one per chosen step: " + ", ".join(CHAOS_FAULTS)
-                        + " (kill_* = SIGKILL of an engine's server during the rollout or at "
-                          "that step of a weight sync; stop_engine = SIGSTOP; kill_router).")
+                        + " by default (kill_* = SIGKILL of an engine's server during the "
+                          "rollout or at that step of a weight sync; stop_engine = SIGSTOP; "
+                          "kill_router); by name only: node = a whole node lost (its raylet "
+                          "SIGKILLed: every engine on it dies), on a cluster with a node that "
+                          "hosts engines but neither the trainer nor the driver.")
     g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,
                    help="Hidden size of the tiny model made when --hf-checkpoint is not given.")
+    g.add_argument("--tiny-model-intermediate", type=t.positive_int, default=None,
+                   help="MLP size of the tiny model (default 11/4 of the hidden size); a "
+                        "multiple of 128 with --sglang-quantization fp8, whose blocks are "
+                        "128x128.")
 
 
 def _tracking(p: argparse.ArgumentParser) -> None:
