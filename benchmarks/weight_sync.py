@@ -30,6 +30,7 @@ every sync).
     python benchmarks/weight_sync.py --layout dense7b,moe30b --engines 1
     python benchmarks/weight_sync.py --layout dense7b,moe30b --engines 1,2tp2   # 4 GPUs
     python benchmarks/weight_sync.py --tiny
+    python benchmarks/weight_sync.py --delta   # CPU: delta vs full, 1B bf16, disk and gloo
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+import weight_sync_delta  # noqa: E402
 
 from slime_like.cluster.ports import free_port  # noqa: E402
 from slime_like.models.config import ModelConfig  # noqa: E402
@@ -609,7 +611,10 @@ def main(argv: list[str] | None = None) -> int:
                          "of one buffer per dtype (Megatron-style); buckets that lie back to "
                          "back in the trainer's memory go out without packing")
     ap.add_argument("--json-out", default=None, help="also append the JSON lines to this file")
+    weight_sync_delta.add_flags(ap)
     args = ap.parse_args(argv)
+    if args.delta:  # CPU: delta vs full after real optimizer steps (its own module)
+        return weight_sync_delta.run(args)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(args.modes) - {"raw", "per_tensor", "ours", "facade", "sglang_per_tensor", "tensor"}
     if bad:

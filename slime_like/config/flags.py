@@ -35,6 +35,8 @@ SLIME_TRANSPORT = "nccl"
 WEIGHT_TRANSPORTS = (SLIME_TRANSPORT, *t.values_of(Transport))
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
+UPDATE_WEIGHT_MODES = ("full", "delta")  # slime's --update-weight-mode
+DEFAULT_DELTA_FULL_EVERY = 20  # a delta chain's length before a full sync
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
                 "stop_engine", "kill_router")
 # Faults a run chooses by name only: they need a cluster of several nodes (`node` loses one
@@ -246,6 +248,18 @@ def _weights(p: argparse.ArgumentParser) -> None:
     g.add_argument("--update-weight-buffer-size", type=t.positive_int,
                    default=DEFAULT_BUFFER_SIZE, metavar="BYTES",
                    help="Bucket size of a weight update, bytes.")
+    g.add_argument("--update-weight-mode", choices=UPDATE_WEIGHT_MODES, default="full",
+                   help="full: every sync sends every byte; delta: send only what changed "
+                        "since the weights every engine holds (the XOR of each bucket, zstd "
+                        "compressed; over disk and distributed; the trainer keeps one host "
+                        "copy of the served weights). Engines that do not advertise delta "
+                        "support (sglang) get full weights.")
+    g.add_argument("--update-weight-delta", dest="update_weight_mode", action="store_const",
+                   const="delta", help="Same as --update-weight-mode delta.")
+    g.add_argument("--update-weight-delta-full-every", type=t.positive_int,
+                   default=DEFAULT_DELTA_FULL_EVERY, metavar="SYNCS",
+                   help="With --update-weight-mode delta: every this many syncs is a full one "
+                        "(also the first, one after a failure, and one for a new engine).")
     g.add_argument("--update-weight-disk-dir", default=None,
                    help="Directory shared by trainer and engines for --update-weight-transport "
                         "disk.")

@@ -145,6 +145,10 @@ def _resolve_transport(args: argparse.Namespace) -> None:
     if args.update_weight_transport == SLIME_TRANSPORT:
         args.update_weight_transport = Transport.TENSOR if args.colocate else Transport.DISTRIBUTED
     args.update_weight_transport = Transport(args.update_weight_transport)
+    if args.update_weight_mode == "delta" and args.update_weight_transport == Transport.TENSOR:
+        raise ConfigError("--update-weight-mode", "delta updates run over the disk and "
+                          "distributed transports; the tensor transport (--colocate) shares "
+                          "the trainer's memory, so there are no bytes to save")
     if args.update_weight_transport == Transport.DISK and not args.update_weight_disk_dir:
         raise ConfigError("--update-weight-disk-dir",
                           "required with --update-weight-transport disk (a directory both the "

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from slime_like.protocol.modes import PauseMode
+from slime_like.protocol.weight_delta import DeltaHeader
 
 Selector = Literal["target", "draft", "all"]
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
@@ -183,6 +184,9 @@ class UpdateWeightsFromDistributedRequest(_Body):
     load_format: str | None = None
     selector: Selector = "all"
     torch_empty_cache: bool = False
+    # Ours, not sglang's: a delta bucket's base and result (load_format "xor_zstd"; sent
+    # only to engines whose /server_info lists that format)
+    weight_delta: DeltaHeader | None = None
 
 
 class UpdateWeightsFromTensorRequest(_Body):

@@ -54,6 +54,27 @@ class LoadFromDisk:
 
 
 @dataclass(frozen=True)
+class ReceiveDelta:
+    """One delta bucket (`protocol.weight_delta`): receive its compressed bytes, apply it
+    onto the base it names. `engine_version`: what the engine serves as it arrives."""
+
+    names: Sequence[str]
+    dtypes: Sequence[str]
+    shapes: Sequence[Sequence[int]]
+    group_name: str
+    header: dict
+    engine_version: str
+
+
+@dataclass(frozen=True)
+class LoadDeltaFromDisk:
+    """A delta directory (manifest and bucket files), applied whole or not at all."""
+
+    path: str
+    engine_version: str
+
+
+@dataclass(frozen=True)
 class Checksums:
     skip_tensor_list: Sequence[str] | None = None
 
@@ -74,4 +95,5 @@ class EndSession:
 
 
 RankOp = (InitGroup | DestroyGroup | ReceiveDistributed | LoadTensorPayload | LoadFromDisk
-          | Checksums | ReleaseWeights | ResumeWeights | EndSession)
+          | Checksums | ReleaseWeights | ResumeWeights | EndSession | ReceiveDelta
+          | LoadDeltaFromDisk)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
+from slime_like.protocol.weight_delta import XOR_ZSTD
 from slime_like.reference_engine import rank_ops as op
 from slime_like.reference_engine.frontend import Frontend
 from slime_like.reference_engine.rank_ops import RankOp
@@ -166,6 +167,9 @@ class WeightControl:
 
     async def update_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest) -> tuple[bool, str]:
         """/update_weights_from_distributed: gate, lock, receive on every rank, version, flush."""
+        if req.load_format == XOR_ZSTD and req.weight_delta is None:
+            return False, (f"Failed to update parameter online: load_format {XOR_ZSTD!r} needs "
+                           "the bucket's weight_delta header (base version, digests, sizes)")
         refused = self._gate("update_weights_from_distributed")
         if refused:
             return refused
@@ -173,9 +177,7 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            results = await self.fanout(op.ReceiveDistributed(
-                names=req.names, dtypes=req.dtypes, shapes=req.shapes,
-                group_name=req.group_name, load_format=req.load_format))
+            results = await self.fanout(self._receive_op(req))
             answered = []
             for ok, value in results:
                 if ok and isinstance(value, Completion):
@@ -191,6 +193,16 @@ class WeightControl:
             ok, message = self.merge(answered)
             self.metrics.weight_load(time.perf_counter() - t0)
             return await self._after_update(ok, message, req.weight_version, req.flush_cache)
+
+    def _receive_op(self, req: p.UpdateWeightsFromDistributedRequest) -> RankOp:
+        """A bucket's rank operation: a delta bucket names its base (`weight_delta`)."""
+        if req.load_format != XOR_ZSTD:
+            return op.ReceiveDistributed(names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                                         group_name=req.group_name, load_format=req.load_format)
+        return op.ReceiveDelta(names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                               group_name=req.group_name,
+                               header=req.weight_delta.model_dump(),
+                               engine_version=self.scheduler.weight_version)
 
     async def update_from_tensor(self, req: p.UpdateWeightsFromTensorRequest) -> tuple[bool, str]:
         """/update_weights_from_tensor: one payload per TP rank through the safe unpickler."""
@@ -224,7 +236,9 @@ class WeightControl:
             await self.frontend.abort_request("", True)
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            results = await self.fanout(op.LoadFromDisk(req.model_path, req.load_format))
+            results = await self.fanout(
+                op.LoadDeltaFromDisk(req.model_path, self.scheduler.weight_version)
+                if req.load_format == XOR_ZSTD else op.LoadFromDisk(req.model_path, req.load_format))
             ok, message = self.merge(results)
             self.metrics.weight_load(time.perf_counter() - t0)
             if ok:
@@ -278,7 +292,7 @@ def register_weight_routes(app: FastAPI, engine: Any) -> None:
     @app.post(paths.UPDATE_WEIGHTS_FROM_DISK)
     async def update_weights_from_disk(obj: Annotated[p.UpdateWeightsFromDiskRequest, Body()]):
         ok, message = await weights.update_from_disk(obj)
-        if ok:
+        if ok and obj.load_format != XOR_ZSTD:  # a delta changes weights, not the checkpoint
             engine.model_path = engine.served_model_name = obj.model_path
             if obj.load_format:
                 engine.load_format = obj.load_format

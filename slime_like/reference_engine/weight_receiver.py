@@ -43,6 +43,7 @@ from slime_like.reference_engine.load_plan import (
     distributed_entries,
     request_key,
 )
+from slime_like.reference_engine.weight_delta import WeightDeltas
 from slime_like.reference_engine.weight_groups import WeightGroups
 from slime_like.reference_engine.weight_memory import Released, WeightMemory
 
@@ -71,7 +72,7 @@ class Completion:
         return self.ok, self.message
 
 
-class WeightReceiver(WeightGroups, WeightMemory):
+class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
     """Weight operations on one TP rank's copy of the model."""
 
     def __init__(self, model: torch.nn.Module, *, tp_rank: int, tp_size: int, device: torch.device,
@@ -116,6 +117,7 @@ class WeightReceiver(WeightGroups, WeightMemory):
             (op.ResumeWeights, lambda o: self.resume_weights()),
             (op.EndSession, lambda o: self.end_session()),
         ])
+        self._handlers.update(self.delta_handlers())
 
     def run(self, operation: op.RankOp) -> Any:
         """Run one rank operation (a `rank_ops` message) by its type."""

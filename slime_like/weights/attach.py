@@ -65,6 +65,10 @@ def pack_device(config: WeightSyncConfig) -> torch.device:
 
 def make_transport(config: WeightSyncConfig) -> Transport:
     """The transport the settings name (imported on demand: each pulls its own stack)."""
+    if config.update_weight_mode == "delta":
+        from slime_like.weights.delta_transport import make_delta_transport
+
+        return make_delta_transport(config, pack_device(config))
     if config.transport is modes.Transport.DISTRIBUTED:
         from slime_like.weights.distributed import DistributedTransport
 

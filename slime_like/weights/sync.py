@@ -42,6 +42,7 @@ from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightMetadataError, WeightSyncError
 from slime_like.protocol import modes
 from slime_like.protocol.buckets import Bucket, TensorMeta
+from slime_like.protocol.weight_delta import REFUSED
 from slime_like.weights.attach import (
     BucketPlan,
     EngineLike,
@@ -175,7 +176,17 @@ class WeightSync(Members):
         with self._lock:
             if engines is not None:
                 self._set_engines(engines)
-            return self._update(weights, weight_version, frozenset(quiet))
+            try:
+                return self._update(weights, weight_version, frozenset(quiet))
+            except WeightSyncError as e:
+                # An engine refused a delta (not the base it holds): nothing of that bucket
+                # changed, the base is forgotten, and the sync runs again in full. Only where
+                # the failed sync resumed the engines: the fleet resumes its own, and its
+                # next sync is full.
+                if REFUSED not in str(e) or not self.config.resume_on_failure:
+                    raise
+                log.warning("an engine refused a weight delta; syncing in full: %s", e)
+                return self._update(weights, weight_version, frozenset(quiet))
 
     def _update(self, weights: Any, weight_version: str | None,
                 quiet: frozenset[str] = frozenset()) -> SyncReport:

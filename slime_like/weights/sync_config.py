@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from slime_like.config.deadlines import DeadlinePolicy
+from slime_like.config.flags import DEFAULT_DELTA_FULL_EVERY, UPDATE_WEIGHT_MODES
 from slime_like.errors import ConfigError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, DEFAULT_TRANSPORT, PauseMode, Transport
@@ -24,6 +25,7 @@ PAUSE_MODES: tuple[str, ...] = tuple(m.value for m in PauseMode)
 TRANSPORTS: tuple[str, ...] = tuple(m.value for m in Transport)
 LOAD_FORMATS = (p.FLATTENED_BUCKET, "per_tensor")
 DEFAULT_BUFFER_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
+
 JOB_SYNC_TIMEOUT_S = 120.0  # the job's cap on a sync's HTTP and group waits (below)
 
 
@@ -56,6 +58,10 @@ class WeightSyncConfig:
     # fails the sync naming that engine as hung (`WeightSyncError.hung`); a retry goes on
     # without it.
     deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+    # "delta": send only what changed since the base every engine holds (weights/delta.py);
+    # every `update_weight_delta_full_every`-th sync is full
+    update_weight_mode: str = "full"
+    update_weight_delta_full_every: int = DEFAULT_DELTA_FULL_EVERY
     # After a failed sync: resume every paused engine (standalone use), or leave them paused
     # for the caller (the fleet), which first takes unverified engines out of the router.
     resume_on_failure: bool = True
@@ -78,6 +84,14 @@ class WeightSyncConfig:
         for name in ("http_timeout_s", "group_timeout_s", "liveness_timeout_s"):
             if float(getattr(self, name)) <= 0:
                 raise bad(name, "a positive number of seconds")
+        if self.update_weight_mode not in UPDATE_WEIGHT_MODES:
+            raise bad("update_weight_mode", f"one of {list(UPDATE_WEIGHT_MODES)}")
+        if int(self.update_weight_delta_full_every) < 1:
+            raise bad("update_weight_delta_full_every", "a number of syncs >= 1")
+        if self.update_weight_mode == "delta" and self.transport == Transport.TENSOR:
+            raise ConfigError("update_weight_mode", "delta updates run over the disk and "
+                              "distributed transports; the tensor transport shares the "
+                              "trainer's memory, so there are no bytes to save")
         if self.transport == Transport.DISK and not self.disk_dir:
             raise ConfigError("disk_dir", "the disk transport needs a directory the engines can read")
 
@@ -91,6 +105,8 @@ class WeightSyncConfig:
         timeout = min(JOB_SYNC_TIMEOUT_S, float(args.rollout_request_timeout))
         return cls(transport=args.update_weight_transport, pause_mode=args.pause_mode,
                    update_weight_buffer_size=args.update_weight_buffer_size,
+                   update_weight_mode=args.update_weight_mode,
+                   update_weight_delta_full_every=args.update_weight_delta_full_every,
                    disk_dir=args.update_weight_disk_dir, model_dir=model_dir,
                    http_timeout_s=timeout, group_timeout_s=timeout, resume_on_failure=False)
 

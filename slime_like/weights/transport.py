@@ -37,6 +37,7 @@ class TransferStats:
     first_call_s: float | None = None  # from the transfer's start to its first engine call
     started: float = field(default_factory=time.perf_counter, repr=False)
     per_engine_http_s: dict[str, float] = field(default_factory=dict)
+    delta: dict | None = None  # delta mode: what was sent and why (weights/delta.py)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_http(self, url: str, sent_at: float, seconds: float) -> None:
@@ -51,7 +52,8 @@ class TransferStats:
                 "wire_s": None if self.wire_s is None else round(self.wire_s, 6), "http_s": round(self.http_s, 6),
                 "wait_s": round(self.wait_s, 6), "prep_s": round(self.prep_s, 6),
                 "first_call_s": None if self.first_call_s is None else round(self.first_call_s, 6),
-                "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()}}
+                "per_engine_http_s": {k: round(v, 6) for k, v in self.per_engine_http_s.items()},
+                **({"delta": self.delta} if self.delta is not None else {})}
 
 
 @dataclass

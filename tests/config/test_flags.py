@@ -169,6 +169,10 @@ def test_router_flags_carry_slime_defaults_and_user_values():
                                               "got 0"),
     (["--sglang-router-port", "70000"], "--sglang-router-port: must be a port in 1..65535, "
                                         "got 70000"),
+    (["--update-weight-mode", "sparse"], "--update-weight-mode: invalid choice: 'sparse' "
+                                         "(choose from 'full', 'delta')"),
+    (["--update-weight-delta-full-every", "0"], "--update-weight-delta-full-every: must be > 0, "
+                                                "got 0"),
 ])
 def test_bad_flag_names_the_flag(argv, expected):
     assert str(_error([*BASE, "--rollout-num-gpus", "2", *argv])) == expected
@@ -246,6 +250,9 @@ def test_abbreviated_flags_are_not_guessed():
      "--kl-loss-coef: has no effect without --use-kl-loss"),
     (["--hf-checkpoint", "m", "--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "16"],
      "--actor-num-gpus-per-node: must be <= --num-gpus-per-node (8), got 16"),
+    (["--hf-checkpoint", "m", "--colocate", "--update-weight-delta"],
+     "--update-weight-mode: delta updates run over the disk and distributed transports; the "
+     "tensor transport (--colocate) shares the trainer's memory, so there are no bytes to save"),
 ])
 def test_inconsistent_flags_are_rejected_before_placement(argv, expected):
     assert str(_error(argv)) == expected

@@ -86,6 +86,8 @@ def test_launch_fleet_takes_settings_objects_without_a_yaml(tmp_path, tiny_model
         launch_fleet,
     )
     from slime_like.models import load_pretrained
+    from slime_like.models.transformer import hf_named_parameters
+    from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
@@ -107,10 +109,19 @@ def test_launch_fleet_takes_settings_objects_without_a_yaml(tmp_path, tiny_model
         assert requests.get(workers, headers={"Authorization": "Bearer user-key"},
                             timeout=10).status_code == 200
         weights = FleetWeights(fleet, transport=Transport.DISTRIBUTED,
-                               pause_mode=PauseMode.RETRACT, update_weight_buffer_size=1 << 20)
-        weights.push(load_pretrained(tiny_model_dir, dtype=torch.float32))
+                               pause_mode=PauseMode.RETRACT, update_weight_buffer_size=1 << 20,
+                               update_weight_mode="delta")
+        model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+        assert weights.push(model)["transfer"]["delta"]["mode"] == "full"  # no base yet
         [sample] = fleet.generate([[1, 72, 105]], n=1,
                                   sampling_params={"temperature": 1.0, "max_new_tokens": 2})
         assert sample.versions() == ["1"]
+        with torch.no_grad():  # a step's worth of change: the next push sends a delta
+            model.lm_head.weight[:3].add_(1e-3)
+        assert weights.push(model)["transfer"]["delta"]["mode"] == "delta"
+        checker = requests.post(handle.url + "/weights_checker", json={}, timeout=30,
+                                headers={"Authorization": "Bearer admin-key"}).json()
+        sums = {n: tensor_checksum(p) for n, p in hf_named_parameters(model)}
+        assert checker["ranks"][0]["per_gpu_checksum"] == overall_checksum(sums)
     finally:
         fleet.shutdown()

@@ -30,6 +30,11 @@ def test_words_become_members_and_defaults_are_the_flags():
                             "got 'nccl'"),
     ({"transport": Transport.DISK}, "disk_dir: the disk transport needs a directory"),
     ({"http_timeout_s": 0}, "http_timeout_s: expected a positive number of seconds"),
+    ({"update_weight_mode": "sparse"}, "update_weight_mode: expected one of ['full', 'delta']"),
+    ({"update_weight_delta_full_every": 0}, "update_weight_delta_full_every: expected a number "
+                                            "of syncs >= 1"),
+    ({"update_weight_mode": "delta", "transport": "tensor"}, "update_weight_mode: delta "
+                                                             "updates run over the disk and"),
 ])
 def test_a_bad_setting_is_refused_naming_its_field(kw, message):
     with pytest.raises(ConfigError) as err:
@@ -57,3 +62,12 @@ def test_the_jobs_sync_comes_from_its_flags():
     assert cfg.update_weight_buffer_size == 4096 and cfg.model_dir == "/m"
     assert cfg.http_timeout_s == cfg.group_timeout_s == 30.0  # no longer than a request
     assert not cfg.resume_on_failure  # the fleet unroutes a failed sync's engines first
+
+
+def test_delta_mode_comes_from_slimes_flag_or_ours():
+    base = ["--engine", "reference", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+    assert WeightSyncConfig.from_flags(parse_args(base)).update_weight_mode == "full"
+    for argv in (["--update-weight-mode", "delta"], ["--update-weight-delta"]):
+        cfg = WeightSyncConfig.from_flags(parse_args([*base, *argv,
+                                                      "--update-weight-delta-full-every", "5"]))
+        assert (cfg.update_weight_mode, cfg.update_weight_delta_full_every) == ("delta", 5)
