@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from slime_like.chaos.faults import crash_at_sync_step, kill_engine, kill_router, stop_engine
+from slime_like.chaos.partition import PARTITION, Partitioner
 from slime_like.config.flags import CHAOS_FAULTS
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.fleet import Fleet
@@ -65,9 +66,10 @@ def simulated_crash(step: int, model: str | None = None, node_rank: int = 0) -> 
 def plan_faults(seed: int, kinds: list[str], num_steps: int, num_engines: int) -> list[Fault]:
     """One fault per chosen step, spread over the run; the last two steps stay quiet so every
     recovery finishes before the end."""
-    unknown = [k for k in kinds if k not in FAULTS]
+    unknown = [k for k in kinds if k not in FAULTS and k != PARTITION]
     if unknown:
-        raise ValueError(f"unknown chaos fault(s) {unknown}; expected some of {list(FAULTS)}")
+        raise ValueError(f"unknown chaos fault(s) {unknown}; expected some of "
+                         f"{[*FAULTS, PARTITION]}")
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
@@ -82,10 +84,12 @@ def plan_faults(seed: int, kinds: list[str], num_steps: int, num_engines: int) -
 class ChaosMonkey:
     """Fires the planned faults at their moments during the job."""
 
-    def __init__(self, fleet: Fleet, faults: list[Fault], trainer: Any = None):
+    def __init__(self, fleet: Fleet, faults: list[Fault], trainer: Any = None,
+                 partitioner: Partitioner | None = None):
         self.fleet = fleet
         self.faults = faults
         self.trainer = trainer  # TrainerGroup: sync faults are armed in its rank 0
+        self.partitioner = partitioner  # `partition` faults (partition.py)
 
     def _target(self, fault: Fault) -> ManagedEngine:
         if fault.pinned:
@@ -98,7 +102,8 @@ class ChaosMonkey:
         return engines[fault.engine % len(engines)]
 
     def _at(self, step: int, sync: bool) -> list[Fault]:
-        return [f for f in self.faults if f.step == step and (FAULTS[f.kind] is not None) == sync]
+        return [f for f in self.faults
+                if f.step == step and (FAULTS.get(f.kind) is not None) == sync]
 
     def rollout_hook(self, step: int, total: int) -> Callable[[int], None] | None:
         """An `on_sample` hook that fires this step's rollout fault a quarter of the way in."""
@@ -118,6 +123,9 @@ class ChaosMonkey:
             f.target = "router"
             kill_router(self.fleet)
             return
+        if f.kind == PARTITION:
+            self._partition(f)
+            return
         e = self._target(f)
         f.target = e.engine_id
         if f.kind == "stop_engine":
@@ -125,6 +133,18 @@ class ChaosMonkey:
         else:
             kill_engine(self.fleet, self.fleet.engines.index(e), node_rank=f.node_rank)
         logger.warning("chaos: %s on %s at step %d", f.kind, f.target, f.step)
+
+    def _partition(self, f: Fault) -> None:
+        """Cut a partitionable engine host (seeded pick) for the configured length."""
+        if self.partitioner is None:
+            raise RuntimeError("a `partition` fault was planned without a partitioner")
+        live = [e.engine_id for e in self.fleet.engines
+                if e.state in (EngineState.REGISTERED, EngineState.UPDATING)]
+        node_ip, f.target = self.partitioner.pick(f.engine, live)
+        try:
+            self.partitioner.cut(node_ip, f.target)
+        except Exception:  # the fault did not land: its summary has no effect, and says so
+            logger.exception("chaos: partition of %s failed", node_ip)
 
     def arm_sync(self, step: int) -> None:
         """Before the sync that follows `step`: arm its fault in the trainer (fired there)."""
@@ -144,6 +164,10 @@ class ChaosMonkey:
             if f.kind == "kill_router":
                 row["effect"] = [r for r in self.fleet.router_restarts
                                  if f.fired_at and r.get("at", 0) >= f.fired_at]
+            elif f.kind == PARTITION:
+                row["effect"] = [c for c in (self.partitioner.cuts if self.partitioner else [])
+                                 if c["engine"] == f.target and c["returncode"] == 0
+                                 and f.fired_at and c["cut_at"] >= f.fired_at]
             else:
                 row["effect"] = [r for r in self.fleet.recoveries if r["engine"] == f.target
                                  and f.fired_at and (r.get("dead_at") or 0) >= f.fired_at]

@@ -37,6 +37,8 @@ WEIGHT_TRANSPORTS = (SLIME_TRANSPORT, *t.values_of(Transport))
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
                 "stop_engine", "kill_router")
+# Faults that need hosts with network stacks of their own: never in the default set.
+HOST_CHAOS_FAULTS = ("partition",)
 
 
 def _cluster(p: argparse.ArgumentParser) -> None:
@@ -319,10 +321,20 @@ def _ours(p: argparse.ArgumentParser) -> None:
                         "from this seed and check the routing invariant from outside; the run "
                         "fails on any violation. Writes chaos.json to the report folder.")
     g.add_argument("--chaos-faults", nargs="+", default=list(CHAOS_FAULTS),
-                   choices=list(CHAOS_FAULTS), metavar="FAULT",
+                   choices=[*CHAOS_FAULTS, *HOST_CHAOS_FAULTS], metavar="FAULT",
                    help="Faults of a chaos run, one per chosen step: " + ", ".join(CHAOS_FAULTS)
                         + " (kill_* = SIGKILL of an engine's server during the rollout or at "
-                          "that step of a weight sync; stop_engine = SIGSTOP; kill_router).")
+                          "that step of a weight sync; stop_engine = SIGSTOP; kill_router); "
+                          "not by default: partition (an engine host's cluster link cut by "
+                          "--chaos-partition-command; needs hosts of their own).")
+    g.add_argument("--chaos-partition-command", default=None, metavar="TEMPLATE",
+                   help="The chaos fault `partition`: a command (no shell) that cuts the host "
+                        "{node_ip}'s cluster link and restores it after {seconds} by itself, "
+                        "e.g. a switch's API (docs/FAULT_TOLERANCE.md, A partitioned node).")
+    g.add_argument("--chaos-partition-seconds", type=t.positive_float, default=8.0,
+                   metavar="S", help="How long a `partition` cut lasts: shorter than the "
+                   "health checks' verdict (failures x (interval + timeout)) to be resynced, "
+                   "longer for a node loss.")
     g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,

@@ -27,6 +27,8 @@ from typing import Any
 from slime_like.chaos import (
     ChaosMonkey,
     InvariantSampler,
+    Partitioner,
+    partitioner_for,
     plan_faults,
     revert_weights,
     simulated_crash,
@@ -96,6 +98,7 @@ class Job:
         self.chaos: ChaosMonkey | None = None
         self.sampler: InvariantSampler | None = None
         self.crash: ChaosMonkey | None = None
+        self.partitioner: Partitioner | None = None  # the chaos fault `partition`
         self.utilization = None
         self.scaler: ScaleWatcher | None = None  # the operator's scale commands
         self._step_started = 0.0
@@ -133,6 +136,7 @@ class Job:
         """Ray (the submitted-to cluster, or a local one), then the placement group."""
         init_ray(self.settings.placement.layout.num_bundles)
         self.placement = place_job(self.settings.placement, timeout_s=300)
+        self.partitioner = partitioner_for(self.settings.chaos, self.placement.plan)
 
     def launch(self) -> None:
         """The fleet (routers, engines) and the trainer group on its slots, started side by
@@ -224,7 +228,7 @@ class Job:
         updatable = [e for e in fleet.engines if e.update_weights]
         self.chaos = ChaosMonkey(fleet, plan_faults(chaos.seed, list(chaos.faults),
                                                     self.settings.num_steps, len(updatable)),
-                                 self.trainer)
+                                 self.trainer, self.partitioner)
         self.sampler = InvariantSampler(fleet,
                                         unreachable_grace_s=chaos.detection_grace_s).start()
 
