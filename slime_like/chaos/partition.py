@@ -22,6 +22,8 @@ import subprocess
 import time
 from typing import Any
 
+import ray
+
 from slime_like.config.chaos_flags import PARTITION, check_partition_command
 from slime_like.config.layout import JobPlan
 from slime_like.errors import ConfigError
@@ -70,8 +72,7 @@ def partitioner_for(chaos: Any, plan: JobPlan) -> Partitioner | None:
     can be cut, before any engine starts); None otherwise. `chaos`: its ChaosSettings."""
     if chaos.seed is None or PARTITION not in chaos.faults:
         return None
-    import ray  # the driver's node: where the routers run
-
+    # the driver's node: where the routers run
     nodes = check_partitionable(plan, ray.util.get_node_ip_address())
     return Partitioner(chaos.partition_command, chaos.partition_seconds, nodes)
 
