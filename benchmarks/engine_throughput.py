@@ -34,7 +34,7 @@ from slime_like.models.tiny import make_tiny_model  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pinned_engine import start_pinned_engine  # noqa: E402
 
-from slime_like.reference_engine.served_log import SERVED_LOG_ENV  # noqa: E402
+from slime_like.reference_engine.served_log import SERVED_LOG_ENV, ServedLog  # noqa: E402
 
 
 def run_level(url: str, concurrency: int, tokens: int, rounds: int) -> tuple[float, int, float]:
@@ -99,7 +99,28 @@ def compare_served_log(a: argparse.Namespace, model_dir: Path, cpu: int, tmp: Pa
         off, on = best["off", level], best["on", level]
         print(f"{level:>10} {off:>10.1f} {on:>10.1f} {on / off:>7.3f} "
               f"{(1 / on - 1 / off) * 1e6:>8.1f}")
+    # What the scheduler thread itself spends (no server, no HTTP, no other process's
+    # noise): a record per finished request and one flush per step that finished some.
+    print("the served log's own cost on the scheduler thread, per request")
+    for per_step in a.levels:
+        cost = min(log_cost(tmp / "direct.jsonl", per_step) for _ in range(5))
+        print(f"{per_step:>10} finished per step: {cost * 1e6:.2f} us")
     return 0
+
+
+def log_cost(path: Path, per_step: int, requests: int = 20000) -> float:
+    """Seconds per request of ServedLog.record plus its share of the step's flush."""
+    log = ServedLog(path)
+    t0 = time.perf_counter()
+    for i in range(requests):
+        log.record(f"rid-{i:08d}", "12", "length", 4)
+        if (i + 1) % per_step == 0:
+            log.flush()
+    log.flush()
+    dt = time.perf_counter() - t0
+    log.close()
+    path.unlink()
+    return dt / requests
 
 
 def main() -> int:

@@ -18,9 +18,12 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 SERVED_LOG_ENV = "SLIME_LIKE_REFERENCE_SERVED_LOG"
+# json's own C string quoting: a line costs a few string formats, not a json.dumps of a dict
+_quote = encode_basestring_ascii
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,8 @@ class ServedLog:
             return
         lines, self._pending = self._pending, []
         self._file.write("".join(
-            json.dumps({"rid": rid, "time": round(t, 4), "version": v, "finish": f,
-                        "tokens": n}) + "\n" for rid, t, v, f, n in lines))
+            f'{{"rid": {_quote(rid)}, "time": {t:.4f}, "version": {_quote(v)}, '
+            f'"finish": {_quote(f)}, "tokens": {n}}}\n' for rid, t, v, f, n in lines))
         self._file.flush()
 
     def close(self) -> None:

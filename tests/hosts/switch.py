@@ -94,6 +94,16 @@ class LinkSwitch:
             timer.start()
         return cut
 
+    def wait_for_cut(self, timeout_s: float, job: Any = None) -> dict[str, Any]:
+        """The first cut once it is made; an AssertionError at the deadline, or as soon as
+        `job` (a Popen) ends without one."""
+        deadline = time.monotonic() + timeout_s
+        while not self.cuts:
+            assert job is None or job.poll() is None, "the job ended before any partition"
+            assert time.monotonic() < deadline, f"no partition asked for in {timeout_s:.0f} s"
+            time.sleep(0.1)
+        return self.cuts[0]
+
     def _heal(self, cut: dict[str, Any]) -> None:
         with self._lock:
             if cut["healed_at"] is None:
