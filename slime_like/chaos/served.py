@@ -22,9 +22,12 @@ SERVED_SUFFIX = ".served.jsonl"
 
 
 def fleet_versions(run_dir: Path) -> list[tuple[float, int]]:
-    """(wall time, version) of each VERSION row of the run's timeline, in time order."""
-    rows = [json.loads(x) for x in (Path(run_dir) / "engine_timeline.jsonl").read_text()
-            .splitlines() if x.strip()]
+    """(wall time, version) of each VERSION row of the run's timeline, in time order (none
+    without a timeline)."""
+    path = Path(run_dir) / "engine_timeline.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return sorted((float(r["wall_time"]), int(r["version"])) for r in rows
                   if r.get("engine") == "fleet" and r.get("state") == "VERSION"
                   and "wall_time" in r)

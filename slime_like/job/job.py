@@ -33,6 +33,7 @@ from slime_like.chaos import (
     revert_weights,
     simulated_crash,
 )
+from slime_like.chaos.served import stale_serves
 from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.slices import FleetSettings, JobSettings
 from slime_like.errors import SlimeLikeError
@@ -415,7 +416,8 @@ class Job:
         if self.sampler is not None and self.chaos is not None:
             found = self.sampler.stop()
             chaos = {"seed": self.settings.chaos.seed, "faults": self.chaos.summary(), **found,
-                     "recoveries": fleet.recoveries, "router_restarts": fleet.router_restarts}
+                     "recoveries": fleet.recoveries, "router_restarts": fleet.router_restarts,
+                     "stale_serves": stale_serves(self.out)}  # the engines' own served logs
             (self.out / "chaos.json").write_text(json.dumps(chaos, indent=1))
             self.notes.append(f"chaos: {len(self.chaos.faults)} faults, {found['samples']} "
                               f"router samples, {len(found['violations'])} invariant violations")
