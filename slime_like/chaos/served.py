@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from slime_like.fleet.events import Happening
 from slime_like.reference_engine.served_log import read_served
 
 SERVED_SUFFIX = ".served.jsonl"
@@ -29,7 +30,7 @@ def fleet_versions(run_dir: Path) -> list[tuple[float, int]]:
         return []
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return sorted((float(r["wall_time"]), int(r["version"])) for r in rows
-                  if r.get("engine") == "fleet" and r.get("state") == "VERSION"
+                  if r.get("engine") == "fleet" and r.get("state") == Happening.VERSION.value
                   and "wall_time" in r)
 
 
