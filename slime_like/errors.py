@@ -60,8 +60,11 @@ class RouterError(SlimeLikeError):
     """The sglang-router refused or did not finish a request."""
 
 
-class WeightSyncError(SlimeLikeError):
-    """A weight update failed; names the engine and the step of the transaction."""
+class WeightSyncError(SlimeLikeError, RuntimeError):
+    """A weight update failed; names the engine and the step of the transaction.
+
+    A `RuntimeError` too, as torchrl's SGLang weight sync raises: code written against the
+    seed that catches `RuntimeError` catches ours."""
 
     def __init__(self, step: str, message: str, engine: str | None = None):
         self.step = step
@@ -79,8 +82,10 @@ class WeightSyncError(SlimeLikeError):
         super().__init__(f"weight sync failed at step '{step}'{where}: {message}")
 
 
-class WeightMetadataError(WeightSyncError):
-    """Parameter names, dtypes or shapes disagree with the receiver; no byte was sent."""
+class WeightMetadataError(WeightSyncError, ValueError):
+    """Parameter names, dtypes or shapes disagree with the receiver; no byte was sent.
+
+    Also a `ValueError` (torchrl's meaning for a weight missing or changed before a sync)."""
 
     def __init__(self, message: str, engine: str | None = None):
         super().__init__("check_metadata", message, engine)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 
+import psutil
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime_like.engine.actor import crash_server
 from slime_like.errors import FleetError
@@ -48,6 +51,48 @@ def stop_engine(fleet: Fleet, index: int) -> str:
     ray.get(e.actors[0].suspend.remote())
     logger.warning("suspended %s (%s)", e.engine_id, e.url)
     return e.engine_id
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _kill_own_raylet() -> None:
+    """Runs on the node to lose: SIGKILL to the raylet that started this worker, as a host's
+    crash would do; every Ray process of the node (engine actors, their servers) dies with
+    it and Ray declares the node dead once it misses its health checks."""
+    raylet = psutil.Process(os.getppid())
+    if "raylet" not in raylet.name():
+        raise FleetError(f"chaos node: this worker's parent is {raylet.name()!r} "
+                         f"(pid {raylet.pid}), not a raylet; refusing to kill it")
+    raylet.kill()
+
+
+def loseable_nodes(fleet: Fleet) -> list[str]:
+    """Nodes whose loss the run can survive: they host engines of the updatable model and
+    neither the trainer nor this driver (whose node also runs the routers)."""
+    plan = fleet.placement.plan
+    keep = {plan.bundles[t.bundle_index].node_ip for t in plan.trainer}
+    keep.add(ray.util.get_node_ip_address())
+    engines = {p.node_ip for e in fleet.engines if e.update_weights
+               and e.external_address is None for p in e.placements}
+    return sorted(engines - keep)
+
+
+def kill_node(fleet: Fleet, node_ip: str) -> list[str]:
+    """Lose a whole node (its raylet SIGKILLed there); the ids of the engines it ran."""
+    if node_ip not in loseable_nodes(fleet):
+        raise FleetError(f"chaos node: {node_ip} cannot be lost by this run (it hosts the "
+                         f"trainer or the driver, or no engine); loseable: "
+                         f"{loseable_nodes(fleet) or 'none'}")
+    node_id = next((n["NodeID"] for n in ray.nodes()
+                    if n.get("Alive") and n.get("NodeManagerAddress") == node_ip), None)
+    if node_id is None:
+        raise FleetError(f"chaos node: no live Ray node at {node_ip}")
+    on_it = [e.engine_id for e in fleet.engines
+             if any(p.node_ip == node_ip for p in e.placements)]
+    ref = _kill_own_raylet.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    ray.wait([ref], timeout=10)  # it dies with the raylet: no answer is the expected one
+    logger.warning("lost node %s (its raylet SIGKILLed) with engines %s", node_ip, on_it)
+    return on_it
 
 
 def kill_router(fleet: Fleet, model: str | None = None) -> None:

@@ -3,7 +3,8 @@
 `--chaos-seed N` plans one fault per chosen step. Each fault is real: a SIGKILL of an
 engine's server during a rollout or at a named step of a weight sync (armed in the
 trainer's sync-step hook, fired through the engine's actor so it lands before the step
-goes on), a SIGSTOP (a hang), a SIGKILL of the router. `--simulate-engine-crash-at` is a
+goes on), a SIGSTOP (a hang), a SIGKILL of the router, a whole node lost (its raylet
+SIGKILLed, on a node of engines only). `--simulate-engine-crash-at` is a
 plan of one fault. The `InvariantSampler` (invariants.py) watches from outside.
 """
 
@@ -14,12 +15,19 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from slime_like.chaos.faults import crash_at_sync_step, kill_engine, kill_router, stop_engine
+from slime_like.chaos.faults import (
+    crash_at_sync_step,
+    kill_engine,
+    kill_node,
+    kill_router,
+    loseable_nodes,
+    stop_engine,
+)
 from slime_like.chaos.partition import PARTITION, Partitioner
-from slime_like.config.flags import CHAOS_FAULTS
+from slime_like.config.flags import CHAOS_FAULT_CHOICES
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.fleet import Fleet
 from slime_like.fleet.lifecycle import ManagedEngine
@@ -35,8 +43,10 @@ FAULTS: dict[str, str | None] = {
     "kill_continue": "continue",
     "stop_engine": None,
     "kill_router": None,
+    "node": None,
+    PARTITION: None,  # a host's link cut (partition.py)
 }
-assert tuple(FAULTS) == CHAOS_FAULTS, "the flag's choices and the faults must agree"
+assert tuple(FAULTS) == CHAOS_FAULT_CHOICES, "the flag's choices and the faults must agree"
 
 
 @dataclass
@@ -56,6 +66,7 @@ class Fault:
     model: str | None = None
     node_rank: int = 0
     pinned: bool = False
+    lost: list[str] = field(default_factory=list)  # a `node` fault: the engines it ran
 
 
 def simulated_crash(step: int, model: str | None = None, node_rank: int = 0) -> Fault:
@@ -66,10 +77,9 @@ def simulated_crash(step: int, model: str | None = None, node_rank: int = 0) -> 
 def plan_faults(seed: int, kinds: list[str], num_steps: int, num_engines: int) -> list[Fault]:
     """One fault per chosen step, spread over the run; the last two steps stay quiet so every
     recovery finishes before the end."""
-    unknown = [k for k in kinds if k not in FAULTS and k != PARTITION]
+    unknown = [k for k in kinds if k not in FAULTS]
     if unknown:
-        raise ValueError(f"unknown chaos fault(s) {unknown}; expected some of "
-                         f"{[*FAULTS, PARTITION]}")
+        raise ValueError(f"unknown chaos fault(s) {unknown}; expected some of {list(FAULTS)}")
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
@@ -102,8 +112,7 @@ class ChaosMonkey:
         return engines[fault.engine % len(engines)]
 
     def _at(self, step: int, sync: bool) -> list[Fault]:
-        return [f for f in self.faults
-                if f.step == step and (FAULTS.get(f.kind) is not None) == sync]
+        return [f for f in self.faults if f.step == step and (FAULTS[f.kind] is not None) == sync]
 
     def rollout_hook(self, step: int, total: int) -> Callable[[int], None] | None:
         """An `on_sample` hook that fires this step's rollout fault a quarter of the way in."""
@@ -122,6 +131,17 @@ class ChaosMonkey:
         if f.kind == "kill_router":
             f.target = "router"
             kill_router(self.fleet)
+            return
+        if f.kind == "node":
+            nodes = loseable_nodes(self.fleet)
+            if not nodes:
+                logger.error("chaos: node fault at step %d: no node of this run can be lost",
+                             f.step)
+                return
+            node = nodes[f.engine % len(nodes)]
+            f.target = f"node/{node}"
+            f.lost = kill_node(self.fleet, node)
+            logger.warning("chaos: node %s lost at step %d (engines %s)", node, f.step, f.lost)
             return
         if f.kind == PARTITION:
             self._partition(f)
@@ -169,7 +189,8 @@ class ChaosMonkey:
                                  if c["engine"] == f.target and c["returncode"] == 0
                                  and f.fired_at and c["cut_at"] >= f.fired_at]
             else:
-                row["effect"] = [r for r in self.fleet.recoveries if r["engine"] == f.target
+                hit = f.lost or [f.target]
+                row["effect"] = [r for r in self.fleet.recoveries if r["engine"] in hit
                                  and f.fired_at and (r.get("dead_at") or 0) >= f.fired_at]
             out.append(row)
         return out

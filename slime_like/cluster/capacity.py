@@ -51,6 +51,16 @@ class Capacity:
                 for index in p.bundle_indices or (p.bundle_index,):
                     self._holder.setdefault((p.placement_group, index), engine_id)
 
+    def moved(self, placements: Iterable[EnginePlacement]) -> None:
+        """Ray placed these engine placements' bundles again (their node was lost): where
+        they lie now, GPU ids consecutive from each `base_gpu_id`."""
+        with self._lock:
+            for p in placements:
+                for offset, index in enumerate(p.bundle_indices or (p.bundle_index,)):
+                    key = (p.placement_group, index)
+                    if key in self._bundles:
+                        self._bundles[key] = Bundle(index, p.node_ip, p.base_gpu_id + offset)
+
     def free(self) -> list[Key]:
         """Bundles no one holds, in slot order."""
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,38 @@ def create_placement_group(num_bundles: int, *, timeout_s: float | None = None,
                     num_bundles, BUNDLE, _cluster_gpus())
 
 
+def wait_bundles(pg: PlacementGroup, indices: list[int], *, stop: Callable[[], bool],
+                 on_waiting: Callable[[float], None], notice_s: float = 5.0,
+                 poll_s: float = 0.5) -> list[Bundle] | None:
+    """Where bundles `indices` of `pg` are now, once Ray has placed them (again).
+
+    After a node's death Ray reschedules its bundles onto any node with room, one that
+    joins later included; until then a probe in one waits. `on_waiting(seconds)` is called
+    once when they have waited `notice_s`; None if `stop()` turns true first.
+    """
+    probes = [_BundleProbe.options(scheduling_strategy=bundle_strategy(pg, i)).remote()
+              for i in indices]
+    try:
+        refs = [p.where.remote() for p in probes]
+        start, noticed = time.monotonic(), False
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=poll_s)
+            if len(ready) == len(refs):
+                break
+            if stop():
+                return None
+            waited = time.monotonic() - start
+            if not noticed and waited >= notice_s:
+                noticed = True
+                on_waiting(waited)
+        answers = ray.get(refs)
+    finally:
+        for p in probes:
+            ray.kill(p)
+    return [Bundle(i, ip, int(gpu_ids[0]) if gpu_ids else 0, node_id)
+            for i, (ip, gpu_ids, node_id) in zip(indices, answers, strict=True)]
+
+
 def probe_bundles(pg: PlacementGroup | None, num_bundles: int, *,
                   timeout_s: float = 120.0) -> list[Bundle]:
     """Every bundle's (node IP, GPU id), read by a probe actor inside it; sorted by slot."""
@@ -133,15 +166,15 @@ class JobPlacement:
         """Ray actor options for trainer rank `rank`."""
         slot = self.plan.trainer[rank]
         return {"num_gpus": TRAINER_ACTOR_GPUS, "num_cpus": TRAINER_ACTOR_GPUS,
-                "scheduling_strategy": bundle_strategy(self._pg(), slot.bundle_index)}
+                "scheduling_strategy": bundle_strategy(self.group(), slot.bundle_index)}
 
     def engine_options(self, engine: EnginePlacement) -> dict[str, Any]:
         """Ray actor options for one engine actor."""
         return {"num_gpus": ENGINE_ACTOR_GPUS, "num_cpus": ENGINE_ACTOR_GPUS,
-                "scheduling_strategy": bundle_strategy(self._pg(engine.placement_group),
+                "scheduling_strategy": bundle_strategy(self.group(engine.placement_group),
                                                        engine.bundle_index)}
 
-    def _pg(self, index: int = 0) -> PlacementGroup:
+    def group(self, index: int = 0) -> PlacementGroup:
         pg = self.pg if index == 0 else self.added.get(index)
         if pg is None:
             raise PlacementError("this job has no placement group (it places no GPUs)"

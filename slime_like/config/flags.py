@@ -37,8 +37,11 @@ WEIGHT_TRANSPORTS = (SLIME_TRANSPORT, *t.values_of(Transport))
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
                 "stop_engine", "kill_router")
-# Faults that need hosts with network stacks of their own: never in the default set.
-HOST_CHAOS_FAULTS = ("partition",)
+# Faults a run chooses by name only: they need a cluster of several nodes (`node` loses one
+# that hosts engines but not the trainer or the driver; `partition` cuts such a host's link
+# through --chaos-partition-command, so it needs hosts with network stacks of their own).
+CHAOS_NODE_FAULTS = ("node", "partition")
+CHAOS_FAULT_CHOICES = CHAOS_FAULTS + CHAOS_NODE_FAULTS
 
 
 def _cluster(p: argparse.ArgumentParser) -> None:
@@ -321,12 +324,14 @@ def _ours(p: argparse.ArgumentParser) -> None:
                         "from this seed and check the routing invariant from outside; the run "
                         "fails on any violation. Writes chaos.json to the report folder.")
     g.add_argument("--chaos-faults", nargs="+", default=list(CHAOS_FAULTS),
-                   choices=[*CHAOS_FAULTS, *HOST_CHAOS_FAULTS], metavar="FAULT",
+                   choices=list(CHAOS_FAULT_CHOICES), metavar="FAULT",
                    help="Faults of a chaos run, one per chosen step: " + ", ".join(CHAOS_FAULTS)
-                        + " (kill_* = SIGKILL of an engine's server during the rollout or at "
-                          "that step of a weight sync; stop_engine = SIGSTOP; kill_router); "
-                          "not by default: partition (an engine host's cluster link cut by "
-                          "--chaos-partition-command; needs hosts of their own).")
+                        + " by default (kill_* = SIGKILL of an engine's server during the "
+                          "rollout or at that step of a weight sync; stop_engine = SIGSTOP; "
+                          "kill_router); by name only: node = a whole node lost (its raylet "
+                          "SIGKILLed: every engine on it dies), on a cluster with a node that "
+                          "hosts engines but neither the trainer nor the driver; partition = "
+                          "such a host's cluster link cut by --chaos-partition-command.")
     g.add_argument("--chaos-partition-command", default=None, metavar="TEMPLATE",
                    help="The chaos fault `partition`: a command (no shell) that cuts the host "
                         "{node_ip}'s cluster link and restores it after {seconds} by itself, "

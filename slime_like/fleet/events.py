@@ -1,7 +1,7 @@
 """What the fleet tells the rest of the run: one event type, and which events are routine.
 
-Every change the fleet makes is a `FleetEvent`: its subject (an engine id, `router/<model>`
-or `fleet`), its kind (an enum member, never a bare string) and details. Two sorts are
+Every change the fleet makes is a `FleetEvent`: its subject (an engine id, `router/<model>`,
+`node/<ip>` or `fleet`), its kind (an enum member, never a bare string) and details. Two sorts are
 told apart:
 
 - a *state change* of an engine (`EngineState`) or a router (`RouterState`): it carries the
@@ -71,6 +71,8 @@ class Happening(_Name):
     UNROUTED = "UNROUTED"      # a paused engine stopped answering: out of its router
     RECOVERED = "RECOVERED"    # an engine's recovery ended (it serves again)
     DRAINED = "DRAINED"        # a draining engine's requests finished or were moved
+    NODE_LOST = "NODE_LOST"    # Ray declared a node dead: every engine on it died (node/<ip>)
+    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"  # a lost node's engine has no room yet
 
 
 State = EngineState | RouterState
@@ -81,6 +83,11 @@ KINDS: tuple[type[enum.Enum], ...] = (EngineState, RouterState, Happening)
 def is_router(subject: str) -> bool:
     """Whether a subject names a router (`router/<model>`) rather than an engine."""
     return subject.split("/", 1)[0] == "router"
+
+
+def is_engine(subject: str) -> bool:
+    """Whether a subject names an engine (not a router, a node or the fleet itself)."""
+    return subject != "fleet" and subject.split("/", 1)[0] not in ("router", "node")
 
 
 def kind_of(text: str | Kind, subject: str = "") -> Kind:

@@ -44,6 +44,9 @@ from slime_like.fleet.launcher import Launcher
 from slime_like.fleet.lifecycle import PING_ONLY, WATCHED, ManagedEngine
 
 logger = logging.getLogger(__name__)
+# The reason of a death Ray reported for the actor itself (its node lost, its process
+# killed), not an exit of the server it watched.
+ACTOR_LOST = "engine actor lost"
 
 
 @dataclass
@@ -347,6 +350,6 @@ class FleetHealth:
                             self._exit_refs[actor.wait_exit.remote(None)] = (e, generation, actor)
                     continue
                 except Exception as err:  # noqa: BLE001 - the actor died with its node
-                    why = f"engine actor lost: {type(err).__name__}"
+                    why = f"{ACTOR_LOST}: {type(err).__name__}"
                 if e.restarts == generation and not self.closing:
                     self.report(Verdict(e, Finding.DEAD, why))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,14 @@ class Launcher:
         return refs[0]
 
     @staticmethod
-    def wait_launched(launching: Any) -> None:
-        """Wait for `launch`'s answer: the server is healthy and generated once."""
+    def wait_launched(launching: Any, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait for `launch`'s answer: the server is healthy and generated once (True), or
+        `stop()` turned true first (False: a relaunch the fleet's end overtook)."""
+        while not ray.wait([launching], timeout=0.5)[0]:
+            if stop():
+                return False
         ray.get(launching)
+        return True
 
     def loaded(self, e: ManagedEngine) -> dict:
         """Our engine is serving: its handle and the version it loaded (the LOADED details)."""

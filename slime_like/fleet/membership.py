@@ -259,6 +259,9 @@ class Membership(Supervision):
         threading.Thread(target=self._retire, args=(e, f"died while leaving: {reason}"),
                          name=f"retire-{e.engine_id}", daemon=True).start()
 
+    def _bundles_moved(self, e: ManagedEngine) -> None:
+        self.capacity.moved(e.placements)
+
     def _retire(self, e: ManagedEngine, reason: str) -> None:
         """STOPPED, its servers stopped, out of the fleet's records, its bundles free. At
         shutdown the fleet's own teardown stops it instead."""

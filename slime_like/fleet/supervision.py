@@ -28,9 +28,10 @@ from slime_like.errors import FleetError
 from slime_like.fleet.attempts import WeightSource
 from slime_like.fleet.events import EngineState, EventBus, EventSink, Happening
 from slime_like.fleet.generation import Generation
-from slime_like.fleet.health import Finding, FleetHealth, Verdict
+from slime_like.fleet.health import ACTOR_LOST, Finding, FleetHealth, Verdict
 from slime_like.fleet.launcher import Launcher
 from slime_like.fleet.lifecycle import GONE, ROUTED, ManagedEngine, Phase, records_from_plan
+from slime_like.fleet.nodes import NodeLoss
 from slime_like.fleet.offload import Offload
 from slime_like.fleet.recovery import Recovery, Step, Tending
 from slime_like.fleet.routers import Routers
@@ -72,6 +73,7 @@ class Supervision:
         self.recovery = Recovery()
         self.health = FleetHealth(settings.health, self.launcher, self.engines, self._heard)
         self.offload = Offload(settings)
+        self.nodes = NodeLoss(placement, self.events)
 
     # ---- events and moves ------------------------------------------------------------------
 
@@ -304,14 +306,24 @@ class Supervision:
             self._resync(e)
         elif step is Step.RELAUNCH:
             launcher.kill(e)
+            lost = self.nodes.lost_node(e)
+            if lost is not None:
+                with self.lock:
+                    engines = list(self.engines)
+                self.nodes.announce(lost, engines)
             with self.lock:
                 if self.closing:
                     return
                 self.move(e, P.RELAUNCHING)
+            # Its actor died with no exit of its server: its node may be gone, its bundles
+            # placed again elsewhere (Ray may say so only after the actor's death).
+            if (lost is not None or (t.reason or "").startswith(ACTOR_LOST)) \
+                    and not self._placed_again(e, lost):
+                return  # the fleet is shutting down
             e.restarts += 1
-            launcher.wait_launched(launcher.launch(e))
+            launched = launcher.wait_launched(launcher.launch(e), stop=lambda: self.closing)
             with self.lock:
-                if self.closing:  # it stopped the actors it knew of, maybe not these
+                if self.closing or not launched:  # it stopped the actors it knew of
                     launcher.shutdown([e])
                     return
                 self.move(e, P.STALE, **launcher.loaded(e))
@@ -333,17 +345,40 @@ class Supervision:
             self.health.watch(e)
             t.back()
 
+    def _placed_again(self, e: ManagedEngine, lost: str | None) -> bool:
+        """Before a relaunch of an engine whose actor was lost: wait until Ray placed its
+        bundles (again, if its node `lost` is gone: the fleet runs smaller meanwhile, and
+        says so) and move its placements there; False if the fleet shuts down first."""
+        placements = self.nodes.placed_again(e, lost or e.placements[0].node_ip,
+                                             stop=lambda: self.closing,
+                                             serving=self._serving_count)
+        if placements is None:
+            return False
+        e.placements = placements
+        self._bundles_moved(e)
+        return True
+
+    def _serving_count(self) -> tuple[int, int]:
+        """(engines routed now, engines the fleet has that are not stopped)."""
+        with self.lock:
+            return (sum(e.routed for e in self.engines),
+                    sum(e.phase is not P.STOPPED for e in self.engines))
+
+    def _bundles_moved(self, e: ManagedEngine) -> None:
+        """`e`'s bundles now lie where its placements say (`Membership` tracks them)."""
+
     def _resync(self, e: ManagedEngine) -> None:
         """One update of `e` alone at the fleet's version (`Fleet`, the update transaction)."""
         raise NotImplementedError
 
 
     def wait_recovered(self, timeout: float = 300.0) -> bool:
-        """Block until no recovery or resync is running (True) or the timeout passes."""
+        """Block until no recovery or resync is running (True) or the timeout passes. An
+        engine of a lost node that waits for room is not waited for: no wait brings it."""
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
-                if not self._tending:
+                if not set(self._tending) - self.nodes.waiting:
                     return True
             if time.monotonic() >= deadline:
                 return False

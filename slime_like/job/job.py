@@ -28,6 +28,7 @@ from slime_like.chaos import (
     ChaosMonkey,
     InvariantSampler,
     Partitioner,
+    loseable_nodes,
     partitioner_for,
     plan_faults,
     revert_weights,
@@ -36,7 +37,7 @@ from slime_like.chaos import (
 from slime_like.chaos.served import stale_serves
 from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.slices import FleetSettings, JobSettings
-from slime_like.errors import SlimeLikeError
+from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.checkpoints import save_checkpoint, save_due
 from slime_like.job.checks import LogprobCheck, StepChecker, weight_versions
@@ -46,6 +47,7 @@ from slime_like.job.rollouts import StepRollouts
 from slime_like.job.samples import Rollout, staleness_of, train_masks
 from slime_like.job.scaling import ScaleWatcher
 from slime_like.job.schedules import run_schedule
+from slime_like.observe.fleet_view import states_summary
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
 from slime_like.protocol.weight_version import WeightVersion
@@ -227,6 +229,10 @@ class Job:
         if chaos.seed is None:
             return
         updatable = [e for e in fleet.engines if e.update_weights]
+        if "node" in chaos.faults and not loseable_nodes(fleet):
+            raise ConfigError("--chaos-faults", "node: no node of this run can be lost: every "
+                              "node with engines also hosts the trainer or this driver "
+                              f"({sorted({p.node_ip for e in updatable for p in e.placements})})")
         self.chaos = ChaosMonkey(fleet, plan_faults(chaos.seed, list(chaos.faults),
                                                     self.settings.num_steps, len(updatable)),
                                  self.trainer, self.partitioner)
@@ -396,7 +402,7 @@ class Job:
         })
         logger.info("step %d: reward %.3f, rollout %.2fs, sync %.3fs, logprob diff %.2g, "
                     "engines %s", step, sum(rewards) / len(rewards), rollout.seconds,
-                    sync.get("total_s", 0.0), checked.worst, fleet.states())
+                    sync.get("total_s", 0.0), checked.worst, states_summary(fleet.states()))
 
     def save(self, step: int, sync: dict) -> None:
         """Every --save-interval steps (and after the last) a checkpoint."""
@@ -413,6 +419,9 @@ class Job:
         fleet = self.fleet
         if not fleet.wait_recovered(timeout=300):
             self.notes.append("a recovery was still running at the end of the run")
+        for engine_id in sorted(fleet.nodes.waiting):
+            self.notes.append(f"{engine_id}: no room for it since its node was lost; the run "
+                              "ended without it")
         if self.sampler is not None and self.chaos is not None:
             found = self.sampler.stop()
             chaos = {"seed": self.settings.chaos.seed, "faults": self.chaos.summary(), **found,

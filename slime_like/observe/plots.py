@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from slime_like.fleet.events import EngineState, is_router, kind_of
+from slime_like.fleet.events import EngineState, is_engine, kind_of
+from slime_like.observe.fleet_view import LIST_ENGINES_UP_TO
 from slime_like.observe.incidents import Incident
 
 S = EngineState
@@ -71,14 +72,13 @@ def plot_run(out_dir: Path, steps: list[dict], events: list[dict],
     return figures
 
 
-# Up to this many engines the timeline has a row per engine; a larger fleet gets a line per
-# state (how many engines are in it over time): 64 rows would be unreadable.
-ROWS_PER_ENGINE_UP_TO = 16
+# Up to LIST_ENGINES_UP_TO engines the timeline has a row per engine; a larger fleet gets a
+# line per state (how many engines are in it over time): 64 rows would be unreadable.
+ROWS_PER_ENGINE_UP_TO = LIST_ENGINES_UP_TO
 
 
 def _plot_timeline(out_dir: Path, events: list[dict], plt) -> str:
-    engines = sorted({e["engine"] for e in events if e["engine"] != "fleet"
-                      and not is_router(str(e["engine"]))})
+    engines = sorted({e["engine"] for e in events if is_engine(str(e["engine"]))})
     if len(engines) > ROWS_PER_ENGINE_UP_TO:
         return _plot_state_counts(out_dir, [e for e in events if e["engine"] in engines],
                                   len(engines), plt)

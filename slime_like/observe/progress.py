@@ -25,6 +25,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from slime_like.observe.fleet_view import LIST_ENGINES_UP_TO
+
 LONG_SYNC_S = 10.0  # a sync longer than this gets its own line in plain mode
 
 
@@ -89,7 +91,11 @@ class RunProgress:
         """One engine is up (called engine by engine as they report LOADED)."""
         self._ready += 1
         of = f"/{self.num_engines}" if self.num_engines else ""
-        self.say(f"engine {name} ready ({self._ready}{of})" + (f": {detail}" if detail else ""))
+        if (self.num_engines or 0) <= LIST_ENGINES_UP_TO:
+            self.say(f"engine {name} ready ({self._ready}{of})" + (f": {detail}" if detail else ""))
+        elif self._ready % max(1, self.num_engines // 4) == 0 or self._ready == self.num_engines:
+            # a large fleet: a line per quarter, not 64 (every address is in the report)
+            self.say(f"engines ready: {self._ready}{of}")
         if self._bars is not None and self._launch is not None:
             self._bars.update(self._launch, completed=self._ready)
 

@@ -21,6 +21,7 @@ from typing import Any
 from slime_like.fleet.events import FleetEvent, is_routine, kind_of, previous_of
 from slime_like.observe import async_metrics
 from slime_like.observe.endpoints import MetricsEndpoint
+from slime_like.observe.fleet_view import endpoint_lines
 from slime_like.observe.incidents import Incident, IncidentLog
 from slime_like.observe.run_info import write_run_info
 from slime_like.observe.utilization import UTILIZATION_FILE, read_utilization, run_idle_ratios
@@ -293,7 +294,8 @@ class RunReport:
                          + (f" (git revision {revision})" if revision else ""))
         if self.endpoints:
             lines += ["", "## Endpoints", "", "Prometheus `/metrics` addresses:", ""]
-            lines += [f"- {ep.line()}" for ep in self.endpoints]
+            lines += [f"- {line}" for line in endpoint_lines(
+                [(ep.name, ep.url) for ep in self.endpoints])]
         if figures:
             lines += ["", "## Plots", ""]
             lines += [f"![{label}]({name})" for label, name in figures]

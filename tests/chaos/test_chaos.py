@@ -36,12 +36,28 @@ def run_chaos(run_dir, seed: int, steps: int = 16, *flags: str) -> dict:
     return {"metrics": metrics, "chaos": chaos}
 
 
-def check(run_dir, out: dict, steps: int) -> None:
-    metrics, chaos = out["metrics"], out["chaos"]
+def check_samples_and_versions(run_dir, metrics: list[dict], steps: int) -> None:
+    """Every step returned each sample once and passed the log-probability check, and every
+    engine of the updatable model ends (before the shutdown) routed at the final version:
+    the run waits for the last recoveries."""
     assert [m["step"] for m in metrics] == list(range(steps))
     for m in metrics:
         assert m["samples_returned"] == m["samples_requested"], m
         assert m["logprob_sample_mean_diff_max"] < 1e-4, m
+    final = metrics[-1]["weight_version"]
+    events = [json.loads(x) for x in (run_dir / "engine_timeline.jsonl").read_text().splitlines()]
+    versions = [e for e in events if e["engine"] == "fleet" and e["state"] == "VERSION"]
+    assert int(versions[-1]["version"]) == final
+    for engine in metrics[-1]["engines"]:
+        mine = [e for e in events if e["engine"] == engine and e["state"] != "STOPPED"]
+        last = [e for e in mine if e["state"] in ("REGISTERED", "UPDATING", "STALE")][-1]
+        assert mine[-1]["state"] in ("REGISTERED", "RECOVERED"), (engine, mine[-3:])
+        assert last["state"] == "REGISTERED" and int(last["version"]) == final, (engine, last)
+
+
+def check(run_dir, out: dict, steps: int) -> None:
+    metrics, chaos = out["metrics"], out["chaos"]
+    check_samples_and_versions(run_dir, metrics, steps)
     # every fault fired, on an engine (or the router), and every death was recovered
     assert sorted(f["kind"] for f in chaos["faults"]) == sorted(
         ["kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
@@ -53,17 +69,6 @@ def check(run_dir, out: dict, steps: int) -> None:
     assert chaos["router_restarts"], "the router was killed and must have been relaunched"
     # the outside sampler looked often enough to mean something, and saw nothing wrong
     assert chaos["samples"] > 50 and chaos["violations"] == []
-    # every engine of the updatable model ends (before the shutdown) routed at the final
-    # version: the run waits for the last recoveries
-    final = metrics[-1]["weight_version"]
-    events = [json.loads(x) for x in (run_dir / "engine_timeline.jsonl").read_text().splitlines()]
-    versions = [e for e in events if e["engine"] == "fleet" and e["state"] == "VERSION"]
-    assert int(versions[-1]["version"]) == final
-    for engine in metrics[-1]["engines"]:
-        mine = [e for e in events if e["engine"] == engine and e["state"] != "STOPPED"]
-        last = [e for e in mine if e["state"] in ("REGISTERED", "UPDATING", "STALE")][-1]
-        assert mine[-1]["state"] in ("REGISTERED", "RECOVERED"), (engine, mine[-3:])
-        assert last["state"] == "REGISTERED" and int(last["version"]) == final, (engine, last)
     no_process_outlives(run_dir, grace_s=5)  # nothing of the run alive 5 s after it ended
 
 

@@ -12,6 +12,10 @@ the module: two engines on node A, pushed version 1 by `FleetWeights`; then
   it leaves the weight group at the next push's regroup, then stops;
 - `slime-like fleet scale RUN_DIR --engines N` against a running `ScaleWatcher` adds an
   engine on the freed bundle and drains it again;
+- node B is lost (its raylet and every process on it killed, as `Cluster.remove_node`
+  does) while requests run: its engine is seen dead, the rounds and a weight push go on
+  with the survivor, the fleet says it runs smaller while no node has room, and when node C
+  joins the engine is placed there, resynced and routed only at the fleet's version;
 - nothing is left: every engine process and port of the module is gone after shutdown.
 """
 
@@ -39,7 +43,7 @@ from slime_like.models import load_pretrained
 from tests.simulated_nodes import simulated_nodes
 
 FLEET_YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
-NODE_A, NODE_B = "127.0.0.2", "127.0.0.3"
+NODE_A, NODE_B, NODE_C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 MAX_NEW = 48
 PARAMS = {"max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
 S = EngineState
@@ -93,9 +97,10 @@ def events_of(state, engine_id: str) -> list:
 
 
 def server_pids(state) -> dict[str, int]:
-    """Every engine server of the module, by engine id and launch, from the LOADED events."""
+    """Every engine server of the module, by engine id and launch, from the events that
+    name one (LOADED, and STALE after a relaunch)."""
     return {f"{e.subject}@{i}": e.details["pid"] for i, e in enumerate(state.events)
-            if e.kind is S.LOADED and "pid" in e.details}
+            if e.kind in (S.LOADED, S.STALE) and "pid" in e.details}
 
 
 def running(pid: int) -> bool:
@@ -116,7 +121,7 @@ def refused(url: str) -> bool:
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory, tiny_model_dir):
     events: list = []
-    with simulated_nodes((NODE_A,), cpus=2, gpus=2) as cluster:
+    with simulated_nodes((NODE_A,), cpus=2, gpus=2, node_death_s=4) as cluster:
         fleet = launch_fleet(FLEET_YAML, model_path=tiny_model_dir,
                              engine=EngineSettings(program="reference", reference_min_step_ms=40),
                              log_dir=tmp_path_factory.mktemp("elastic"), on_event=events.append)
@@ -248,12 +253,65 @@ def test_a_scale_command_resizes_the_running_fleet(elastic, tmp_path):
     assert {e.handle.weight_version() for e in fleet.engines} == {str(fleet.version)}
 
 
+def test_a_lost_node_s_engine_is_placed_again_when_a_node_joins(elastic):
+    fleet, weights = elastic.fleet, elastic.weights
+    lost = next(e for e in fleet.engines if e.placements[0].node_ip == NODE_B)
+    survivor = next(e for e in fleet.engines if e is not lost)
+    old_pid = next(ev.details["pid"] for ev in reversed(events_of(elastic, lost.engine_id))
+                   if ev.kind is S.LOADED)
+    seen: list[tuple] = []  # (event, routed at that moment) of the lost node's engine
+
+    def watch(event) -> None:
+        if event.subject in (lost.engine_id, f"node/{NODE_B}"):
+            routed = lost.url is not None and lost.url in routed_urls(fleet)
+            seen.append((event, routed))
+
+    fleet.subscribe(watch)
+    rounds = Rounds(fleet).start()
+    try:
+        node_b = next(n for n in elastic.cluster.worker_nodes if n.node_ip_address == NODE_B)
+        elastic.cluster.remove_node(node_b, allow_graceful=False)
+        wait_until(lambda: any(ev.kind is Happening.WAITING_FOR_CAPACITY for ev, _ in seen),
+                   60, "the fleet to say it runs smaller")
+        node_lost = next(ev for ev, _ in seen if ev.kind is Happening.NODE_LOST)
+        assert node_lost.details["engines"] == [lost.engine_id]
+        assert not running(old_pid)
+        # The run goes on with the survivor: a round ends, a push lands on it alone.
+        done = len(rounds.rounds)
+        wait_until(lambda: len(rounds.rounds) > done, 120, "a round on the survivor")
+        weights.push(elastic.model)
+        assert survivor.handle.weight_version() == str(fleet.version)
+        assert fleet.states()[lost.engine_id] == S.RELAUNCHING.value
+        # A node joins: the engine is placed there and brought to the fleet's version.
+        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_C)
+        wait_until(lambda: fleet.states()[lost.engine_id] == S.REGISTERED.value, 120,
+                   "the engine back on node C")
+        done = len(rounds.rounds)
+        wait_until(lambda: len(rounds.rounds) > done, 120, "a round with both engines")
+    finally:
+        results = rounds.stop()
+
+    assert (lost.placements[0].node_ip, urlparse(lost.url).hostname) == (NODE_C, NODE_C)
+    elastic.urls.add(lost.url)
+    kinds = [ev.kind for ev, _ in seen]
+    assert kinds[:4] == [S.DEAD, Happening.NODE_LOST, S.RELAUNCHING,
+                         Happening.WAITING_FOR_CAPACITY], kinds
+    assert kinds[4:] == [S.STALE, S.UPDATING, S.REGISTERED, Happening.RECOVERED], kinds
+    # Routed only once verified at the fleet's version (never at the one it died with).
+    assert [routed for ev, routed in seen if ev.is_state_change] == [False] * 4 + [True]
+    assert seen[-2][0].details["version"] == str(fleet.version)
+    for samples in results:
+        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(8)}
+        assert all(len(s.output_ids) == MAX_NEW for s in samples)
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+
+
 def test_nothing_is_left_behind(elastic):
     elastic.weights.close()
     elastic.fleet.shutdown()
     elastic.closed = True
     pids = server_pids(elastic)
-    assert len(pids) == 4  # two at launch, one added per scenario
+    assert len(pids) == 5  # two at launch, one added per scenario, one relaunched
     wait_until(lambda: not any(running(p) for p in pids.values()), 30,
                "every engine server to exit")
     assert all(refused(url) for url in elastic.urls), elastic.urls

@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from slime_like.fleet.events import FleetEvent, Happening, kind_of  # noqa: E402
 from slime_like.observe.endpoints import metrics_endpoints  # noqa: E402
+from slime_like.observe.fleet_view import endpoint_lines, states_summary  # noqa: E402
 from slime_like.observe.incidents import incidents_of  # noqa: E402
 from slime_like.observe.plots import _mark_incidents  # noqa: E402
 from slime_like.observe.report import RunReport, phase_line, sync_metrics  # noqa: E402
@@ -298,3 +299,22 @@ def test_a_64_engine_run_reads_as_well_as_a_2_engine_one(tmp_path):
     assert any("DEAD" in row for row in table)
     height = plt.imread(tmp_path / "engine_timeline.png").shape[0]
     assert height < 600, height  # a row per engine would be 64 * 55 px
+
+
+def test_a_64_engine_fleet_is_grouped_in_the_step_line_and_the_endpoints():
+    """The step's log line names the engines that are not serving, not all 64; the report's
+    endpoints list the routers and one line per host of engines."""
+    states = {f"default/g0/e{i}": "REGISTERED" for i in range(64)}
+    states["default/g0/e9"] = "RELAUNCHING"
+    assert states_summary(states) == ("64 engines: 63 REGISTERED, 1 RELAUNCHING "
+                                      "(default/g0/e9)")
+    two = {"default/g0/e0": "REGISTERED", "default/g0/e1": "DEAD"}
+    assert states_summary(two) == str(two)  # a small fleet: each engine, as before
+    urls = [("router default", "http://198.18.0.100:3000/metrics")] + [
+        (f"engine default/g0/e{i}", f"http://198.18.0.{1 + i // 8}:{30000 + i}/metrics")
+        for i in range(64)]
+    lines = endpoint_lines(urls)
+    assert lines[0] == "router default: http://198.18.0.100:3000/metrics"
+    assert lines[1:] == [f"engines on 198.18.0.{n}: 8 (each address in endpoints.json)"
+                         for n in range(1, 9)]
+    assert endpoint_lines(urls[:3]) == [f"{n}: {u}" for n, u in urls[:3]]
