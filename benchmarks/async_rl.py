@@ -3,9 +3,10 @@ pause mode), in one process, on one local Ray cluster.
 
     python benchmarks/async_rl.py                      # configs/async_cpu.yaml, 40 steps
     python benchmarks/async_rl.py --steps 20 --modes sync,fully-async:retract
-    # dispatch side by side, 4 engines: each mode once per router:policy
+    # dispatch side by side, 4 engines: each mode once per router:policy (admission: the
+    # rollout client binds each request to a free engine slot, --rollout-dispatch admission)
     python benchmarks/async_rl.py --engines 4 --modes fully-async:retract \
-        --dispatch sglang-router:round_robin,sglang-router:cache_aware,smg:least_load
+        --dispatch sglang-router:round_robin,sglang-router:cache_aware,sglang-router:admission
 
 Each run is the real job (reference engines behind the router, the trainer over gloo); job
 flags the benchmark does not know (`--router smg --router-policy least_load`, ...) go to
@@ -48,8 +49,10 @@ sys.path.insert(0, str(ROOT))
 
 from slime_like.config.parse import parse_args  # noqa: E402
 from slime_like.observe.utilization import read_utilization  # noqa: E402
+from slime_like.protocol.modes import Dispatch  # noqa: E402
 from slime_like.train import train  # noqa: E402
 
+ADMISSION = Dispatch.ADMISSION  # the POLICY word of --dispatch for the client's admission
 MODES = {
     "sync": ["--async-mode", "sync"],
     "one-step": ["--async-mode", "one-step"],
@@ -207,7 +210,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="rollout engines (one GPU slot each; default: the config's)")
     p.add_argument("--dispatch", default=None, metavar="ROUTER:POLICY,...",
                    help="run every mode once per router:policy (e.g. sglang-router:round_robin,"
-                        "smg:least_load); default: the config's router and policy")
+                        "smg:least_load; POLICY admission: --rollout-dispatch admission, the "
+                        "client binds each request to a free engine slot); default: the "
+                        "config's router and policy")
     p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     a, job_flags = p.parse_known_args(argv)  # the rest: job flags for every run
@@ -221,7 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         flags = list(MODES[name]) + job_flags
         label = name
         if dispatch is not None:
-            flags += ["--router", dispatch[0], "--router-policy", dispatch[1]]
+            flags += ["--router", dispatch[0]]
+            flags += (["--rollout-dispatch", ADMISSION] if dispatch[1] == ADMISSION
+                      else ["--router-policy", dispatch[1]])
             label = f"{name} {dispatch[0]}:{dispatch[1]}"
         if a.reference_min_step_ms:
             flags += ["--reference-min-step-ms", str(a.reference_min_step_ms)]

@@ -25,7 +25,7 @@ from slime_like.config.slices import (
     RouterSettings,
 )
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
-from slime_like.protocol.modes import Transport
+from slime_like.protocol.modes import Dispatch, Transport
 
 ENGINE_PROGRAMS = ("sglang", "reference")
 # `nccl` is slime's name; like slime it means "not disk": the tensor path when colocated,
@@ -217,6 +217,13 @@ def _router(p: argparse.ArgumentParser) -> None:
                         "Gateway 1.13, its successor; load-aware policies such as "
                         "--router-policy least_load). Each is launched from its own Python "
                         "package; docs/COMPATIBILITY.md says what differs.")
+    g.add_argument("--rollout-dispatch", type=t.member_of(Dispatch), choices=t.values_of(Dispatch),
+                   default=RouterSettings.dispatch,
+                   help="Who binds a rollout request to an engine: router (its --router-policy, "
+                        "when the request is sent) or admission (the rollout client, when a "
+                        "routed engine has a free slot of its --sglang-max-running-requests; "
+                        "the request then goes straight to that engine; not with PD). The "
+                        "router keeps health and registration either way.")
     g.add_argument("--sglang-router-ip", default=None,
                    help="Refused: the job starts and owns its routers (the fleet alone adds "
                         "and removes workers); use --sglang-router-port to fix the port.")
@@ -344,6 +351,10 @@ def _ours(p: argparse.ArgumentParser) -> None:
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,
                    help="Hidden size of the tiny model made when --hf-checkpoint is not given.")
+    g.add_argument("--tiny-model-intermediate", type=t.positive_int, default=None,
+                   help="MLP size of the tiny model (default 11/4 of the hidden size); a "
+                        "multiple of 128 with --sglang-quantization fp8, whose blocks are "
+                        "128x128.")
 
 
 def _tracking(p: argparse.ArgumentParser) -> None:

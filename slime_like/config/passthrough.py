@@ -124,6 +124,15 @@ class _StoreTrueFromChoice(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
+# What the job itself does with a passthrough field, beside passing it on.
+SERVER_FIELD_NOTES = {
+    "quantization": "fp8 (only): the engines serve 128x128 block FP8 and every sync quantizes "
+                    "the trainer's weights into it; the log-probability check scores with the "
+                    "quantized weights, and metrics.jsonl reports the gap to the unquantized "
+                    "trainer (fp8_*; docs/WEIGHT_SYNC.md, FP8 rollout)",
+}
+
+
 def _help(spec: ArgSpec, owner: str, version: str, note: str = "") -> str:
     default = "None" if spec.default is None else json.dumps(spec.default)
     text = f"{owner} {version} `{spec.dest}` (default: {default.replace('%', '%%')})"
@@ -169,7 +178,8 @@ def add_sglang_server_flags(parser: argparse.ArgumentParser) -> None:
     for spec in specs:
         if spec.dest in RESERVED_SERVER_FIELDS:
             continue
-        _add(group, spec, "sglang-", SGLANG_PREFIX + spec.dest, _help(spec, "sglang", version))
+        _add(group, spec, "sglang-", SGLANG_PREFIX + spec.dest,
+             _help(spec, "sglang", version, SERVER_FIELD_NOTES.get(spec.dest, "")))
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from slime_like.config.async_flags import staleness_bound
 from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER
-from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, PauseMode
+from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, Dispatch, PauseMode
 
 # The defaults below are the flags' defaults too (`flags.py` reads them from here), so the
 # job and `slime_like.api.launch_fleet` start the same fleet unless told otherwise.
@@ -41,13 +41,20 @@ class EngineSettings:
 @dataclass(frozen=True)
 class RouterSettings:
     """How each model's router is started and called: `kind` "sglang-router" or "smg", its
-    flags by field name (`{"policy": "round_robin"}`), the key (None: the engines' API key)
-    and how long one /generate through it may take."""
+    flags by field name (`{"policy": "round_robin"}`), the key (None: the engines' API key),
+    how long one /generate through it may take, and whether it or the rollout client binds
+    each request to an engine (`dispatch`)."""
 
     kind: str = DEFAULT_ROUTER
     flags: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
     request_timeout_s: float = 600.0
+    #: who binds a rollout request to an engine: the router's policy, or the client's
+    #: admission (a routed engine's free slot; rollout/dispatch.py)
+    dispatch: Dispatch = Dispatch.ROUTER
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dispatch", Dispatch(self.dispatch))
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,8 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
         router=RouterSettings(kind=getattr(args, "router", None) or DEFAULT_ROUTER,
                               flags=router_flags,
                               api_key=router_key or args.router_flags.get("api_key"),
-                              request_timeout_s=float(args.rollout_request_timeout)),
+                              request_timeout_s=float(args.rollout_request_timeout),
+                              dispatch=args.rollout_dispatch),
         health=HealthSettings(enabled=bool(args.use_fault_tolerance),
                               interval_s=args.rollout_health_check_interval,
                               timeout_s=args.rollout_health_check_timeout,
@@ -340,8 +348,10 @@ class ModelSettings:
     program: str = "reference"
     tiny_layers: int = 2
     tiny_hidden: int = 64
+    tiny_intermediate: int | None = None
     seed: int = 1234
     engine_dtype: str | None = None
+    engine_quantization: str | None = None  # --sglang-quantization (fp8: weights/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -422,8 +432,10 @@ def job_settings(args: argparse.Namespace) -> JobSettings:
                                        load=args.load),
         model=ModelSettings(hf_checkpoint=args.hf_checkpoint, program=args.engine,
                             tiny_layers=args.tiny_model_layers,
-                            tiny_hidden=args.tiny_model_hidden, seed=args.seed,
-                            engine_dtype=args.sglang_flags.get("dtype")),
+                            tiny_hidden=args.tiny_model_hidden,
+                            tiny_intermediate=args.tiny_model_intermediate, seed=args.seed,
+                            engine_dtype=args.sglang_flags.get("dtype"),
+                            engine_quantization=args.sglang_flags.get("quantization")),
         trainer=TrainerSettings(lr=args.lr, seed=args.seed,
                                 offload_train=bool(args.offload_train),
                                 offload_train_weights=args.offload_train_weights is not False,

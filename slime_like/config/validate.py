@@ -163,6 +163,26 @@ def _check_train_backend(args: argparse.Namespace) -> None:
                                              "versions to check stale samples against")
 
 
+def _check_quantization(args: argparse.Namespace) -> None:
+    """--sglang-quantization: fp8 is the one the trainer's syncs can quantize for."""
+    value = args.sglang_flags.get("quantization")
+    if value is None:
+        return
+    if value != "fp8":
+        raise ConfigError("--sglang-quantization", f"{value!r}: the trainer's weight syncs "
+                                                   "quantize for fp8 (sglang's 128x128 block "
+                                                   "FP8) only")
+    if args.train_backend == "fsdp":
+        raise ConfigError("--sglang-quantization", "fp8 with --train-backend fsdp: the "
+                                                   "quantized sync runs from a full replica")
+    if args.engine == "sglang" and not args.rollout_external_engine_addrs:
+        raise ConfigError("--sglang-quantization", "fp8 with --engine sglang: sglang builds "
+                                                   "block-FP8 layers only from a block-FP8 "
+                                                   "checkpoint, and the job starts trainer and "
+                                                   "engines from one --hf-checkpoint (the "
+                                                   "reference engine quantizes at load)")
+
+
 def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and not args.save:
         raise ConfigError("--save-interval", "needs --save (the directory to save into)")
@@ -211,6 +231,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     resolve_off_policy(args)
     check_dynamic_sampling(args, args.rollout_batch_size or RolloutSettings.batch_size)
     _check_train_backend(args)
+    _check_quantization(args)
     check_chaos(args)
     _resolve_rollout_gpus(args)
     if args.reference_min_step_ms and args.engine != "reference":

@@ -1,7 +1,8 @@
 """Generation and scoring through the models' routers, apart from the engines' supervision.
 
 The fleet decides which engines a router holds; everything here only sends requests to a
-router's URL. What it owes the supervision is one call: when an engine stops answering,
+router's URL, or, with admission dispatch, to a free slot of an engine the router holds
+(`Routers.slots`, kept in step with the router). What it owes the supervision is one call: when an engine stops answering,
 `resubmit_in_flight()` sends the requests every open generator has in flight again (the
 first answer wins), so nothing waits on an engine that was just taken out of its router.
 """
@@ -56,7 +57,7 @@ class Generation:
         gen = RouterGenerator(self.routers.url(model), api_key=self.settings.router.api_key,
                               concurrency=self._concurrency(model),
                               request_timeout_s=self.settings.router.request_timeout_s,
-                              **options)
+                              slots=self.routers.slots.get(model), **options)
         with self._lock:
             self._generators.add(gen)
         try:

@@ -4,6 +4,11 @@
 that change which engines a router sends traffic to (the fleet decides when). A router
 that exits is relaunched at once on the same port; the fleet then re-adds the engines that
 were in it (`on_restarted`), so clients holding the router's URL carry on.
+
+With admission dispatch (`--rollout-dispatch admission`) the rollout client binds requests
+to engines itself (`rollout/dispatch.py`); each model's `EngineSlots` is kept here, beside
+the router, so it holds exactly the router's engines: an engine enters it after the router
+lists it and leaves it before the router drops it.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from pathlib import Path
 
 from slime_like.config.layout import RouterPlan
 from slime_like.config.slices import FleetSettings
-from slime_like.errors import RouterError
+from slime_like.errors import ConfigError, RouterError
 from slime_like.fleet.events import EventBus, RouterState
 from slime_like.fleet.lifecycle import ManagedEngine
-from slime_like.protocol.modes import WorkerType
+from slime_like.protocol.modes import Dispatch, WorkerType
+from slime_like.rollout.dispatch import EngineSlots
 from slime_like.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -46,6 +52,15 @@ class Routers(Mapping[str, Router]):
         self.on_restarted: Callable[[str], int] = lambda model: 0
         self._routers: dict[str, Router] = {}
         self._state: dict[str, RouterState] = {}
+        # Admission dispatch: each model's routed engines and their slots (rollout/dispatch.py)
+        self.slots: dict[str, EngineSlots] = {}
+        if settings.router.dispatch is Dispatch.ADMISSION:
+            for plan in plans:
+                if plan.pd_disaggregation:
+                    raise ConfigError("--rollout-dispatch", f"admission binds each request to "
+                                      f"one engine; model {plan.model_name!r} runs prefill and "
+                                      "decode engines, which its router pairs: use router")
+                self.slots[plan.model_name] = EngineSlots(plan.model_name)
 
     # ---- the mapping -------------------------------------------------------------------------
 
@@ -145,11 +160,30 @@ class Routers(Mapping[str, Router]):
             h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
             api_key=h.api_key, timeout=wait)
         e.router_worker_id = info.id
+        slots = self.slots.get(e.model_name)
+        if slots is not None:
+            known = slots.knows(e.engine_id, h.url)
+            slots.route(e.engine_id, h.url, h.api_key, None if known else self._slots_of(e))
+
+    def _slots_of(self, e: ManagedEngine) -> int:
+        """The engine's running-request slots: its `max_running_requests` (`/v1/loads`,
+        summed over DP ranks), else `--sglang-server-concurrency`."""
+        try:
+            loads = e.handle.loads(timeout=10.0).get("loads") or []
+            slots = sum(int(x["max_running_requests"]) for x in loads)
+            if slots > 0:
+                return slots
+        except Exception as err:  # noqa: BLE001 - any failure: the configured concurrency
+            logger.warning("%s: no max_running_requests from /v1/loads (%s)", e.engine_id, err)
+        return self.settings.engine.server_concurrency
 
     def remove(self, e: ManagedEngine) -> None:
         """Take the engine out of its router; a router that is down took it with it."""
         if e.router_worker_id is None or e.handle is None:
             return
+        slots = self.slots.get(e.model_name)
+        if slots is not None:
+            slots.unroute(e.engine_id)  # before the router: no request bound to it from now
         client = self._routers[e.model_name].client
         try:
             client.remove_worker(e.router_worker_id, url=e.handle.url, timeout=15)
@@ -163,4 +197,7 @@ class Routers(Mapping[str, Router]):
 
     def forget(self, e: ManagedEngine) -> None:
         """The router was relaunched without the engine: it is no worker of it any more."""
+        slots = self.slots.get(e.model_name)
+        if slots is not None:
+            slots.unroute(e.engine_id)
         e.router_worker_id = None

@@ -11,6 +11,7 @@ from slime_like.protocol.modes import PauseMode
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.logprob_check import LogprobCheck, LogprobMismatch, check_logprobs
 from slime_like.rollout.probe import EngineProbe
+from slime_like.rollout.quant_mismatch import quantization_mismatch
 from slime_like.trainer.group import TrainerGroup
 
 __all__ = ["LogprobCheck", "LogprobMismatch", "StepChecker", "check_logprobs", "weight_versions"]
@@ -51,3 +52,18 @@ class StepChecker:
                               staleness=asynchrony.max_staleness,
                               kv_kept=asynchrony.pause_mode == PauseMode.IN_PLACE,
                               fraction=asynchrony.check_fraction, seed=step, probe=report)
+
+    def quantization_mismatch(self, samples: list[Sample], trainer: TrainerGroup) -> dict:
+        """FP8 engines: each model token's log-probability under the trainer's own weights
+        against the engines' (the TIS view of the gap, `rollout/quant_mismatch.py`); {}
+        when the engines are not quantized. Every sample, at its tokens' versions."""
+        if not self.settings.model.engine_quantization or not samples:
+            return {}
+        asynchrony, off_policy = self.settings.asynchrony, self.settings.off_policy
+        rows = [(s.prompt_ids, s.output_ids, [(int(v), a, b) for v, a, b in s.spans()])
+                for s in samples]
+        own = trainer.span_logprobs(rows, self.settings.rollout.temperature,
+                                    asynchrony.pause_mode == PauseMode.IN_PLACE, served=False)
+        return quantization_mismatch([s.output_logprobs for s in samples], own,
+                                     [s.model_token_mask() for s in samples],
+                                     off_policy.tis_clip, off_policy.tis_clip_low)

@@ -83,7 +83,9 @@ def prepare_inputs(settings: JobSettings, out: Path, plugins: Plugins | None = N
                       else model.hf_checkpoint)
     else:
         model_path = str(make_tiny_model(out / "model", layers=model.tiny_layers,
-                                         hidden=model.tiny_hidden, seed=model.seed))
+                                         hidden=model.tiny_hidden,
+                                         intermediate=model.tiny_intermediate,
+                                         seed=model.seed))
     tokenizer = load_tokenizer(model_path, add_special_tokens=False)
     source = prompt_source(settings.prompts, tokenizer)
     resume = resume_point(settings.checkpoints.load)

@@ -180,7 +180,8 @@ class Job:
             sync=replace(self._sync_settings, model_dir=model_path),
             use_transformers=bool(self.settings.model.hf_checkpoint),
             engine_dtype=self.settings.model.engine_dtype,
-            keep_versions=self.kept_versions(), backend=trainer.train_backend)
+            keep_versions=self.kept_versions(), backend=trainer.train_backend,
+            engine_quantization=self.settings.model.engine_quantization)
 
     def fault_hooks(self, step: int, total: int) -> list:
         """This step's rollout hooks of the demo crash and the chaos plan (both may fire)."""
@@ -267,6 +268,8 @@ class Job:
             with busy("check"), self._phase("check"):
                 checked = self.checker.check(rollout.samples, self.trainer,
                                              int(self.fleet.version), step, answers)
+                rollout.metrics.update(self.checker.quantization_mismatch(
+                    rollout.samples, self.trainer))
             with busy("train"), self._phase("train"):
                 train_metrics = self.train(rollout.samples, scores)
         if before_sync is not None:

@@ -32,10 +32,11 @@ def tiny_config(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int
 
 def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int | None = None, seed: int = 0,
-                    tie_word_embeddings: bool = False) -> Path:
+                    tie_word_embeddings: bool = False, intermediate: int | None = None) -> Path:
     """Write config.json, model.safetensors, generation_config.json and tokenizer files
     (with a small chat template, so OpenAI chat routes run on the tiny model too)."""
-    config = tiny_config(layers, hidden, heads, kv_heads, tie_word_embeddings=tie_word_embeddings)
+    config = tiny_config(layers, hidden, heads, kv_heads, intermediate=intermediate,
+                         tie_word_embeddings=tie_word_embeddings)
     model = build_model(config)
     init_dummy_weights(model, seed)
     extra = {

@@ -54,6 +54,8 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
     if moved and seconds > 0:
         out["sync_gbps"] = round(moved / seconds / 1e9, 4)
         out["sync_gb"] = round(moved / 1e9, 4)
+    if "quantize_s" in sync_report:  # an FP8 sync: the trainer's time quantizing
+        out["sync_quantize_s"] = sync_report["quantize_s"]
     if transfer.get("buckets"):
         # Requests per engine, and the trainer's pack copy: 0 when the buckets went from
         # the trainer's own storage (flat weights that outlive the offload).
@@ -175,7 +177,23 @@ def check_lines(steps: list[dict]) -> list[str]:
         asked = sum(r["logprob_probe_engines"] for r in probed)
         lines.append(f"  - probe: {confirmed} of {asked} engine answers confirmed at their "
                      f"version against the previous one ({len(probed)} steps)")
-    return lines
+    return lines + fp8_lines(steps)
+
+
+def fp8_lines(steps: list[dict]) -> list[str]:
+    """FP8 engines: how far their rollouts were from the trainer's own weights (the check
+    above compares them with the trainer's quantized copy), and the TIS weights."""
+    means = _numbers(steps, "fp8_logprob_abs_diff_mean")
+    if not means:
+        return []
+    weights = _numbers(steps, "fp8_tis_weight_mean")
+    clipped = _numbers(steps, "fp8_tis_clip_frac")
+    return [f"- FP8 rollout vs the trainer's unquantized weights: |delta logprob| per token "
+            f"mean {statistics.median(means):.3g} (median step), largest "
+            f"{max(_numbers(steps, 'fp8_logprob_abs_diff_max')):.3g}; TIS weight "
+            f"exp(trainer - rollout) mean {statistics.median(weights):.4g} (median step), "
+            f"largest {max(_numbers(steps, 'fp8_tis_weight_max')):.4g}, clipped "
+            f"{max(clipped):.3g} of tokens at most ({len(means)} steps)"]
 
 
 def in_time_order(events: list[dict]) -> list[dict]:

@@ -37,6 +37,13 @@ class AsyncMode(StrEnum):
     FULLY_ASYNC = "fully-async"  # a producer that never pauses; updates while requests run
 
 
+class Dispatch(StrEnum):
+    """Which engine a rollout request goes to, and who decides (`--rollout-dispatch`)."""
+
+    ROUTER = "router"        # the router's policy (--router-policy), when the request is sent
+    ADMISSION = "admission"  # the client: a routed engine's free slot, then straight to it
+
+
 class WorkerType(StrEnum):
     """What a server group's engines are (slime's `worker_type`)."""
 

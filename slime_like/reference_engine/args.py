@@ -20,6 +20,7 @@ import torch
 
 from slime_like.errors import ConfigError
 from slime_like.protocol.flag_tables import SERVER_ARGS, ArgSpec, read_rows
+from slime_like.protocol.fp8 import check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ USED_DESTS = frozenset({
     "enable_metrics", "skip_server_warmup", "disaggregation_mode", "disaggregation_bootstrap_port",
     "nnodes", "node_rank", "dist_init_addr", "enable_memory_saver", "enable_weights_cpu_backup",
     "incremental_streaming_output", "skip_tokenizer_init", "dp_size", "pp_size", "log_level",
-    "soft_watchdog_timeout", "disable_radix_cache",
+    "soft_watchdog_timeout", "disable_radix_cache", "quantization",
 })
 
 _SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -162,6 +163,8 @@ class EngineArgs:
     soft_watchdog_timeout: float | None = None
     weight_update_gate: str = "strict"
     http_stack: str = "auto"
+    # --quantization fp8: linear projections served as sglang's FP8 blocks (fp8.py)
+    quantization: str | None = None
     all_args: dict[str, Any] = field(default_factory=dict)
     ignored_flags: list[str] = field(default_factory=list)
 
@@ -250,6 +253,10 @@ def parse_args(argv: list[str]) -> EngineArgs:
             split_host_port(values["dist_init_addr"])
         except ValueError as e:
             raise ConfigError("--dist-init-addr", str(e)) from e
+    try:
+        check_quantization(values["quantization"], "--quantization")
+    except ValueError as e:
+        raise ConfigError("--quantization", str(e)) from e
     mrr = values["max_running_requests"]
     check(mrr is None or mrr >= 1, "--max-running-requests", f"must be >= 1, got {mrr}")
     return EngineArgs(
@@ -274,6 +281,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         soft_watchdog_timeout=values["soft_watchdog_timeout"],
         weight_update_gate=values["reference_weight_update_gate"],
         http_stack=values["reference_http_stack"],
+        quantization=values["quantization"],
         all_args={k: v for k, v in values.items() if k not in OWN_DESTS},
         ignored_flags=ignored,
     )

@@ -22,6 +22,7 @@ from slime_like.reference_engine.disaggregation import (
     HandoffStore,
     env_timeout,
 )
+from slime_like.reference_engine.fp8 import quantize_model
 from slime_like.reference_engine.frontend import Frontend
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.scheduler import Scheduler
@@ -68,6 +69,8 @@ class ReferenceEngine:
         self.model = load_pretrained(args.model_path, device=self.device, dtype=self.dtype,
                                      load_format="dummy" if args.load_format == "dummy" else "auto",
                                      seed=args.random_seed)
+        if args.quantization == "fp8":
+            quantize_model(self.model, args.tp_size)
         self.weight_bytes = sum(t.numel() * t.element_size()
                                 for t in self.model.state_dict().values())
         self.context_len = min(args.context_length or self.config.max_position_embeddings,

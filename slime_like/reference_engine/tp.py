@@ -98,6 +98,10 @@ def rank_main(rank: int, args: EngineArgs, init_method: str | None, conn=None) -
         model = load_pretrained(args.model_path, device=device, dtype=args.torch_dtype(config.dtype),
                                 load_format="dummy" if args.load_format == "dummy" else "auto",
                                 seed=args.random_seed)
+        if args.quantization == "fp8":
+            from slime_like.reference_engine.fp8 import quantize_model
+
+            quantize_model(model, args.tp_size)
         # Say "loaded" before joining the group: if loading failed, rank 0 hears the error
         # instead of waiting in the rendezvous for a rank that will never come.
         conn.send(("loaded", None))

@@ -13,6 +13,8 @@ wait and retry until `router_down_s` has passed, so a router restart loses no sa
 `resubmit_in_flight()` (called by the fleet when an engine stops answering probes) sends
 every request still in flight again at once: one of them may be stuck on the hung engine,
 and the first answer wins, so each requested sample still comes back exactly once.
+With `slots` (`--rollout-dispatch admission`, `rollout/dispatch.py`) a request waits in the
+client for a free slot of a routed engine and goes straight to that engine instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from slime_like.protocol import io_struct as p
+from slime_like.rollout.dispatch import EngineSlots, NoEngineRouted, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +183,9 @@ class RouterGenerator:
     partial_rollout: bool = False
     #: the largest number of times one sample is aborted and continued or restarted
     max_aborts: int = 1000
+    #: admission dispatch: bind each request to a routed engine's free slot, sent to it
+    #: directly (None: every request through the router)
+    slots: EngineSlots | None = None
 
     def __post_init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -279,7 +285,8 @@ class RouterGenerator:
             attempt += 1
             unavailable: str | None = None
             async with limit:
-                task = asyncio.ensure_future(self._post(session, body))
+                slot = await self._bind()
+                task = asyncio.ensure_future(self._post(session, body, slot))
                 self._inflight.add(task)
                 try:
                     status, out = await task
@@ -290,12 +297,16 @@ class RouterGenerator:
                         continue
                     raise
                 except aiohttp.ClientConnectorError as e:
-                    # Nothing listens: the router is down (being relaunched).
-                    status, out, unavailable = None, None, f"router unreachable: {e}"
+                    # Nothing listens: the router is down (being relaunched), or the engine
+                    # died (the fleet unroutes it as soon as it sees the death).
+                    where = "router" if slot is None else f"engine {slot.engine}"
+                    status, out, unavailable = None, None, f"{where} unreachable: {e}"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     status, out, last = None, None, f"{type(e).__name__}: {e}"
                 finally:
                     self._inflight.discard(task)
+                    if slot is not None:
+                        self.slots.release(slot)
             if no_engine_routed(status, out):
                 # Every engine is out of the router for now (recovering, or being resynced
                 # after a failed sync).
@@ -325,8 +336,22 @@ class RouterGenerator:
         raise GenerationError(f"prompt {index}: /generate via {self.router_url} failed "
                               f"{self.max_attempts} times; last: {last}")
 
-    async def _post(self, session: aiohttp.ClientSession, body: dict) -> tuple[int, Any]:
-        async with session.post(f"{self.router_url}/generate", json=body) as resp:
+    async def _bind(self) -> Slot | None:
+        """A free slot of a routed engine (admission dispatch), else None: the router."""
+        if self.slots is None:
+            return None
+        try:
+            return await self.slots.acquire(self.router_down_s)
+        except NoEngineRouted as e:
+            raise GenerationError(str(e)) from e
+
+    async def _post(self, session: aiohttp.ClientSession, body: dict,
+                    slot: Slot | None = None) -> tuple[int, Any]:
+        if slot is None:
+            url, headers = f"{self.router_url}/generate", None
+        else:  # the engine's own key instead of the router's
+            url, headers = f"{slot.url}/generate", slot.headers
+        async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 return resp.status, await resp.text()
             return 200, await resp.json(content_type=None)

@@ -32,6 +32,7 @@ from slime_like.trainer.checkpoint import (
 )
 from slime_like.trainer.policy import PolicyTrainer
 from slime_like.trainer.versions import Span, VersionedWeights, span_logprobs
+from slime_like.weights.fp8 import Fp8Weights
 from slime_like.weights.sharded import ShardedWeights
 from slime_like.weights.sync import WeightSync, WeightSyncConfig
 
@@ -44,7 +45,7 @@ class TrainerRank:
     def __init__(self, rank: int, world_size: int, model_path: str, *, lr: float, seed: int,
                  sync: WeightSyncConfig | None = None, use_transformers: bool = False,
                  engine_dtype: str | None = None, keep_versions: int = 0,
-                 backend: str = "ddp"):
+                 backend: str = "ddp", engine_quantization: str | None = None):
         self.rank = rank
         self.backend = backend
         self.gather_group: dist.ProcessGroup | None = None  # fsdp: the syncs' gathers
@@ -54,6 +55,12 @@ class TrainerRank:
         # (--update-weights-interval > 1, the asynchronous schedules), so samples are checked
         # at the versions they were made at after the trainer moved on.
         self._versions = VersionedWeights(keep_versions)
+        # --sglang-quantization fp8: `_versions` and `_served` hold what the engines serve
+        # (dequantized FP8), `_raw_versions` the trainer's own weights of those versions,
+        # for the rollout/trainer mismatch the job reports beside the check.
+        self.engine_quantization = engine_quantization
+        self._raw_versions = VersionedWeights(keep_versions if engine_quantization else 0)
+        self._served: torch.nn.Module | None = None
         self.use_transformers = use_transformers
         self.engine_dtype = engine_dtype
         self.world_size = world_size
@@ -93,7 +100,8 @@ class TrainerRank:
         self.policy = PolicyTrainer(self.model_path, lr=self.lr, device=self.device,
                                     seed=self.seed, group=self.group,
                                     use_transformers=self.use_transformers,
-                                    engine_dtype=self.engine_dtype, backend=self.backend)
+                                    engine_dtype=self.engine_dtype, backend=self.backend,
+                                    quantization=self.engine_quantization)
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -126,23 +134,28 @@ class TrainerRank:
             return self.policy.completion_logprobs(samples, model, temperature)
 
     def span_logprobs(self, samples: list[tuple[list[int], list[int], list[Span]]],
-                      temperature: float = 1.0, kv_kept: bool = False) -> list[list[float]]:
+                      temperature: float = 1.0, kv_kept: bool = False,
+                      served: bool = True) -> list[list[float]]:
         """Every output token's log-probability at the version of its span (see
-        trainer/versions.py); `kv_kept`: the engines kept old-weight KV (in_place)."""
+        trainer/versions.py); `kv_kept`: the engines kept old-weight KV (in_place).
+        `served=False`: under the trainer's own weights of that version rather than the
+        engines' (they differ with FP8 engines)."""
         assert self.policy is not None
         policy = self.policy
         with self._weights_lock:
             return span_logprobs(
-                self._model_at,
+                lambda version: self._model_at(version, served),
                 lambda model, pairs: policy.completion_logprobs(pairs, model, temperature),
                 samples, kv_kept=kv_kept, temperature=temperature, device=self.device)
 
-    def _model_at(self, version: int) -> torch.nn.Module:
-        """The weights of `version`: the live model while it is that version, else a copy."""
+    def _model_at(self, version: int, served: bool = True) -> torch.nn.Module:
+        """The weights of `version`: the live model while it is that version, else a copy.
+        With FP8 engines, what they serve (`served`) or the trainer's own."""
         assert self.policy is not None
+        quantized = self._served is not None
         if version == self.version and not self._dirty:
-            return self.policy.model
-        kept = self._versions.get(version)
+            return self._served if served and quantized else self.policy.model
+        kept = (self._versions if served or not quantized else self._raw_versions).get(version)
         if kept is None:
             raise RuntimeError(f"the trainer's weights moved past version {version} and no "
                                f"copy of it was kept (kept: {self._versions.versions()}, "
@@ -215,7 +228,10 @@ class TrainerRank:
                                                         quiet=quiet)
                     self.version = version
                     self._dirty = False
-                    self._versions.put(version, self.policy.model)
+                    if self.policy.served is not None:
+                        self._served = self.policy.served.refresh()
+                        self._raw_versions.put(version, self.policy.model)
+                    self._versions.put(version, self._served or self.policy.model)
                     self._weights_lock.notify_all()
                     return self._report(report, source)
                 if not self._weights_lock.wait_for(lambda: not self._dirty, timeout=600.0):
@@ -234,6 +250,8 @@ class TrainerRank:
         out = report.as_dict()
         if isinstance(source, ShardedWeights):
             out["gather"] = source.stats.as_dict()
+        if isinstance(source, Fp8Weights):
+            out["quantize_s"] = round(source.quantize_s, 5)
         return out
 
     def _sharded_source(self) -> ShardedWeights:

@@ -20,7 +20,7 @@ class TrainerGroup:
     def __init__(self, placement: JobPlacement, model_path: str, *, lr: float, seed: int,
                  sync: WeightSyncConfig, use_transformers: bool = False,
                  engine_dtype: str | None = None, keep_versions: int = 0,
-                 backend: str = "ddp"):
+                 backend: str = "ddp", engine_quantization: str | None = None):
         world = len(placement.plan.trainer)
         self.sharded = backend == "fsdp"
         env = {"env_vars": trainer_env()}
@@ -29,7 +29,7 @@ class TrainerGroup:
                 rank, world, model_path, lr=lr, seed=seed,
                 sync=sync, use_transformers=use_transformers,
                 engine_dtype=engine_dtype, keep_versions=keep_versions if rank == 0 else 0,
-                backend=backend)
+                backend=backend, engine_quantization=engine_quantization)
             for rank in range(world)
         ]
         master_addr = ray.get(self.actors[0].node_ip.remote())
@@ -76,12 +76,14 @@ class TrainerGroup:
                         for a in self.actors])[0]
 
     def span_logprobs(self, samples: list, temperature: float = 1.0,
-                      kv_kept: bool = False) -> list[list[float]]:
+                      kv_kept: bool = False, served: bool = True) -> list[list[float]]:
         """Each output token's log-probability at its span's version (rank 0; with fsdp
-        every rank, the forward being collective)."""
+        every rank, the forward being collective); `served=False`: under the trainer's own
+        weights rather than the FP8 engines' (`TrainerRank.span_logprobs`)."""
         if not self.sharded:
-            return ray.get(self.rank0.span_logprobs.remote(samples, temperature, kv_kept))
-        return ray.get([a.span_logprobs.remote(samples, temperature, kv_kept)
+            return ray.get(self.rank0.span_logprobs.remote(samples, temperature, kv_kept,
+                                                           served))
+        return ray.get([a.span_logprobs.remote(samples, temperature, kv_kept, served)
                         for a in self.actors])[0]
 
     def offload(self, keep_weights: bool = False) -> dict:

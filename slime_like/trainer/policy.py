@@ -32,6 +32,7 @@ from slime_like.trainer.grpo import (
 from slime_like.trainer.offload import MoveStats, TrainerOffload
 from slime_like.trainer.serve_dtype import serve_dtype
 from slime_like.trainer.sharding import BACKENDS, as_float, shard_model
+from slime_like.weights.fp8 import Fp8Weights, ServedWeights
 from slime_like.weights.packing import CastWeights, ModelWeights
 from slime_like.weights.sharded import reshard
 
@@ -50,7 +51,7 @@ class PolicyTrainer:
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  use_transformers: bool = False, engine_dtype: str | None = None,
                  backend: str = "ddp", load_format: str = "auto",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, quantization: str | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"train backend must be one of {BACKENDS}, got {backend!r}")
         torch.manual_seed(seed)
@@ -75,6 +76,15 @@ class PolicyTrainer:
         # and the same object, so the tensor transport can reuse its in-place requests.
         self._sync_source = (ModelWeights(self.model) if served == dtype
                              else CastWeights(self.model, served))
+        # --sglang-quantization fp8: syncs send FP8 blocks, and `served` is what the engines
+        # then hold (the copy the log-probability check scores with; weights/fp8.py).
+        self.served: ServedWeights | None = None
+        if quantization == "fp8":
+            if self.sharded:
+                raise ValueError("--sglang-quantization fp8 syncs from a full replica; "
+                                 "--train-backend fsdp is not supported with it")
+            self._sync_source = Fp8Weights(self.model, served)
+            self.served = ServedWeights(self.model, served)
         self.group = group
         self.device = device
         self.steps = 0

@@ -20,6 +20,7 @@ from slime_like.errors import ConfigError, WeightMetadataError
 from slime_like.models.config import ModelConfig
 from slime_like.models.transformer import CausalLM, hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name, dtype_name
+from slime_like.protocol.fp8 import quantized_metadata
 
 
 def engine_model_metadata(engine: EngineSession) -> tuple[list[TensorMeta] | None, str, str]:
@@ -40,6 +41,8 @@ def engine_model_metadata(engine: EngineSession) -> tuple[list[TensorMeta] | Non
     with torch.device("meta"):
         model = CausalLM(config, init_weights=False)
     metas = [TensorMeta(n, dtype, tuple(prm.shape)) for n, prm in hf_named_parameters(model)]
+    if engine.server_info.get("quantization") == "fp8":  # sglang's block layout (protocol/fp8)
+        metas = quantized_metadata(metas, dtype)
     return metas, path, ""
 
 

@@ -388,6 +388,13 @@ class BucketPacker:
             _copy_into(dst, flat)
             self.cpu_pack_s += time.perf_counter() - start
             return dst
+        # Tensors a source made on the trainer's stream while this bucket was pulled (a
+        # cast, an FP8 quantization) are read after they are written, and their memory is
+        # not handed out again before this copy has read it.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()

@@ -1,6 +1,7 @@
 """The asynchronous schedules of the real job (Ray, sglang-router, reference engines, gloo).
 
-For `fully-async` in every pause mode and for `one-step`, each run must show what users of
+For `fully-async` in every pause mode (retract with admission dispatch: requests wait in
+the rollout client for a free engine slot) and for `one-step`, each run must show what users of
 asynchronous RL rely on: weight updates landed while requests were in flight, samples whose
 tokens span versions were kept and checked token by token at their own versions, the
 staleness bound held, every sample came back exactly once, and the engines end at the
@@ -61,7 +62,9 @@ def check_exactly_once(run_dir: Path, ms: list[dict], steps: int) -> dict:
 
 @pytest.mark.parametrize("mode", ["retract", "in_place", "abort_partial"])
 def test_fully_async_updates_weights_while_requests_run(tmp_path, shared_ray, mode):
-    flags = {"retract": ["--pause-generation-mode", "retract"],
+    flags = {# the client binds each request to a free engine slot (admission dispatch)
+             "retract": ["--pause-generation-mode", "retract", "--rollout-dispatch",
+                         "admission"],
              "in_place": ["--pause-generation-mode", "in_place",
                           "--sglang-disable-radix-cache"],
              # with the off-policy correction and a dynamic-sampling filter as well

@@ -1,0 +1,182 @@
+"""sglang's FP8 block layout (`--quantization fp8` on a block-quantized checkpoint), shared
+by the trainer that quantizes and the engine that loads.
+
+A quantized linear weight `W` [N, K] travels as two tensors under sglang's loader names:
+`<prefix>.weight`, float8 e4m3 [N, K], and `<prefix>.weight_scale_inv`, float32
+[ceil(N/128), ceil(K/128)], one scale per 128x128 block (the last row or column of blocks
+may be partial). Dequantized, `W[i, j] = weight[i, j] * weight_scale_inv[i // 128, j // 128]`
+(sglang's `block_quant_dequant`); each block's scale is its largest |value| / 448, the
+largest e4m3 magnitude, so the block's extreme lands on the format's extreme. The
+projections of attention and of every MLP (experts included) are quantized; embeddings,
+the LM head, norms, biases and the MoE router stay in the engines' dtype, as sglang's FP8
+checkpoints have them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slime_like.protocol.buckets import TensorMeta
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+SCALE_DTYPE = torch.float32
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+# The smallest scale a block gets: an all-zero block still has a finite, positive scale.
+_MIN_AMAX = 1e-12
+QUANTIZATIONS = (None, "fp8")
+
+_QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_quantized(name: str) -> bool:
+    """Whether sglang keeps this HF parameter as FP8 blocks (the linear projections)."""
+    return bool(_QUANTIZED.search(name))
+
+
+def scale_name(name: str) -> str:
+    """'...q_proj.weight' -> '...q_proj.weight_scale_inv' (sglang's parameter name)."""
+    return name + SCALE_SUFFIX
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
+    """The scale grid of a [N, K] weight: (ceil(N/bn), ceil(K/bk))."""
+    n, k = shape
+    return (-(-n // block[0]), -(-k // block[1]))
+
+
+def check_quantization(value: str | None, where: str) -> str | None:
+    """None or 'fp8'; anything else raises ValueError naming `where`."""
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"{where}: quantization {value!r} is not supported here; expected "
+                         "fp8 (sglang's block FP8) or none")
+    return value
+
+
+@torch.no_grad()
+def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] floating weight -> (e4m3 values [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]),
+    computed on the weight's device. scale = block amax / 448; value = w / scale, saturated."""
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 block quantization needs a 2-D weight, got shape {list(weight.shape)}")
+    n, k = weight.shape
+    bn, bk = block
+    # One float32 copy, worked on in place: each further step is a single pass over it
+    # (a mixed-dtype division straight from bf16 was ten times slower on CPU).
+    if n % bn or k % bk:
+        padded = F.pad(weight.to(torch.float32), (0, -k % bk, 0, -n % bn))
+    else:
+        padded = weight.to(torch.float32, copy=True)
+    tiles = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_())
+    scale = amax.clamp_(min=_MIN_AMAX).div_(FP8_MAX)
+    # |w / scale| <= 448 up to float32 rounding, and e4m3 rounds anything below 464 to
+    # 448: finite weights need no saturation pass.
+    values = tiles.div_(scale[:, None, :, None]).to(FP8_DTYPE).view(padded.shape)
+    return (values if values.shape == weight.shape else values[:n, :k].contiguous()), scale
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, int],
+                 block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """Per-block scales repeated to one per element of a [N, K] weight."""
+    n, k = shape
+    return scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:n, :k]
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """e4m3 values and block scales -> the weight in `dtype` (multiplied in float32, as
+    sglang's `block_quant_dequant`)."""
+    expected = scale_shape(tuple(values.shape), block)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"scale grid {list(scale.shape)} does not fit a weight of shape "
+                         f"{list(values.shape)} in {block[0]}x{block[1]} blocks (expected "
+                         f"{list(expected)})")
+    n, k = values.shape
+    if n % block[0] == 0 and k % block[1] == 0:  # whole blocks: the scales broadcast
+        tiles = values.view(n // block[0], block[0], k // block[1], block[1])
+        return (tiles.float() * scale.float()[:, None, :, None]).to(dtype).view(n, k)
+    return (values.float() * expand_scale(scale.float(), (n, k), block)).to(dtype)
+
+
+def quantized_metadata(metas: Iterable[TensorMeta], dtype: torch.dtype,
+                       block: tuple[int, int] = BLOCK) -> list[TensorMeta]:
+    """What a quantized sync sends for these parameters: each quantized weight as its e4m3
+    values followed by its scales; every other floating tensor in `dtype`."""
+    out = []
+    for m in metas:
+        if is_quantized(m.name) and len(m.shape) == 2:
+            out.append(TensorMeta(m.name, FP8_DTYPE, m.shape))
+            out.append(TensorMeta(scale_name(m.name), SCALE_DTYPE, scale_shape(m.shape, block)))
+        else:
+            out.append(TensorMeta(m.name, dtype if m.dtype.is_floating_point else m.dtype,
+                                  m.shape))
+    return out
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One TP rank's share of a quantized weight: rows [r0, r1) and columns [c0, c1)."""
+
+    rank: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+_MERGED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def partitions(name: str, shape: tuple[int, int], tp_size: int) -> list[Partition]:
+    """Each TP rank's slice of a quantized weight, as sglang splits it: the output rows of a
+    column-parallel projection (q/k/v, gate/up), the input columns of a row-parallel one
+    (o, down). (KV heads fewer than the ranks, which sglang replicates, are not modelled.)"""
+    n, k = shape
+    if _COLUMN.search(name):
+        rows = n // tp_size
+        return [Partition(r, (r * rows, (r + 1) * rows), (0, k)) for r in range(tp_size)]
+    cols = k // tp_size
+    return [Partition(r, (0, n), (r * cols, (r + 1) * cols)) for r in range(tp_size)]
+
+
+def block_split_problems(named_shapes: Iterable[tuple[str, tuple[int, ...]]], tp_size: int,
+                         block: tuple[int, int] = BLOCK) -> list[str]:
+    """sglang's rule for block-quantized weights under TP (`validate_block_quant_shapes`):
+    every rank's share of a split dimension, and every part of a merged projection
+    (qkv, gate_up) even at TP 1, is a whole number of blocks. One line per weight that
+    breaks it."""
+    problems = []
+    for name, shape in named_shapes:
+        if not is_quantized(name) or len(shape) != 2:
+            continue
+        n, k = shape
+        merged = _MERGED.get(name.rsplit(".", 2)[-2])
+        for part in partitions(name, (n, k), tp_size):
+            rows, cols = part.rows[1] - part.rows[0], part.cols[1] - part.cols[0]
+            if (merged or tp_size > 1) and _COLUMN.search(name) and rows % block[0]:
+                problems.append(f"{name}: {rows} output rows per rank (of {n}, TP {tp_size}"
+                                f"{', merged into ' + merged if merged else ''}) are not a "
+                                f"multiple of block_n {block[0]}")
+                break
+            if tp_size > 1 and not _COLUMN.search(name) and cols % block[1]:
+                problems.append(f"{name}: {cols} input columns per rank (of {k}, TP "
+                                f"{tp_size}) are not a multiple of block_k {block[1]}")
+                break
+    return problems
+
+
+def shard(values: torch.Tensor, scale: torch.Tensor, part: Partition,
+          block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's values and the scale blocks that cover them (whole blocks: see
+    `block_split_problems`)."""
+    (r0, r1), (c0, c1) = part.rows, part.cols
+    return (values[r0:r1, c0:c1],
+            scale[r0 // block[0]:-(-r1 // block[0]), c0 // block[1]:-(-c1 // block[1])])
