@@ -45,10 +45,12 @@ class PinnedEngine:
 
 
 def start_pinned_engine(model_dir: Path, cpu: int, log: Path, *args: str,
-                        timeout_s: float = 120.0) -> PinnedEngine:
-    """`python -m slime_like.reference_engine ARGS` on core `cpu`, healthy or raised."""
+                        timeout_s: float = 120.0,
+                        env: dict[str, str] | None = None) -> PinnedEngine:
+    """`python -m slime_like.reference_engine ARGS` on core `cpu` (`env` added to its
+    environment), healthy or raised."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as out:
         proc = subprocess.Popen(

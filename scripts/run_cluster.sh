@@ -127,10 +127,13 @@ if [ ! -f "$token_file" ]; then
   fi
 fi
 
-start_node() {  # start_node I: copy the token to node I and start Ray there
+copy_token() {  # copy_token I: the token to the same path on node I
+  local host="${hosts[$1]}"
+  on "$host" 'mkdir -p "$HOME/.slime_like" && chmod 700 "$HOME/.slime_like"' &&
+    run scp -q "${ssh_opts[@]}" "$token_file" "$host:.slime_like/ray_token"
+}
+start_node() {  # start_node I: start Ray on node I (its token is there)
   local i="$1" host="${hosts[$1]}" words cmd
-  on "$host" 'mkdir -p "$HOME/.slime_like" && chmod 700 "$HOME/.slime_like"'
-  run scp -q "${ssh_opts[@]}" "$token_file" "$host:.slime_like/ray_token"
   mapfile -t words < <(env_words)
   words+=("$ray_bin" start --disable-usage-stats)
   if [ "$i" = 0 ]; then
@@ -147,7 +150,17 @@ start_node() {  # start_node I: copy the token to node I and start Ray there
   on "$host" "$cmd"
 }
 
-start_node 0  # the head first; then the workers all at once (a dry run prints them in order)
+# The token to every node at once (a dry run prints them in order), then the head, then
+# the workers all at once.
+pids=(); failed=()
+for ((i = 0; i < ${#hosts[@]}; i++)); do
+  if [ "$dry_run" = 1 ]; then copy_token "$i"; else copy_token "$i" & pids+=("$!"); fi
+done
+for j in "${!pids[@]}"; do
+  wait "${pids[$j]}" || failed+=("${hosts[$j]}")
+done
+[ ${#failed[@]} -eq 0 ] || die "could not copy the token to: ${failed[*]} (nothing was started)"
+start_node 0
 pids=(); failed=()
 for ((i = 1; i < ${#hosts[@]}; i++)); do
   if [ "$dry_run" = 1 ]; then start_node "$i"; else start_node "$i" & pids+=("$!"); fi

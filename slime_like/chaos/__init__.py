@@ -10,7 +10,8 @@ from slime_like.chaos.faults import (
 )
 from slime_like.chaos.invariants import InvariantSampler
 from slime_like.chaos.monkey import FAULTS, ChaosMonkey, Fault, plan_faults, simulated_crash
+from slime_like.chaos.partition import PARTITION, Partitioner, partitioner_for
 
-__all__ = ["FAULTS", "ChaosMonkey", "Fault", "InvariantSampler", "kill_engine", "kill_node",
-           "kill_router", "loseable_nodes", "plan_faults", "revert_weights", "simulated_crash",
-           "stop_engine"]
+__all__ = ["FAULTS", "PARTITION", "ChaosMonkey", "Fault", "InvariantSampler", "Partitioner",
+           "kill_engine", "kill_node", "kill_router", "loseable_nodes", "partitioner_for",
+           "plan_faults", "revert_weights", "simulated_crash", "stop_engine"]

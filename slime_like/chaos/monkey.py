@@ -26,6 +26,7 @@ from slime_like.chaos.faults import (
     loseable_nodes,
     stop_engine,
 )
+from slime_like.chaos.partition import PARTITION, Partitioner
 from slime_like.config.flags import CHAOS_FAULT_CHOICES
 from slime_like.fleet.events import EngineState
 from slime_like.fleet.fleet import Fleet
@@ -43,6 +44,7 @@ FAULTS: dict[str, str | None] = {
     "stop_engine": None,
     "kill_router": None,
     "node": None,
+    PARTITION: None,  # a host's link cut (partition.py)
 }
 assert tuple(FAULTS) == CHAOS_FAULT_CHOICES, "the flag's choices and the faults must agree"
 
@@ -92,10 +94,12 @@ def plan_faults(seed: int, kinds: list[str], num_steps: int, num_engines: int) -
 class ChaosMonkey:
     """Fires the planned faults at their moments during the job."""
 
-    def __init__(self, fleet: Fleet, faults: list[Fault], trainer: Any = None):
+    def __init__(self, fleet: Fleet, faults: list[Fault], trainer: Any = None,
+                 partitioner: Partitioner | None = None):
         self.fleet = fleet
         self.faults = faults
         self.trainer = trainer  # TrainerGroup: sync faults are armed in its rank 0
+        self.partitioner = partitioner  # `partition` faults (partition.py)
 
     def _target(self, fault: Fault) -> ManagedEngine:
         if fault.pinned:
@@ -139,6 +143,9 @@ class ChaosMonkey:
             f.lost = kill_node(self.fleet, node)
             logger.warning("chaos: node %s lost at step %d (engines %s)", node, f.step, f.lost)
             return
+        if f.kind == PARTITION:
+            self._partition(f)
+            return
         e = self._target(f)
         f.target = e.engine_id
         if f.kind == "stop_engine":
@@ -146,6 +153,18 @@ class ChaosMonkey:
         else:
             kill_engine(self.fleet, self.fleet.engines.index(e), node_rank=f.node_rank)
         logger.warning("chaos: %s on %s at step %d", f.kind, f.target, f.step)
+
+    def _partition(self, f: Fault) -> None:
+        """Cut a partitionable engine host (seeded pick) for the configured length."""
+        if self.partitioner is None:
+            raise RuntimeError("a `partition` fault was planned without a partitioner")
+        live = [e.engine_id for e in self.fleet.engines
+                if e.state in (EngineState.REGISTERED, EngineState.UPDATING)]
+        node_ip, f.target = self.partitioner.pick(f.engine, live)
+        try:
+            self.partitioner.cut(node_ip, f.target)
+        except Exception:  # the fault did not land: its summary has no effect, and says so
+            logger.exception("chaos: partition of %s failed", node_ip)
 
     def arm_sync(self, step: int) -> None:
         """Before the sync that follows `step`: arm its fault in the trainer (fired there)."""
@@ -165,6 +184,10 @@ class ChaosMonkey:
             if f.kind == "kill_router":
                 row["effect"] = [r for r in self.fleet.router_restarts
                                  if f.fired_at and r.get("at", 0) >= f.fired_at]
+            elif f.kind == PARTITION:
+                row["effect"] = [c for c in (self.partitioner.cuts if self.partitioner else [])
+                                 if c["engine"] == f.target and c["returncode"] == 0
+                                 and f.fired_at and c["cut_at"] >= f.fired_at]
             else:
                 hit = f.lost or [f.target]
                 row["effect"] = [r for r in self.fleet.recoveries if r["engine"] in hit

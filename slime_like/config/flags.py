@@ -40,8 +40,9 @@ DEFAULT_DELTA_FULL_EVERY = 20  # a delta chain's length before a full sync
 CHAOS_FAULTS = ("kill_rollout", "kill_pause", "kill_transfer", "kill_end", "kill_continue",
                 "stop_engine", "kill_router")
 # Faults a run chooses by name only: they need a cluster of several nodes (`node` loses one
-# that hosts engines but not the trainer or the driver).
-CHAOS_NODE_FAULTS = ("node",)
+# that hosts engines but not the trainer or the driver; `partition` cuts such a host's link
+# through --chaos-partition-command, so it needs hosts with network stacks of their own).
+CHAOS_NODE_FAULTS = ("node", "partition")
 CHAOS_FAULT_CHOICES = CHAOS_FAULTS + CHAOS_NODE_FAULTS
 
 
@@ -350,7 +351,16 @@ def _ours(p: argparse.ArgumentParser) -> None:
                           "rollout or at that step of a weight sync; stop_engine = SIGSTOP; "
                           "kill_router); by name only: node = a whole node lost (its raylet "
                           "SIGKILLed: every engine on it dies), on a cluster with a node that "
-                          "hosts engines but neither the trainer nor the driver.")
+                          "hosts engines but neither the trainer nor the driver; partition = "
+                          "such a host's cluster link cut by --chaos-partition-command.")
+    g.add_argument("--chaos-partition-command", default=None, metavar="TEMPLATE",
+                   help="The chaos fault `partition`: a command (no shell) that cuts the host "
+                        "{node_ip}'s cluster link and restores it after {seconds} by itself, "
+                        "e.g. a switch's API (docs/FAULT_TOLERANCE.md, A partitioned node).")
+    g.add_argument("--chaos-partition-seconds", type=t.positive_float, default=8.0,
+                   metavar="S", help="How long a `partition` cut lasts: shorter than the "
+                   "health checks' verdict (failures x (interval + timeout)) to be resynced, "
+                   "longer for a node loss.")
     g.add_argument("--tiny-model-layers", type=t.positive_int, default=2,
                    help="Layers of the tiny model made when --hf-checkpoint is not given.")
     g.add_argument("--tiny-model-hidden", type=t.positive_int, default=64,

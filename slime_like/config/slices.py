@@ -241,6 +241,8 @@ class ChaosSettings:
     crash_model: str | None = None
     crash_node_rank: int = 0
     stale_at: int | None = None
+    partition_command: str | None = None  # the `partition` fault's (chaos/partition.py)
+    partition_seconds: float = 8.0
 
 
 def chaos_settings(args: argparse.Namespace) -> ChaosSettings:
@@ -250,7 +252,9 @@ def chaos_settings(args: argparse.Namespace) -> ChaosSettings:
                          crash_at=args.simulate_engine_crash_at,
                          crash_model=args.simulate_engine_crash_model,
                          crash_node_rank=args.simulate_engine_crash_node_rank,
-                         stale_at=args.simulate_stale_engine_at)
+                         stale_at=args.simulate_stale_engine_at,
+                         partition_command=args.chaos_partition_command,
+                         partition_seconds=args.chaos_partition_seconds)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from slime_like.config.async_flags import resolve_async
+from slime_like.config.chaos_flags import check_chaos
 from slime_like.config.flags import SLIME_TRANSPORT
 from slime_like.config.layout import layout_from_args, nominal_bundles, plan_job
 from slime_like.config.passthrough import OWNED_ROUTER_FIELDS
@@ -235,6 +236,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     check_dynamic_sampling(args, args.rollout_batch_size or RolloutSettings.batch_size)
     _check_train_backend(args)
     _check_quantization(args)
+    check_chaos(args)
     _resolve_rollout_gpus(args)
     if args.reference_min_step_ms and args.engine != "reference":
         raise ConfigError("--reference-min-step-ms", f"only the reference engine has it "

@@ -18,6 +18,7 @@ from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError
 from slime_like.protocol.flag_tables import ComposedArgs
 from slime_like.protocol.modes import WorkerType
+from slime_like.reference_engine.served_log import SERVED_LOG_ENV
 from slime_like.reference_engine.step_floor import MIN_STEP_ENV
 
 
@@ -37,6 +38,13 @@ def engine_config(engine: EnginePlacement, settings: EngineSettings, *,
     if not path:
         raise ConfigError("--hf-checkpoint", f"engine {engine.engine_id} has no model to load")
     flags, overrides = settings.sglang_flags, dict(engine.overrides)
+    name = engine.engine_id.replace("/", "-") + (
+        f"-node{engine.node_rank}" if engine.nnodes > 1 else "")
+    env = {MIN_STEP_ENV: str(settings.reference_min_step_ms)} \
+        if settings.reference_min_step_ms else {}
+    if settings.program == "reference" and log_dir:
+        # what it served at which version, beside its log (reference_engine/served_log.py)
+        env[SERVED_LOG_ENV] = f"{log_dir}/{name}.served.jsonl"
     return EngineConfig(
         model_path=path, program=settings.program, worker_type=engine.worker_type,
         num_gpus_per_engine=engine.num_gpus, pp_size=_size("pp_size", overrides, flags),
@@ -48,10 +56,7 @@ def engine_config(engine: EnginePlacement, settings: EngineSettings, *,
         api_key=settings.api_key, admin_api_key=settings.admin_api_key,
         sglang_flags=dict(flags), overrides=overrides,
         overrides_path=f"{engine.group_where}.overrides", log_dir=log_dir,
-        env=({MIN_STEP_ENV: str(settings.reference_min_step_ms)}
-             if settings.reference_min_step_ms else {}),
-        name=engine.engine_id.replace("/", "-")
-        + (f"-node{engine.node_rank}" if engine.nnodes > 1 else ""))
+        env=env, name=name)
 
 
 def engine_server_args(engine: EnginePlacement, settings: EngineSettings, *, port: int,

@@ -159,7 +159,9 @@ class Fleet(Membership):
         with self.lock:
             if failed is None and update.full:
                 self.version = update.version
-                self.events.emit("fleet", Happening.VERSION, version=str(self.version))
+                # wall_time: what the engines' served logs are read against (chaos/served.py)
+                self.events.emit("fleet", Happening.VERSION, version=str(self.version),
+                                 wall_time=round(time.time(), 4))
             for e in chosen:
                 e.verified_version = verified[e.engine_id]
             # The router learns every verified engine at once (a registration waits for the

@@ -27,11 +27,14 @@ from typing import Any
 from slime_like.chaos import (
     ChaosMonkey,
     InvariantSampler,
+    Partitioner,
     loseable_nodes,
+    partitioner_for,
     plan_faults,
     revert_weights,
     simulated_crash,
 )
+from slime_like.chaos.served import stale_serves
 from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.slices import FleetSettings, JobSettings
 from slime_like.errors import ConfigError, SlimeLikeError
@@ -98,6 +101,7 @@ class Job:
         self.chaos: ChaosMonkey | None = None
         self.sampler: InvariantSampler | None = None
         self.crash: ChaosMonkey | None = None
+        self.partitioner: Partitioner | None = None  # the chaos fault `partition`
         self.utilization = None
         self.scaler: ScaleWatcher | None = None  # the operator's scale commands
         self._step_started = 0.0
@@ -135,6 +139,7 @@ class Job:
         """Ray (the submitted-to cluster, or a local one), then the placement group."""
         init_ray(self.settings.placement.layout.num_bundles)
         self.placement = place_job(self.settings.placement, timeout_s=300)
+        self.partitioner = partitioner_for(self.settings.chaos, self.placement.plan)
 
     def launch(self) -> None:
         """The fleet (routers, engines) and the trainer group on its slots, started side by
@@ -231,7 +236,7 @@ class Job:
                               f"({sorted({p.node_ip for e in updatable for p in e.placements})})")
         self.chaos = ChaosMonkey(fleet, plan_faults(chaos.seed, list(chaos.faults),
                                                     self.settings.num_steps, len(updatable)),
-                                 self.trainer)
+                                 self.trainer, self.partitioner)
         self.sampler = InvariantSampler(fleet,
                                         unreachable_grace_s=chaos.detection_grace_s).start()
 
@@ -423,7 +428,8 @@ class Job:
         if self.sampler is not None and self.chaos is not None:
             found = self.sampler.stop()
             chaos = {"seed": self.settings.chaos.seed, "faults": self.chaos.summary(), **found,
-                     "recoveries": fleet.recoveries, "router_restarts": fleet.router_restarts}
+                     "recoveries": fleet.recoveries, "router_restarts": fleet.router_restarts,
+                     "stale_serves": stale_serves(self.out)}  # the engines' own served logs
             (self.out / "chaos.json").write_text(json.dumps(chaos, indent=1))
             self.notes.append(f"chaos: {len(self.chaos.faults)} faults, {found['samples']} "
                               f"router samples, {len(found['violations'])} invariant violations")

@@ -27,6 +27,7 @@ from slime_like.reference_engine.fp8 import quantize_model
 from slime_like.reference_engine.frontend import Frontend
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.scheduler import Scheduler
+from slime_like.reference_engine.served_log import ServedLog
 from slime_like.reference_engine.step_floor import min_step_seconds
 from slime_like.reference_engine.tp import TPGroup
 from slime_like.reference_engine.weight_api import WeightControl
@@ -91,7 +92,8 @@ class ReferenceEngine:
             prefix_cache_tokens=0 if args.disable_radix_cache else max_running * self.context_len,
             weight_version=args.weight_version,
             seed=args.random_seed, metrics=self.metrics, tokenizer=self.tokenizer,
-            stall_report_s=args.soft_watchdog_timeout, min_step_s=min_step_seconds())
+            stall_report_s=args.soft_watchdog_timeout, min_step_s=min_step_seconds(),
+            served_log=ServedLog.from_env())
         # PD prefill: hand-offs by bootstrap room, served on --disaggregation-bootstrap-port.
         self.handoffs: HandoffStore | None = None
         self.bootstrap_server: BootstrapServer | None = None

@@ -29,6 +29,7 @@ from slime_like.reference_engine.kv_cache import BatchKV, KVPool, PrefixCache, e
 from slime_like.reference_engine.metrics import EngineMetrics
 from slime_like.reference_engine.request import Req, finish_abort, finish_abort_waiting
 from slime_like.reference_engine.sampling import adjust_logits, make_generator, sample_batch
+from slime_like.reference_engine.served_log import ServedLog
 from slime_like.reference_engine.step_outputs import append_token, prompt_logprobs, stop_reason
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,11 @@ class Scheduler:
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str, context_len: int,
                  max_running: int, prefix_cache_tokens: int, weight_version: str, seed: int,
                  metrics: EngineMetrics, tokenizer: Tokenizer | None = None,
-                 stall_report_s: float | None = None, min_step_s: float = 0.0):
+                 stall_report_s: float | None = None, min_step_s: float = 0.0,
+                 served_log: ServedLog | None = None):
         self.model = model
+        # What was served at which version (served_log.py); None: not kept.
+        self.served_log = served_log
         # A floor on each forward step's length, waited off the CPU: the step time of a
         # GPU engine, whose decode does not compete with a trainer for CPU cores.
         self.min_step_s = min_step_s
@@ -108,6 +112,8 @@ class Scheduler:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        if self.served_log is not None and not self._thread.is_alive():
+            self.served_log.close()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on the scheduler thread between two steps; its result lands in the future."""
@@ -305,6 +311,8 @@ class Scheduler:
                         self.busy_since = None
                     # A deferred flush fires as soon as the step that emptied the engine ends.
                     self._check_pending_flush()
+                if self.served_log is not None:
+                    self.served_log.flush()
                 self.metrics.set_queue(len(self.running), len(self.waiting),
                                        len(self.waiting) if self.paused_mode else 0,
                                        (self.pool.num_slots - self.pool.num_free) / self.pool.num_slots)
@@ -427,5 +435,7 @@ class Scheduler:
         if r.log_metrics:
             self.metrics.finished(len(r.prompt_ids), r.num_output, r.cached_tokens,
                                   time.perf_counter() - r.created, reason["type"] == "abort")
+            if self.served_log is not None:
+                self.served_log.record(r.rid, self.weight_version, reason["type"], r.num_output)
         if r.sink is not None:
             r.sink(r, r.num_output, True)

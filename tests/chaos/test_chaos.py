@@ -75,6 +75,9 @@ def check(run_dir, out: dict, steps: int) -> None:
 def test_chaos_short_form(tmp_path, fresh_ray):
     out = run_chaos(tmp_path, seed=7, steps=10)  # the fewest steps that fit all seven faults
     check(tmp_path, out, 10)
+    # and by the engines' own served logs: no request finished at a version older than the
+    # fleet's at that moment, whatever the faults did
+    assert out["chaos"]["stale_serves"] == [], out["chaos"]["stale_serves"][:5]
 
 
 @pytest.mark.slow

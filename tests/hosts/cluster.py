@@ -3,11 +3,14 @@ start/stop over ssh, `ray status` on a node, run_job.sh from the submitting mach
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
@@ -141,3 +144,77 @@ def wait_healthy(url: str, log: Path) -> None:
         assert time.monotonic() < deadline, f"engine {url} never healthy: " \
                                             f"{log.read_text(errors='replace')[-2000:]}"
         time.sleep(0.5)
+
+
+@dataclass
+class JobOnHosts:
+    """A job running across the hosts' Ray cluster (made by `job_on_hosts`)."""
+
+    ray: RayOnHosts
+    run_dir: Path
+    job: subprocess.Popen
+    phases: dict[str, float] = field(default_factory=dict)  # seconds each part took
+
+    @property
+    def output(self) -> str:
+        return self.run_dir.with_suffix(".out").read_text(errors="replace")
+
+    def wait_for_step(self, step: int, timeout_s: float = 300) -> None:
+        """Until the run's metrics record `step`; fails at once if the job ended first."""
+        deadline = time.monotonic() + timeout_s
+        path = self.run_dir / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) > step):
+            assert self.job.poll() is None, self.output[-4000:]
+            assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s:.0f} s"
+            time.sleep(0.5)
+
+    def succeeded(self, timeout_s: float = 600) -> None:
+        """Until the job ends; an AssertionError with its output's tail unless it succeeded."""
+        t0 = time.monotonic()
+        rc = self.job.wait(timeout=timeout_s)
+        self.phases["job_wait"] = round(time.monotonic() - t0, 1)
+        assert rc == 0, self.output[-5000:]
+
+
+@contextlib.contextmanager
+def job_on_hosts(hosts: Hosts, workdir: Path, steps: int, *flags: str,
+                 **node_env: str) -> Iterator[JobOnHosts]:
+    """`run_cluster.sh start` on every host (`node_env` exported there), `ray status`
+    listing them all, `run_job.sh` submitted from this machine; on the way out the job
+    killed if still running, `run_cluster.sh stop`, and nothing of Ray or the job left on
+    any host (checked unless the body failed: its error is the one to see)."""
+    ray = RayOnHosts(hosts, workdir)
+    phases: dict[str, float] = {}
+
+    def timed(name: str, t0: float) -> None:
+        phases[name] = round(time.monotonic() - t0, 1)
+
+    failed = False
+    try:
+        t0 = time.monotonic()
+        r = ray.start(**node_env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        timed("cluster_start", t0)
+        t0 = time.monotonic()
+        ray.wait_nodes(len(hosts.hosts))
+        timed("nodes_listed", t0)
+        run = JobOnHosts(ray, workdir / "run", ray.start_job(
+            workdir / "run", *flags, "--num-rollout", str(steps)), phases)
+        try:
+            yield run
+        finally:
+            if run.job.poll() is None:
+                run.job.kill()
+                run.job.wait()
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        t0 = time.monotonic()
+        stop = ray.stop()
+        left = ray.wait_no_processes()
+        timed("cluster_stop", t0)
+        print(f"hosts job phases (s): {phases}")
+        if not failed:
+            assert stop.returncode == 0, stop.stderr[-2000:]
+            assert left == [[]] * len(hosts.hosts), f"processes outlived run_cluster.sh stop: {left}"

@@ -38,16 +38,18 @@ def test_dry_run_start_shares_one_token_and_points_workers_at_the_head(tmp_path)
     ssh = "ssh -o BatchMode=yes"
     start = f"env RAY_AUTH_MODE=token {TOKEN_PATH} NCCL_SOCKET_IFNAME=eth0 ray start " \
             "--disable-usage-stats"
+    mkdir = "'mkdir -p \"$HOME/.slime_like\" && chmod 700 \"$HOME/.slime_like\"'"
+    # the token to every node first (at once), then the head, then the workers
     assert lines[1:10] == [
-        f"{ssh} alice@10.0.0.1 'mkdir -p \"$HOME/.slime_like\" && chmod 700 \"$HOME/.slime_like\"'",
+        f"{ssh} alice@10.0.0.1 {mkdir}",
         f"scp -q -o BatchMode=yes {token} alice@10.0.0.1:.slime_like/ray_token",
+        f"{ssh} 10.0.0.2 {mkdir}",
+        f"scp -q -o BatchMode=yes {token} 10.0.0.2:.slime_like/ray_token",
+        f"{ssh} 10.0.0.3 {mkdir}",
+        f"scp -q -o BatchMode=yes {token} 10.0.0.3:.slime_like/ray_token",
         f"{ssh} alice@10.0.0.1 '{start} --head --port 6379 --dashboard-host 0.0.0.0 "
         "--dashboard-port 8300 --num-gpus 8 --object-store-memory 1000000'",
-        f"{ssh} 10.0.0.2 'mkdir -p \"$HOME/.slime_like\" && chmod 700 \"$HOME/.slime_like\"'",
-        f"scp -q -o BatchMode=yes {token} 10.0.0.2:.slime_like/ray_token",
         f"{ssh} 10.0.0.2 '{start} --address 10.0.0.1:6379 --object-store-memory 1000000'",
-        f"{ssh} 10.0.0.3 'mkdir -p \"$HOME/.slime_like\" && chmod 700 \"$HOME/.slime_like\"'",
-        f"scp -q -o BatchMode=yes {token} 10.0.0.3:.slime_like/ray_token",
         f"{ssh} 10.0.0.3 '{start} --address 10.0.0.1:6379 --num-gpus 4 "
         "--object-store-memory 1000000'",
     ]
