@@ -15,8 +15,6 @@ and the ratio of the medians (auto / asyncio).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.records import emit, latency_ms  # noqa: E402
 from benchmarks.weight_sync import Engines, EngineSpec, layout_config, write_model_dir  # noqa: E402
 from slime_like.engine.client import EngineClient  # noqa: E402
 
@@ -42,12 +41,6 @@ def _calls(client: EngineClient) -> dict:
         "end": client.end_weight_update,
         "continue": client.continue_generation,
     }
-
-
-def _stats(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    return {"median_ms": round(statistics.median(xs) * 1e3, 4),
-            "p90_ms": round(xs[int(len(xs) * 0.9)] * 1e3, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,19 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     record: dict = {"bench": "control_plane", "engine_device": args.device,
                     "repeats": args.repeats}
     for stack in STACKS:
-        record[stack] = {name: _stats(xs) for name, xs in samples[stack].items()}
+        record[stack] = {name: latency_ms(xs) for name, xs in samples[stack].items()}
     record["ratio_auto_to_asyncio"] = {
         name: round(record["auto"][name]["median_ms"] / record["asyncio"][name]["median_ms"], 3)
         for name in samples["auto"]}
-    line = json.dumps(record)
-    print(line, flush=True)
+    emit(record, args.json_out)
     print(f"{'call':<12}{'auto ms':>10}{'asyncio ms':>12}{'ratio':>8}")
     for name, ratio in record["ratio_auto_to_asyncio"].items():
         print(f"{name:<12}{record['auto'][name]['median_ms']:>10.3f}"
               f"{record['asyncio'][name]['median_ms']:>12.3f}{ratio:>8.2f}")
-    if args.json_out:
-        with open(args.json_out, "a") as f:
-            f.write(line + "\n")
     return 0
 
 

@@ -19,7 +19,6 @@ themselves (CUDA events). Both paths must leave identical parameters (checked).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.records import emit  # noqa: E402
 from benchmarks.weight_sync import layout_config  # noqa: E402
 from slime_like.models.loading import build_model, init_dummy_weights  # noqa: E402
 from slime_like.protocol.buckets import (  # noqa: E402
@@ -153,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for layout_name in args.layout.split(","):
         for mb in (int(x) for x in args.bucket_mb.split(",")):
             record = bench(layout_name.strip(), device, mb, args.repeats)
-            line = json.dumps({"bench": "receiver_load", **record})
-            print(line, flush=True)
-            if args.json_out:
-                with open(args.json_out, "a") as f:
-                    f.write(line + "\n")
+            emit({"bench": "receiver_load", **record}, args.json_out)
     return 0
 
 

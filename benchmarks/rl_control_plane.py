@@ -22,8 +22,6 @@ smg in depends on which key it was registered with; `--register-with` picks it).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.records import emit, latency_ms  # noqa: E402
 from benchmarks.weight_sync import Engines, EngineSpec, layout_config, write_model_dir  # noqa: E402
 from slime_like.engine.address import EngineAddress  # noqa: E402
 from slime_like.engine.fanout import on_all  # noqa: E402
@@ -45,12 +44,6 @@ from slime_like.router.router import Router  # noqa: E402
 
 USER_KEY, ADMIN_KEY, ROUTER_KEY = "user-key", "admin-key", "router-key"
 WARMUP_CYCLES = 5
-
-
-def _stats(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    return {"median_ms": round(statistics.median(xs) * 1e3, 3),
-            "p90_ms": round(xs[int(len(xs) * 0.9)] * 1e3, 3)}
 
 
 class RlFanout:
@@ -144,18 +137,14 @@ def main(argv: list[str] | None = None) -> int:
               "router_key": args.router_key, "engine_keys": args.engine_keys,
               "workers_reached": reached, "all_answered_200": ok,
               "first_pause_statuses": sorted({str(v) for v in first_pause.values()}),
-              **{k: _stats(v) for k, v in times.items()},
+              **{k: latency_ms(v, 3) for k, v in times.items()},
               # what the caller's process spends per cycle (the sessions' fan-out runs in
               # the driver, under its GIL; smg's in the router)
               "caller_cpu_ms_per_cycle": {k: round(v / args.repeats * 1e3, 3)
                                           for k, v in cpu.items()}}
     record["ratio_smg_to_sessions"] = round(record["smg_rl"]["median_ms"]
                                             / record["sessions"]["median_ms"], 3)
-    line = json.dumps(record)
-    print(line, flush=True)
-    if args.json_out:
-        with open(args.json_out, "a") as f:
-            f.write(line + "\n")
+    emit(record, args.json_out)
     return 0
 
 
