@@ -48,12 +48,31 @@ def _why_full(base: DeltaBase, engines: Sequence[EngineSession], buckets: Sequen
     return base.full_reason(engines, buckets)
 
 
-class DeltaDiskTransport(DiskTransport):
-    """`disk`, sending a delta directory when every engine holds the base."""
+class _KeepsDeltaBase:
+    """What both delta transports do with their base: made with the transport, forgotten
+    for engines that left, invalid after a failed sync, released at close."""
+
+    base: DeltaBase
 
     def __init__(self, *, full_every: int, **kwargs):
         super().__init__(**kwargs)
         self.base = DeltaBase(full_every)
+
+    def failed(self) -> None:
+        super().failed()
+        self.base.invalidate()
+
+    def forget(self, urls: Sequence[str]) -> None:
+        super().forget(urls)
+        self.base.forget(urls)
+
+    def close(self, engines: Sequence[EngineSession]) -> None:
+        super().close(engines)
+        self.base.release()
+
+
+class DeltaDiskTransport(_KeepsDeltaBase, DiskTransport):
+    """`disk`, sending a delta directory when every engine holds the base."""
 
     def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
                  buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
@@ -113,23 +132,10 @@ class DeltaDiskTransport(DiskTransport):
             shutil.rmtree(d, ignore_errors=True)
             self.written.remove(d)
 
-    def failed(self) -> None:
-        self.base.invalidate()
-
-    def forget(self, urls: Sequence[str]) -> None:
-        self.base.forget(urls)
-
-    def close(self, engines: Sequence[EngineSession]) -> None:
-        super().close(engines)
-        self.base.release()
 
 
-class DeltaDistributedTransport(DistributedTransport):
+class DeltaDistributedTransport(_KeepsDeltaBase, DistributedTransport):
     """`distributed`, broadcasting compressed delta buckets when every engine holds the base."""
-
-    def __init__(self, *, full_every: int, **kwargs):
-        super().__init__(**kwargs)
-        self.base = DeltaBase(full_every)
 
     def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
                  buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
@@ -190,19 +196,6 @@ class DeltaDistributedTransport(DistributedTransport):
                        "update_weights_from_distributed", request,
                        header.encoded_nbytes if header is not None else bucket.nbytes,
                        last=k == count - 1)
-
-    def failed(self) -> None:
-        super().failed()
-        self.base.invalidate()
-
-    def forget(self, urls: Sequence[str]) -> None:
-        super().forget(urls)
-        self.base.forget(urls)
-
-    def close(self, engines: Sequence[EngineSession]) -> None:
-        super().close(engines)
-        self.base.release()
-
 
 def make_delta_transport(config: WeightSyncConfig, device: torch.device
                          ) -> DeltaDiskTransport | DeltaDistributedTransport:
