@@ -168,13 +168,16 @@ class Watch:
         Blocks on the calls' futures (woken when all answered or one failed) rather than
         polling them: at 64 engines a poll every 0.2 ms held the GIL the engines' pool
         threads need to send and read the very calls it waited for. It still wakes every
-        `WAKE_S` for the per-call deadlines and the overall one."""
+        `WAKE_S` for the per-call deadlines, the overall one and a failure of another
+        watched call."""
         what = calls[0].step if calls else ""
         while True:
             self._check_in_time(what)
             if all(c.future.done() for c in calls):
                 break
-            pending = {c.future for c in (*self.calls, *calls) if not c.future.done()}
+            # Only these calls' futures: other watched calls (a transfer's updates) may run
+            # far longer, and a failure among them is seen at the next wake.
+            pending = [c.future for c in calls if not c.future.done()]
             wait_futures(pending, timeout=WAKE_S, return_when=FIRST_EXCEPTION)
         self.check()
         return [c.future.result() for c in calls]
