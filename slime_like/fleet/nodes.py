@@ -71,16 +71,17 @@ class NodeLoss:
         self.events.emit(node_subject(node_ip), Happening.NODE_LOST, node=node_ip,
                          engines=on_it)
 
-    def placed_again(self, e: ManagedEngine, lost: str, *, stop: Callable[[], bool],
+    def placed_again(self, e: ManagedEngine, lost: str | None, *, stop: Callable[[], bool],
                      serving: Callable[[], tuple[int, int]]) -> list[EnginePlacement] | None:
         """`e`'s placements on the bundles Ray placed again, once it has (None if `stop()`
         turns true first). PlacementError if they landed where the engine cannot run (its
         GPUs split over nodes or not consecutive)."""
         def waiting(seconds: float) -> None:
             now, of = serving()
-            logger.warning("%s: not placed again %.0fs after node %s was lost: no node has "
-                           "room for it yet (it needs %d free GPU(s) on one node); the fleet "
-                           "runs with %d of %d engines meanwhile", e.engine_id, seconds, lost,
+            logger.warning("%s: not placed %.0fs after %s: no node has room for it yet (it "
+                           "needs %d free GPU(s) on one node); the fleet runs with %d of %d "
+                           "engines meanwhile", e.engine_id, seconds,
+                           f"node {lost} was lost" if lost else "its actor was lost",
                            sum(len(p.bundle_indices or (p.bundle_index,)) for p in e.placements),
                            now, of)
             self.waiting.add(e.engine_id)
@@ -105,8 +106,9 @@ class NodeLoss:
                       for p in placed]
         with self._lock:
             self._announced -= {p.node_ip for p in placed}
-        logger.warning("%s: placed again on %s (node %s was lost)", e.engine_id,
-                       sorted({p.node_ip for p in placed}), lost)
+        logger.warning("%s: placed on %s%s", e.engine_id, sorted({p.node_ip for p in placed}),
+                       f" (node {lost} was lost)" if lost else " (its actor was lost, its "
+                       "node lives on)")
         return placed
 
     @staticmethod

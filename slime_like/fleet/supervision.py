@@ -349,8 +349,7 @@ class Supervision:
         """Before a relaunch of an engine whose actor was lost: wait until Ray placed its
         bundles (again, if its node `lost` is gone: the fleet runs smaller meanwhile, and
         says so) and move its placements there; False if the fleet shuts down first."""
-        placements = self.nodes.placed_again(e, lost or e.placements[0].node_ip,
-                                             stop=lambda: self.closing,
+        placements = self.nodes.placed_again(e, lost, stop=lambda: self.closing,
                                              serving=self._serving_count)
         if placements is None:
             return False
