@@ -523,7 +523,8 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
 
     engine_modes = [m for m in ("ours", "facade", "sglang_per_tensor") if m in args.modes]
     if engine_modes:
-        engines = Engines(model_dir, specs, device.type == "cuda", work)
+        engines = Engines(model_dir, specs, device.type == "cuda", _log_dir(args, work),
+                          tuple(args.engine_arg))
         try:
             urls_tp = [(u, s.tp_size) for u, s in zip(engines.urls, specs, strict=True)]
             for mb in args.bucket_mb:
@@ -563,7 +564,8 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
         emit({**base, "mode": "d2d", "seconds": round(d2d_s, 6),
               "seconds_all": [round(x, 6) for x in d2d], "gbps": round(total / d2d_s / 1e9, 2)}, out)
         colocated = [EngineSpec("C", 1, (device.index or 0) if device.type == "cuda" else 0)]
-        engines = Engines(model_dir, colocated, device.type == "cuda", work)
+        engines = Engines(model_dir, colocated, device.type == "cuda", _log_dir(args, work),
+                          tuple(args.engine_arg))
         try:
             for mb in args.bucket_mb:
                 times, reports, ok, first = run_sync(args, metas, params, [(engines.urls[0], 1)],
@@ -589,6 +591,15 @@ def bench_layout(args, layout: str, specs: list[EngineSpec], device, backend, wo
         torch.cuda.empty_cache()
 
 
+def _log_dir(args, work: Path) -> Path:
+    """Where the engines write their logs: `--engine-log-dir`, else the run's own directory."""
+    if not args.engine_log_dir:
+        return work
+    path = Path(args.engine_log_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -611,6 +622,11 @@ def main(argv: list[str] | None = None) -> int:
                          "of one buffer per dtype (Megatron-style); buckets that lie back to "
                          "back in the trainer's memory go out without packing")
     ap.add_argument("--json-out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="one more argument for every engine (repeat the flag), e.g. "
+                         "--engine-arg=--log-level --engine-arg=debug to log each load's times")
+    ap.add_argument("--engine-log-dir", default=None,
+                    help="keep the engines' logs here (default: the run's temporary directory)")
     weight_sync_delta.add_flags(ap)
     args = ap.parse_args(argv)
     if args.delta:  # CPU: delta vs full after real optimizer steps (its own module)

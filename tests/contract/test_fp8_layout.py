@@ -116,6 +116,19 @@ def test_scale_inv_is_block_amax_over_448_and_values_saturate_at_the_block_extre
     assert bool(((back - w).abs() <= w.abs() * 2.0 ** -4 + step).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gpus_two_pass_quantize_makes_the_same_bytes_as_the_float32_one(dtype):
+    """CUDA weights take the two-pass form (no float32 copy); the trainer's check and the
+    engines must still see the same bytes whichever device quantized. Run here on CPU by
+    calling that form directly, and on CUDA by the GPU tests."""
+    w = (torch.randn(384, 640) * torch.logspace(-4, 0, 640)).to(dtype)
+    w[:128, :128] = 0.0
+    values, scale = fp8.quantize(w)  # a CPU weight: the float32 path
+    values2, scale2 = fp8._quantize_whole_blocks(w, fp8.BLOCK)
+    assert torch.equal(scale, scale2)
+    assert torch.equal(values.view(torch.uint8), values2.view(torch.uint8))
+
+
 class _Layer:
     def __init__(self, tp: int):
         self.tp_group = type("G", (), {"world_size": tp})()

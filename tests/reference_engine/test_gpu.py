@@ -222,3 +222,15 @@ def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
                 assert torch.cuda.memory_allocated() <= before - nbytes
     finally:
         sync.close()
+
+
+def test_fp8_quantize_on_cuda_makes_the_cpu_bytes():
+    """The trainer quantizes on its GPU (`protocol/fp8.py`'s two-pass form), the checks and
+    the contract tests on a CPU: both must make the same e4m3 values and scales."""
+    from slime_like.protocol import fp8
+
+    w = (torch.randn(1024, 2048) * torch.logspace(-4, 0, 2048)).to(torch.bfloat16)
+    values, scale = fp8.quantize(w)
+    values_gpu, scale_gpu = fp8.quantize(w.to("cuda:0"))
+    assert torch.equal(scale, scale_gpu.cpu())
+    assert torch.equal(values.view(torch.uint8), values_gpu.cpu().view(torch.uint8))
