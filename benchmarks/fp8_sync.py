@@ -40,7 +40,15 @@ from pathlib import Path
 
 import requests
 import torch
-from weight_sync import REPO, Engines, EngineSpec, layout_config, log, write_model_dir
+from weight_sync import (
+    REPO,
+    Engines,
+    EngineSpec,
+    layout_config,
+    log,
+    where_time_went,
+    write_model_dir,
+)
 
 if str(REPO) not in sys.path:  # (weight_sync put it there; said again for the reader)
     sys.path.insert(0, str(REPO))
@@ -168,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             gen = torch.Generator(device=device).manual_seed(7)
             times: dict[str, list[float]] = {"bf16": [], "fp8": []}
-            quantize_s, sent = [], {}
+            quantize_s, sent, where = [], {}, {}
             for r in range(args.warmup + args.repeats):
                 step(model, gen)
                 order = ("bf16", "fp8") if r % 2 == 0 else ("fp8", "bf16")
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     if r >= args.warmup:
                         times[name].append(seconds)
                         sent[name] = report.as_dict()["transfer"].get("bytes")
+                        where[name] = report.as_dict()  # the last repeat's breakdown
                         if name == "fp8":
                             quantize_s.append(sources["fp8"].quantize_s)
             ok = (engine_checksum(plain.urls[0]) == [checksum(sources["bf16"].tensors())]
@@ -197,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                 "quantize_s": round(statistics.median(quantize_s), 4),
                 "bytes_bf16": sent.get("bf16"), "bytes_fp8": sent.get("fp8"),
                 "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
-                "checksums_match": ok})
+                "checksums_match": ok,
+                "where_time_went": {name: where_time_went(r) for name, r in where.items()}})
             log(json.dumps(records[-1]))
             prompts = [[int(x) for x in torch.randint(3, config.vocab_size, (16,),
                                                       generator=torch.Generator().manual_seed(i))]
