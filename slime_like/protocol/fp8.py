@@ -70,6 +70,14 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
     bn, bk = block
     if weight.is_cuda and not (n % bn or k % bk):
         return _quantize_whole_blocks(weight, block)
+    return _quantize_float32(weight, block)
+
+
+def _quantize_float32(weight: torch.Tensor, block: tuple[int, int],
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` on a float32 copy of the weight (a CPU's way, and any partial block's)."""
+    n, k = weight.shape
+    bn, bk = block
     # One float32 copy, worked on in place: each further step is a single pass over it
     # (a mixed-dtype division straight from bf16 was ten times slower on CPU).
     if n % bn or k % bk:

@@ -224,13 +224,19 @@ def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
         sync.close()
 
 
-def test_fp8_quantize_on_cuda_makes_the_cpu_bytes():
-    """The trainer quantizes on its GPU (`protocol/fp8.py`'s two-pass form), the checks and
-    the contract tests on a CPU: both must make the same e4m3 values and scales."""
+def test_fp8_quantize_on_cuda_two_pass_makes_the_float32_bytes():
+    """The trainer quantizes on its GPU in two passes (`protocol/fp8.py`); its checks
+    (`ServedWeights`) quantize there too. The two-pass form must make the bytes the float32
+    form makes on the same device. (Across devices e4m3 rounding may differ, so the job
+    never compares a CPU quantization with a GPU one.)"""
     from slime_like.protocol import fp8
 
-    w = (torch.randn(1024, 2048) * torch.logspace(-4, 0, 2048)).to(torch.bfloat16)
-    values, scale = fp8.quantize(w)
-    values_gpu, scale_gpu = fp8.quantize(w.to("cuda:0"))
-    assert torch.equal(scale, scale_gpu.cpu())
-    assert torch.equal(values.view(torch.uint8), values_gpu.cpu().view(torch.uint8))
+    w = (torch.randn(1024, 2048) * torch.logspace(-4, 0, 2048)).to(torch.bfloat16).cuda()
+    values, scale = fp8._quantize_float32(w, fp8.BLOCK)
+    values2, scale2 = fp8.quantize(w)
+    assert torch.equal(scale, scale2)
+    assert torch.equal(values.view(torch.uint8), values2.view(torch.uint8))
+    cpu_values, _ = fp8.quantize(w.cpu())
+    differ = int((cpu_values.view(torch.uint8) != values.cpu().view(torch.uint8)).sum())
+    print(f"e4m3 bytes that differ between the CPU's and the GPU's quantization: {differ} "
+          f"of {w.numel()}")
