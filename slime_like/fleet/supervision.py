@@ -44,6 +44,9 @@ P = Phase
 # well under a second; one that takes longer is hung and resyncs instead.
 REROUTE_TIMEOUT_S = 10.0
 _ENDS = (Step.RECOVERED, Step.GIVE_UP, Step.LEAVE)
+# A hung engine's tending asks `/ping` this long (a fresh connection each time, so a host
+# whose link came back is reached at once), about once a second, until it answers.
+ANSWER_PROBE_S = 1.0
 
 
 class Supervision:
@@ -237,6 +240,23 @@ class Supervision:
             else:
                 self._tend(Tending(e, reason))
 
+    def suspect(self, e: ManagedEngine, reason: str) -> None:
+        """A weight sync found the engine hung: out of its router and SUSPECT now, its
+        weights unverified (a call it missed may still land), not relaunched; its tending
+        resyncs it once it answers, or relaunches it once the health monitor calls it dead
+        (`recovery.py`)."""
+        with self.lock:
+            if self.closing or e.phase not in (P.UPDATING, P.UPDATING_ROUTED):
+                return  # declared dead meanwhile, or stopping: its recovery owns it
+            e.verified_version = None
+            self.move(e, P.SUSPECT, reason=reason)
+            answer_by = time.monotonic() + self.recovery.answer_wait_s(self.settings.health)
+            t = self._tending.get(e.engine_id)
+            if t is None:
+                self._tend(Tending(e, answer_by=answer_by))
+            else:  # a full sync took a STALE engine along
+                t.answer_by = answer_by
+
     def _tend_stale(self) -> None:
         """STALE engines no tending owns get one that resyncs them."""
         if self.weight_source is None or self.closing:
@@ -304,6 +324,16 @@ class Supervision:
                 self._route_frozen(e)
         elif step is Step.RESYNC:
             self._resync(e)
+        elif step is Step.PROBE:
+            if not launcher.answers(e, timeout=ANSWER_PROBE_S):
+                time.sleep(ANSWER_PROBE_S / 4)
+                return
+            with self.lock:
+                if e.phase is P.SUSPECT:
+                    self.move(e, P.STALE, reason="answers again after it hung in a weight sync")
+        elif step is Step.CALL_DEAD:
+            self.start_recovery(e, f"hung in a weight sync and no answer to /ping for "
+                                   f"{self.recovery.answer_wait_s(self.settings.health):g}s")
         elif step is Step.RELAUNCH:
             launcher.kill(e)
             lost = self.nodes.lost_node(e)

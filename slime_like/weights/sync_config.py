@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from slime_like.config.deadlines import DeadlinePolicy
+from slime_like.config.deadlines import SYNC_CALLS, DeadlinePolicy
 from slime_like.config.flags import DEFAULT_DELTA_FULL_EVERY, UPDATE_WEIGHT_MODES
 from slime_like.errors import ConfigError
 from slime_like.protocol import io_struct as p
@@ -56,8 +56,9 @@ class WeightSyncConfig:
     # derived from what that call took on the engines lately, at most http_timeout_s. A
     # call past it while other engines answered (a join: unanswered, and no /ping either)
     # fails the sync naming that engine as hung (`WeightSyncError.hung`); a retry goes on
-    # without it.
-    deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+    # without it, and the fleet holds it SUSPECT until it answers again (then resyncs it)
+    # or the health monitor calls it dead. A floor of 0.2 s (config/deadlines.py says why).
+    deadlines: DeadlinePolicy = SYNC_CALLS
     # "delta": send only what changed since the base every engine holds (weights/delta.py);
     # every `update_weight_delta_full_every`-th sync is full
     update_weight_mode: str = "full"

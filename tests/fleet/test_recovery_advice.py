@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from slime_like.config.slices import HealthSettings
 from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.fleet.recovery import MAX_RECOVERY_ATTEMPTS, Recovery, Step, Tending
 
@@ -77,3 +78,25 @@ def test_an_engine_waiting_for_the_next_full_sync_gets_no_resync_of_its_own():
 
 def test_nothing_is_tended_while_the_fleet_closes():
     assert advice(Tending(engine(P.DEAD), "exited"), closing=True) is Step.LEAVE
+
+
+def test_an_engine_a_sync_found_hung_is_probed_until_it_answers_or_called_dead_in_time():
+    """SUSPECT from a sync: probed (not relaunched) while its answer is waited for; once
+    it answers it is STALE and resynced; no answer and no verdict by then: dead after all.
+    A suspect of the health monitor's own is the monitor's to judge."""
+    t = Tending(engine(P.SUSPECT), answer_by=time.monotonic() + 60)
+    assert advice(t) is Step.PROBE and advice(t, syncing=True) is Step.PROBE
+    t.engine.phase = P.STALE  # it answered
+    assert advice(t) is Step.RESYNC
+    late = Tending(engine(P.SUSPECT), answer_by=time.monotonic() - 1)
+    assert advice(late) is Step.CALL_DEAD
+    late.engine.phase = P.DEAD  # the monitor, or the tending, called it dead
+    late.died("2 consecutive failed probes")
+    assert advice(late) is Step.RELAUNCH
+    assert advice(Tending(engine(P.SUSPECT))) is Step.LEAVE
+
+
+def test_a_hung_engine_waits_for_the_monitor_first_or_alone_its_budget():
+    watched = HealthSettings(enabled=True, interval_s=1, timeout_s=10, failure_threshold=2)
+    assert Recovery.answer_wait_s(watched) == 2 * 2 * (1 + 10)
+    assert Recovery.answer_wait_s(HealthSettings(enabled=False)) == 3 * (30 + 30)
