@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from slime_like.config.slices import HealthSettings
+from slime_like.fleet.launcher import LIVENESS_TIMEOUT_S
 from slime_like.fleet.lifecycle import FOR_FULL_SYNC, ManagedEngine, Phase
 
 # A recovery whose relaunched server dies too starts over, this many times at most.
@@ -117,10 +118,13 @@ class Recovery:
     @staticmethod
     def answer_wait_s(health: HealthSettings) -> float:
         """How long a hung engine's tending waits for its first answer: twice the health
-        monitor's budget for a death (`failure_threshold` probes of up to `timeout_s`,
-        `interval_s` apart) while the monitor runs, so that its verdict comes first;
-        that budget once when it is off and the tending is the only judge."""
-        budget = health.failure_threshold * (health.interval_s + health.timeout_s)
+        monitor's budget for a death while the monitor runs, so that its verdict comes
+        first; that budget once when it is off and the tending is the only judge. The
+        budget: `failure_threshold` rounds, each `interval_s` apart, waiting up to
+        LIVENESS_TIMEOUT_S for the actors (a cut-off node's answers nothing) and then the
+        probe's `timeout_s`."""
+        budget = health.failure_threshold * (health.interval_s + LIVENESS_TIMEOUT_S
+                                             + health.timeout_s + 1.0)
         return budget * (2 if health.enabled else 1)
 
     def recovered(self, t: Tending, version: str) -> float:

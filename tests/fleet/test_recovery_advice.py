@@ -8,8 +8,10 @@ up rather than retried forever, and no resync races a full sync for the same eng
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from slime_like.config.slices import HealthSettings
+from slime_like.fleet.launcher import LIVENESS_TIMEOUT_S
 from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.fleet.recovery import MAX_RECOVERY_ATTEMPTS, Recovery, Step, Tending
 
@@ -96,7 +98,12 @@ def test_an_engine_a_sync_found_hung_is_probed_until_it_answers_or_called_dead_i
     assert advice(Tending(engine(P.SUSPECT))) is Step.LEAVE
 
 
-def test_a_hung_engine_waits_for_the_monitor_first_or_alone_its_budget():
+def test_a_hung_engine_waits_past_the_monitors_budget_or_alone_for_that_budget():
+    """The monitor's verdict comes first while it runs: its rounds may each wait for the
+    actors' liveness and then a probe's timeout."""
     watched = HealthSettings(enabled=True, interval_s=1, timeout_s=10, failure_threshold=2)
-    assert Recovery.answer_wait_s(watched) == 2 * 2 * (1 + 10)
-    assert Recovery.answer_wait_s(HealthSettings(enabled=False)) == 3 * (30 + 30)
+    one_round = watched.interval_s + LIVENESS_TIMEOUT_S + watched.timeout_s
+    assert Recovery.answer_wait_s(watched) > 2 * watched.failure_threshold * one_round
+    alone = HealthSettings(enabled=False)
+    assert alone.failure_threshold * (alone.interval_s + alone.timeout_s) < \
+        Recovery.answer_wait_s(alone) < Recovery.answer_wait_s(replace(alone, enabled=True))
