@@ -143,15 +143,17 @@ def _health_round_cost(fleet, seconds: float) -> dict:
             "health_round_ms": 1e3 * statistics.median(list(monitor.round_seconds)[-max(1, rounds):] or [0.0])}
 
 
-def _step(fleet, weights: FleetWeights, model, prompts: list[list[int]]) -> float:
-    """One training step's fleet work: a sync of new weights, then a short rollout."""
+def _step(fleet, weights: FleetWeights, model, prompts: list[list[int]]) -> tuple[float, float]:
+    """One training step's fleet work: a sync of new weights, then a short rollout; the
+    step's seconds and its sync's."""
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.999)
     t = time.time()
     weights.push(model)
+    synced = time.time() - t
     fleet.generate(prompts, 1, {"max_new_tokens": 8, "temperature": 0.0})
-    return time.time() - t
+    return time.time() - t, synced
 
 
 def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
@@ -161,14 +163,18 @@ def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
     n = len(fleet.engines)
     prompts = [[1, 72 + i % 50, 105] for i in range(2 * n)]
     steps = [_step(fleet, weights, model, prompts) for _ in range(args.steps)]
-    row = {"median_step_s": statistics.median(steps)}
-    for case in ("dead", "continued"):
-        e = fleet.engines[0]
+    row = {"median_step_s": statistics.median(t for t, _ in steps),
+           "median_step_sync_s": statistics.median(s for _, s in steps)}
+    # Each case stops an engine the last syncs went to, after a step with every engine:
+    # a sync whose engine set changed (one relaunched, or back from a resync) first asks
+    # every engine's /server_info or /model_info, calls with no deadline of their own.
+    for case, e in (("continued", fleet.engines[1]), ("dead", fleet.engines[0])):
+        _step(fleet, weights, model, prompts)
         pid = ray.get(e.actors[0].server_pid.remote())
         stopped_at = time.time()
         os.kill(pid, signal.SIGSTOP)  # just before the step's sync
         try:
-            took = _step(fleet, weights, model, prompts)
+            took, synced = _step(fleet, weights, model, prompts)
             if case == "continued":
                 os.kill(pid, signal.SIGCONT)
                 resumed_at = time.time()
@@ -180,7 +186,8 @@ def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
         back = timeline.wait(e.engine_id, "REGISTERED", stopped_at)
         if case == "dead":
             version = timeline.wait("fleet", "VERSION", stopped_at)
-            row.update(stop_step_s=took, stop_step_ratio=took / row["median_step_s"],
+            row.update(stop_step_s=took, stop_step_sync_s=synced,
+                       stop_step_ratio=took / row["median_step_s"],
                        stop_dead_s=dead - stopped_at, stop_back_s=back - stopped_at,
                        stop_landed_before_dead=version < dead)
         else:
@@ -188,7 +195,8 @@ def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
             with timeline.lock:
                 deaths = [t for t, subject, kind, _ in timeline.events
                           if subject == e.engine_id and kind == "DEAD" and t >= stopped_at]
-            row.update(cont_step_s=took, cont_step_ratio=took / row["median_step_s"],
+            row.update(cont_step_s=took, cont_step_sync_s=synced,
+                       cont_step_ratio=took / row["median_step_s"],
                        cont_resync_s=back - resumed_at,
                        cont_resynced_in_place=same and not deaths)
         assert fleet.wait_recovered(timeout=300), "the stopped engine did not come back"
