@@ -22,11 +22,13 @@ Two floors, because a wrong verdict costs differently:
   router and the sync, resynced in place when it answers again, relaunched only when the
   health monitor calls it dead. A wrong verdict costs one resync of one engine; a right
   one is paid by every engine of the step, which waits the deadline out. A control call
-  takes 1-5 ms on an idle engine, so 10x its 0.99 quantile is below the floor and the
-  floor is the deadline: the step after a SIGSTOP costs the floor, the failed attempt's
-  clean-up and the retry's sync, about 0.4 s against a 0.16 s median step at 16 engines
-  (the target: at most 3x). A loaded machine answers slower, and its deadline grows with
-  what its engines took (a 30 ms pause makes it 0.3 s).
+  takes a few milliseconds, so 10x its 0.99 quantile is usually below the floor and the
+  floor is the deadline. The step after a SIGSTOP pays it (0.26 s to find the hang), the
+  failed attempt's clean-up (0.2 s) and the retry: with a 16-engine fleet's median step of
+  0.16 s, a floor much above 0.2 s alone would break the target of at most 3x the median
+  step, and one much below it would be within reach of a scheduling hiccup on a loaded
+  machine. A loaded machine answers slower, and its deadline grows with what its engines
+  took (one 41 ms pause made it 0.41 s on a busy two-core machine).
 - A probe (`DeadlinePolicy()`, 1 s): a `/health_generate` past it makes a serving engine
   SUSPECT and resubmits every request it runs; a probe queues behind a running batch, so
   a low floor would move requests off busy, healthy engines.
