@@ -22,7 +22,8 @@ A weight update is a context:
         push(update.targets, update.version)  # any transport, from any process
     # success: every target verified at update.version is routed; the fleet is at that version
     # failure: every target not verified at the fleet's version leaves the router (STALE),
-    #          is resumed, and is resynced before it serves again
+    #          is resumed, and is resynced before it serves again; one the sync found hung
+    #          is SUSPECT: resynced once it answers, relaunched if the monitor calls it dead
 
 and a full update with retries is a loop of attempts (`sync_attempts`, or `sync(push)`).
 `move` adds an engine to its router only on entering a routed phase, and refuses one whose
