@@ -1,9 +1,9 @@
 """How long an engine may take to answer one call before it counts as hung.
 
 One policy for every engine call that has a deadline: a weight sync's control calls and
-bucket updates (`WeightSyncConfig.deadlines`, default `SYNC_CALLS`) and the health
-monitor's probes (`HealthSettings.deadlines`, default `DeadlinePolicy()`). A call type's
-deadline is
+bucket updates (`WeightSyncConfig.deadlines`: by default `SYNC_CALLS` for a sync the fleet
+settles, `DeadlinePolicy()` for a standalone one) and the health monitor's probes
+(`HealthSettings.deadlines`, default `DeadlinePolicy()`). A call type's deadline is
 
     max(floor_s, factor x the `quantile` of the last `window` answers of that call type)
 
@@ -29,6 +29,8 @@ Two floors, because a wrong verdict costs differently:
   step, and one much below it would be within reach of a scheduling hiccup on a loaded
   machine. A loaded machine answers slower, and its deadline grows with what its engines
   took (one 41 ms pause made it 0.41 s on a busy two-core machine).
+- A standalone sync's call (`DeadlinePolicy()`, 1 s): nothing holds its hung engine out
+  and brings it back; the verdict fails the sync, the caller retries.
 - A probe (`DeadlinePolicy()`, 1 s): a `/health_generate` past it makes a serving engine
   SUSPECT and resubmits every request it runs; a probe queues behind a running batch, so
   a low floor would move requests off busy, healthy engines.
@@ -83,5 +85,5 @@ class DeadlinePolicy:
         raise ConfigError("deadlines", f"expected a DeadlinePolicy or a dict, got {value!r}")
 
 
-# A weight sync's calls: a wrong "hung" costs one engine a resync (see the module's text).
+# A weight sync the fleet settles: a wrong "hung" costs one engine a resync (see above).
 SYNC_CALLS = DeadlinePolicy(floor_s=0.2)
