@@ -23,11 +23,11 @@ Two floors, because a wrong verdict costs differently:
   health monitor calls it dead. A wrong verdict costs one resync of one engine; a right
   one is paid by every engine of the step, which waits the deadline out. A control call
   takes a few milliseconds, so 10x its 0.99 quantile is usually below the floor and the
-  floor is the deadline. The step after a SIGSTOP pays it (0.26 s to find the hang), the
-  failed attempt's clean-up (0.2 s) and the retry: with a 16-engine fleet's median step of
-  0.16 s, a floor much above 0.2 s alone would break the target of at most 3x the median
-  step, and one much below it would be within reach of a scheduling hiccup on a loaded
-  machine. A loaded machine answers slower, and its deadline grows with what its engines
+  floor is the deadline. The step after a SIGSTOP pays it (0.26 s to find the hang),
+  the failed attempt's clean-up (0.05-0.2 s) and the retry: with a 16-engine fleet's
+  median step of 0.16 s, a floor much above 0.2 s alone would break the target of at most
+  3x the median step, and one much below it would be within reach of a scheduling hiccup
+  on a loaded machine. A loaded machine answers slower, and its deadline grows with what its engines
   took (one 41 ms pause made it 0.41 s on a busy two-core machine).
 - A standalone sync's call (`DeadlinePolicy()`, 1 s): nothing holds its hung engine out
   and brings it back; the verdict fails the sync, the caller retries.
