@@ -12,6 +12,11 @@ model) and measures, with a client sending requests through the router throughou
   engine is routed at version 1;
 - a steady sync (the median of `--syncs`): its wall time, the transfer (data) and the
   rest (control calls: pause, begin, end, flush, continue, routing);
+- a hung engine: steps of a sync and a short rollout (`--steps`, their median), then one
+  engine SIGSTOPped just before a step's sync: that step's time and its ratio to the
+  median (the target: at most 3x), and when the health monitor declared the engine dead
+  (the sync held it SUSPECT meanwhile, out of the router); then the same with the engine
+  continued right after its step: it is resynced in place (SIGCONT -> routed again);
 - the health monitor: driver CPU per round (and per engine), and its round's wall time;
 - one engine SIGKILLed: detection (kill -> DEAD), recovery (kill -> routed again at the
   fleet's version), and the others' requests/s during the recovery against before it;
@@ -30,7 +35,10 @@ fleet's design, set a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -135,6 +143,66 @@ def _health_round_cost(fleet, seconds: float) -> dict:
             "health_round_ms": 1e3 * statistics.median(list(monitor.round_seconds)[-max(1, rounds):] or [0.0])}
 
 
+def _step(fleet, weights: FleetWeights, model, prompts: list[list[int]]) -> tuple[float, float]:
+    """One training step's fleet work: a sync of new weights, then a short rollout; the
+    step's seconds and its sync's."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.999)
+    t = time.time()
+    weights.push(model)
+    synced = time.time() - t
+    fleet.generate(prompts, 1, {"max_new_tokens": 8, "temperature": 0.0})
+    return time.time() - t, synced
+
+
+def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
+                 args: argparse.Namespace) -> dict:
+    """The step after a SIGSTOP against the median step; the monitor's verdict; and an
+    engine continued right after its step, resynced in place."""
+    n = len(fleet.engines)
+    prompts = [[1, 72 + i % 50, 105] for i in range(2 * n)]
+    steps = [_step(fleet, weights, model, prompts) for _ in range(args.steps)]
+    row = {"median_step_s": statistics.median(t for t, _ in steps),
+           "median_step_sync_s": statistics.median(s for _, s in steps)}
+    # Each case stops an engine the last syncs went to, after a step with every engine:
+    # a sync whose engine set changed (one relaunched, or back from a resync) first asks
+    # every engine's /server_info or /model_info, calls with no deadline of their own.
+    for case, e in (("continued", fleet.engines[1]), ("dead", fleet.engines[0])):
+        _step(fleet, weights, model, prompts)
+        pid = ray.get(e.actors[0].server_pid.remote())
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)  # just before the step's sync
+        try:
+            took, synced = _step(fleet, weights, model, prompts)
+            if case == "continued":
+                os.kill(pid, signal.SIGCONT)
+                resumed_at = time.time()
+            else:
+                dead = timeline.wait(e.engine_id, "DEAD", stopped_at)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        back = timeline.wait(e.engine_id, "REGISTERED", stopped_at)
+        if case == "dead":
+            version = timeline.wait("fleet", "VERSION", stopped_at)
+            row.update(stop_step_s=took, stop_step_sync_s=synced,
+                       stop_step_ratio=took / row["median_step_s"],
+                       stop_dead_s=dead - stopped_at, stop_back_s=back - stopped_at,
+                       stop_landed_before_dead=version < dead)
+        else:
+            same = ray.get(e.actors[0].server_pid.remote()) == pid
+            with timeline.lock:
+                deaths = [t for t, subject, kind, _ in timeline.events
+                          if subject == e.engine_id and kind == "DEAD" and t >= stopped_at]
+            row.update(cont_step_s=took, cont_step_sync_s=synced,
+                       cont_step_ratio=took / row["median_step_s"],
+                       cont_resync_s=back - resumed_at,
+                       cont_resynced_in_place=same and not deaths)
+        assert fleet.wait_recovered(timeout=300), "the stopped engine did not come back"
+    return row
+
+
 def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     """Every figure of one fleet of `n` engines, on a fresh cluster."""
     from ray.cluster_utils import Cluster
@@ -181,6 +249,11 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["sync_s"] = statistics.median(walls)
         row["sync_data_s"] = statistics.median(data)
         row["sync_control_s"] = row["sync_s"] - row["sync_data_s"]
+        if n > 1:  # a hang is told from the others' answers: none with one engine
+            row.update(_hung_engine(fleet, weights, model, timeline, args))
+        if args.only == "hung":
+            weights.close()
+            return row
         row.update(_health_round_cost(fleet, args.health_window))
         row["health_cpu_ms_per_engine"] = row["health_cpu_ms_per_round"] / n
         load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
@@ -234,6 +307,9 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
 FIELDS = [("launch_s", "launch"), ("first_sync_s", "1st sync"),
           ("launch_to_serving_s", "to serving"), ("sync_s", "sync"),
           ("sync_control_s", "control"), ("sync_data_s", "data"),
+          ("median_step_s", "step"), ("stop_step_s", "stop step"),
+          ("stop_step_ratio", "stop/step"), ("stop_dead_s", "stop dead"),
+          ("cont_resync_s", "cont rsync"),
           ("health_cpu_ms_per_round", "hc ms/rnd"), ("health_round_ms", "rnd ms"),
           ("detect_s", "detect"), ("recovery_s", "recover"),
           ("others_rps_ratio", "others rps"), ("add8_s", "add 8"), ("drain8_s", "drain 8"),
@@ -269,6 +345,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--syncs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=8,
+                   help="steps (a sync and a short rollout) before an engine is SIGSTOPped")
+    p.add_argument("--only", choices=["hung"], default=None,
+                   help="hung: launch, first sync, the SIGSTOP steps, shutdown; nothing else")
     p.add_argument("--clients", type=int, default=4, help="request threads through the router")
     p.add_argument("--probe-interval", type=float, default=1.0)
     p.add_argument("--probe-timeout", type=float, default=5.0)

@@ -12,10 +12,12 @@ of a millisecond to each. `https://` goes through `requests`.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -52,6 +54,8 @@ class EngineClient:
         self.timeout = timeout
         self._local = threading.local()
         self._read_retries = read_retries
+        self._waiting: set[socket.socket] = set()  # connections of calls awaiting an answer
+        self._waiting_lock = threading.Lock()
 
     # ---- plumbing --------------------------------------------------------------------------
 
@@ -168,9 +172,10 @@ class EngineClient:
             try:
                 if not reused:
                     self._connect(conn, endpoint)
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                text = resp.read().decode("utf-8", errors="replace")
+                with self._awaiting(conn.sock):
+                    conn.request(method, path, body=data, headers=headers)
+                    resp = conn.getresponse()
+                    text = resp.read().decode("utf-8", errors="replace")
             except EngineError:
                 raise
             except TimeoutError as e:
@@ -191,6 +196,31 @@ class EngineClient:
                 continue
             return resp.status, text
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _awaiting(self, sock: socket.socket):
+        with self._waiting_lock:
+            self._waiting.add(sock)
+        try:
+            yield
+        finally:
+            with self._waiting_lock:
+                self._waiting.discard(sock)
+
+    def abort_waiting(self) -> int:
+        """Reset the connection of every call still awaiting its answer (a hung engine's),
+        and fail the call at once; how many. Reset, not closed: a request a cut-off host
+        has not received yet is dropped with the connection, where TCP would retransmit it
+        once the link returns (a pause landing after the engine's resync would leave it
+        paused while it is routed again)."""
+        with self._waiting_lock:
+            socks = list(self._waiting)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                # No linger: the close that follows purges what was not sent and resets.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.shutdown(socket.SHUT_RD)  # the waiting thread wakes, and closes it
+        return len(socks)
 
     def close(self) -> None:
         """Close this thread's keep-alive connection (others close with their threads)."""

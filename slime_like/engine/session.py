@@ -368,6 +368,11 @@ class EngineSession:
         with self._lock:
             self._last = None
 
+    def abort_waiting(self) -> int:
+        """Fail every call still awaiting this engine's answer at once, its connection
+        reset, so that none lands later (`EngineClient.abort_waiting`); how many."""
+        return self.http.abort_waiting()
+
     def cancel_pending(self) -> None:
         """Every call still waiting for its gate fails with CallCancelled, never sent."""
         with self._lock:

@@ -116,8 +116,8 @@ class SyncAttempts:
         # Give the exit watchers and probes a moment, then leave out whatever does not
         # answer now (a kill between attempts would fail them all). Not when the attempt
         # failed on engines it found hung (past a deadline while the others answered):
-        # the fleet handed those to recovery, and the others (out of the router since
-        # the failure) would wait for nothing.
+        # the fleet holds those out (SUSPECT) until they answer or are called dead, and
+        # the others (out of the router since the failure) would wait for nothing.
         if not getattr(err, "hung", None):
             time.sleep(min(2.0, 0.25 * 2 ** self.attempt))
         self.attempt += 1

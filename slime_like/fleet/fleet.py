@@ -22,7 +22,8 @@ A weight update is a context:
         push(update.targets, update.version)  # any transport, from any process
     # success: every target verified at update.version is routed; the fleet is at that version
     # failure: every target not verified at the fleet's version leaves the router (STALE),
-    #          is resumed, and is resynced before it serves again
+    #          is resumed, and is resynced before it serves again; one the sync found hung
+    #          is SUSPECT: resynced once it answers, relaunched if the monitor calls it dead
 
 and a full update with retries is a loop of attempts (`sync_attempts`, or `sync(push)`).
 `move` adds an engine to its router only on entering a routed phase, and refuses one whose
@@ -135,13 +136,15 @@ class Fleet(Membership):
         """
         verified: dict[str, WeightVersion | None] = {e.engine_id: None for e in chosen}
         # Engines the sync found hung (a call past its deadline while the others answered)
-        # are handed to recovery now, as a death is: out of the router, relaunched,
-        # resynced. Waiting for the health monitor to find them would hold the next
-        # attempt, and every engine it pauses, for the monitor's whole budget.
+        # leave the router and the update now, as SUSPECT: waiting for the health monitor
+        # would hold the next attempt, and every engine it pauses, for the monitor's whole
+        # budget. They are not dead yet (a stopped process may be continued, a cut-off host
+        # heal, a deadline be short for a loaded machine): resynced in place once they
+        # answer, relaunched only once the monitor calls them dead (`suspect`).
         hung = set(getattr(failed, "hung", None) or ())
         for e in chosen:
             if e.url in hung:
-                self.start_recovery(e, f"hung during a weight sync: {failed}")
+                self.suspect(e, f"hung during a weight sync: {failed}")
         if failed is None:
             synced = set(update.report.get("engines") or [h.url for h in update.targets])
             pushed = parse_weight_version(update.report.get("weight_version")) or update.version
@@ -163,7 +166,8 @@ class Fleet(Membership):
                 self.events.emit("fleet", Happening.VERSION, version=str(self.version),
                                  wall_time=round(time.time(), 4))
             for e in chosen:
-                e.verified_version = verified[e.engine_id]
+                if e.url not in hung:  # a suspect's weights stay unverified
+                    e.verified_version = verified[e.engine_id]
             # The router learns every verified engine at once (a registration waits for the
             # router to list it); one it refuses is tried again by its move, then resyncs.
             each([e for e in chosen if e.phase is P.UPDATING
@@ -187,10 +191,14 @@ class Fleet(Membership):
                     self.move(e, P.STALE, reason="version moved on")
         if failed is not None:
             # Resumed only now, after the unverified engines left the router.
-            each([e for e in chosen if e.url not in hung],
+            answering = [e for e in chosen if e.url not in hung]
+            each(answering,
                  lambda e: e.handle.continue_generation(timeout=self.settings.verify_timeout_s))
-            for e in chosen:  # failures are the health monitor's to find, deaths ours
-                if not self.launcher.alive(e):
+            # Failures are the health monitor's to find, deaths ours. Not a suspect's: an
+            # actor on a cut-off host would hold the settle for the liveness call's timeout.
+            alive = self.launcher.alive_all(answering)
+            for e in answering:
+                if not alive[e.engine_id]:
                     self.start_recovery(e, "server gone after a failed weight update")
         self._after_update(chosen, update, failed)  # drained engines stop after a regroup
         self._tend_stale()

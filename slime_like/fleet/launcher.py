@@ -30,6 +30,9 @@ from slime_like.fleet.lifecycle import PING_ONLY, ManagedEngine
 from slime_like.protocol.weight_version import parse_weight_version
 
 logger = logging.getLogger(__name__)
+# How long a liveness round waits for the engine actors' answers (an actor on a node cut
+# off from the network answers nothing until its link returns).
+LIVENESS_TIMEOUT_S = 10.0
 
 
 class Launcher:
@@ -138,7 +141,7 @@ class Launcher:
                     found[e.engine_id] = False
         if not asked:
             return found
-        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=10)
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=LIVENESS_TIMEOUT_S)
         # No answer in time, or an actor Ray calls unavailable, is not an exit: a node cut
         # off from the network keeps its processes and answers again when its link returns.
         # The probes decide, as for a hang (SUSPECT at once, DEAD after

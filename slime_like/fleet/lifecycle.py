@@ -2,6 +2,8 @@
 
     LAUNCHING -> LOADED -> UPDATING -> REGISTERED <-> UPDATING_ROUTED (a sync in place)
     REGISTERED -> SUSPECT (a failed probe: out of the router) -> REGISTERED | STALE | DEAD
+    UPDATING -> SUSPECT (a weight sync found it hung: out of the router, weights unknown)
+        -> STALE (it answers again: resync) | DEAD (the health monitor's verdict)
     UPDATING -> STALE (a sync that did not verify it: out of the router) -> UPDATING
     REGISTERED -> OFFLOADED (memory released for a colocated train step: out of the router)
         -> REGISTERED | STALE | AWAITING_SYNC (weights dropped) | HELD (kept idle for the
@@ -77,8 +79,8 @@ _LEAVE = frozenset({P.DRAINING})  # a drain: the engine leaves the fleet
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.LAUNCHING: frozenset({P.LOADED}) | _DOWN,
     P.LOADED: frozenset({P.UPDATING, P.STALE}) | _DOWN | _LEAVE,
-    P.UPDATING: frozenset({P.REGISTERED, P.STALE}) | _DOWN,
-    P.UPDATING_ROUTED: frozenset({P.REGISTERED, P.STALE, P.UPDATING}) | _DOWN,
+    P.UPDATING: frozenset({P.REGISTERED, P.STALE, P.SUSPECT}) | _DOWN,
+    P.UPDATING_ROUTED: frozenset({P.REGISTERED, P.STALE, P.UPDATING, P.SUSPECT}) | _DOWN,
     P.REGISTERED: frozenset({P.UPDATING_ROUTED, P.SUSPECT, P.STALE, P.OFFLOADED}) | _DOWN
     | _LEAVE,
     P.SUSPECT: frozenset({P.REGISTERED, P.STALE}) | _DOWN | _LEAVE,

@@ -11,6 +11,14 @@ of the relaunched server before its recovery ends is just DEAD again: the same r
 relaunches it (at most MAX_RECOVERY_ATTEMPTS times). A STALE engine no recovery owns (a
 failed sync, a router restart, probes that pass again after the version moved on) gets a
 tending of its own that only resyncs it. The healthy engines keep serving throughout.
+
+An engine a weight sync found hung (`Fleet.suspect`) is not dead yet: a SIGSTOP that is
+continued, a host cut off for less than the health budget, or a deadline too low for a
+loaded machine all look the same to the sync. It is SUSPECT (out of the router, its
+weights unknown) and its tending probes it (`/ping`) until it answers (STALE: resynced in
+place, the same server) or the health monitor declares it dead (relaunched, as any death).
+With no verdict by `Tending.answer_by` (the monitor is off, or never decided) the tending
+calls it dead itself.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from slime_like.config.slices import HealthSettings
+from slime_like.fleet.launcher import LIVENESS_TIMEOUT_S
 from slime_like.fleet.lifecycle import FOR_FULL_SYNC, ManagedEngine, Phase
 
 # A recovery whose relaunched server dies too starts over, this many times at most.
@@ -34,6 +44,8 @@ class Step(enum.Enum):
     RELAUNCH = "relaunch"          # ours: kill what is left, start it on its bundle (STALE)
     REATTACH = "reattach"          # external: wait for its owner to bring it back (STALE)
     RESYNC = "resync"              # an update of it alone at the fleet's version
+    PROBE = "probe"                # hung in a sync (SUSPECT): does it answer /ping yet?
+    CALL_DEAD = "call dead"        # hung, no answer and no verdict in time: dead after all
     ROUTE_FROZEN = "route frozen"  # a frozen model's engine serves its checkpoint as loaded
     WAIT = "wait"                  # a full sync runs, or takes it along: look again soon
     RECOVERED = "recovered"        # routed at the fleet's version: the tending ends
@@ -44,13 +56,15 @@ class Step(enum.Enum):
 @dataclass
 class Tending:
     """One engine being brought back: why (None for a resync of a STALE engine), since
-    when, how many relaunches so far, and until when it may stay STALE."""
+    when, how many relaunches so far, until when it may stay STALE, and, for one a sync
+    found hung, until when its first answer is waited for."""
 
     engine: ManagedEngine
     reason: str | None = None
     t0: float = field(default_factory=time.time)
     relaunches: int = 0
     deadline: float = field(default_factory=lambda: time.monotonic() + RESYNC_TIMEOUT_S)
+    answer_by: float | None = None
 
     @property
     def is_recovery(self) -> bool:
@@ -85,6 +99,10 @@ class Recovery:
             return Step.REATTACH if e.external_address is not None else Step.RELAUNCH
         if phase is P.REGISTERED:
             return Step.RECOVERED
+        if phase is P.SUSPECT:
+            if t.answer_by is None:
+                return Step.LEAVE  # the health monitor's suspect: its probes decide
+            return Step.PROBE if time.monotonic() < t.answer_by else Step.CALL_DEAD
         if phase is P.STALE:
             if not e.update_weights:
                 return Step.ROUTE_FROZEN
@@ -96,6 +114,18 @@ class Recovery:
         if phase in FOR_FULL_SYNC and t.is_recovery:
             return Step.WAIT
         return Step.LEAVE  # LOST, STOPPED, or waiting for the next full sync
+
+    @staticmethod
+    def answer_wait_s(health: HealthSettings) -> float:
+        """How long a hung engine's tending waits for its first answer: twice the health
+        monitor's budget for a death while the monitor runs, so that its verdict comes
+        first; that budget once when it is off and the tending is the only judge. The
+        budget: `failure_threshold` rounds, each `interval_s` apart, waiting up to
+        LIVENESS_TIMEOUT_S for the actors (a cut-off node's answers nothing) and then the
+        probe's `timeout_s`."""
+        budget = health.failure_threshold * (health.interval_s + LIVENESS_TIMEOUT_S
+                                             + health.timeout_s + 1.0)
+        return budget * (2 if health.enabled else 1)
 
     def recovered(self, t: Tending, version: str) -> float:
         """Record a recovery that ended with the engine routed; its seconds."""

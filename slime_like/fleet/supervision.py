@@ -3,8 +3,9 @@ its way back, colocated memory release, the views and the shutdown.
 
 `Supervision` keeps the lock and the records; `move` is the one place an engine changes
 phase. The parts advise and the supervision applies their advice under the lock: a health
-`Verdict` (suspect, healthy again, dead) becomes a move; a death becomes a `Tending`, one
-thread per engine that asks the recovery for its next `Step` (relaunch, reattach, resync,
+`Verdict` (suspect, healthy again, dead) becomes a move; a death, or an engine a sync
+found hung, becomes a `Tending` (tending.py, the `Tendings` this class is), one thread per
+engine that asks the recovery for its next `Step` (relaunch, reattach, probe, resync,
 route, wait) and does it, until the engine is back or given up (LOST); a resumed colocated
 engine goes where `Offload.after_resume` says. `Fleet` (fleet.py) adds the update
 transaction, through which every resync runs too, and generation through the routers.
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -28,13 +28,14 @@ from slime_like.errors import FleetError
 from slime_like.fleet.attempts import WeightSource
 from slime_like.fleet.events import EngineState, EventBus, EventSink, Happening
 from slime_like.fleet.generation import Generation
-from slime_like.fleet.health import ACTOR_LOST, Finding, FleetHealth, Verdict
+from slime_like.fleet.health import Finding, FleetHealth, Verdict
 from slime_like.fleet.launcher import Launcher
-from slime_like.fleet.lifecycle import GONE, ROUTED, ManagedEngine, Phase, records_from_plan
+from slime_like.fleet.lifecycle import ROUTED, ManagedEngine, Phase, records_from_plan
 from slime_like.fleet.nodes import NodeLoss
 from slime_like.fleet.offload import Offload
-from slime_like.fleet.recovery import Recovery, Step, Tending
+from slime_like.fleet.recovery import Recovery, Tending
 from slime_like.fleet.routers import Routers
+from slime_like.fleet.tending import Tendings
 from slime_like.protocol.weight_version import WeightVersion
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,9 @@ P = Phase
 # Re-adding an engine to a relaunched router: one that served a moment ago registers in
 # well under a second; one that takes longer is hung and resyncs instead.
 REROUTE_TIMEOUT_S = 10.0
-_ENDS = (Step.RECOVERED, Step.GIVE_UP, Step.LEAVE)
 
 
-class Supervision:
+class Supervision(Tendings):
     """Engines of every model in the job: their records, moves, routers, health and
     recovery; `Fleet` adds the update transaction and generation."""
 
@@ -223,165 +223,6 @@ class Supervision:
             self.generation.resubmit_in_flight()  # stuck requests go again; first answer wins
         else:
             self._tend_stale()
-
-    def start_recovery(self, e: ManagedEngine, reason: str) -> None:
-        """The engine is dead: out of its router and DEAD now, then brought back by a
-        tending of its own (the one it has already, if it died while being brought back)."""
-        with self.lock:
-            if self.closing or e.phase in GONE:
-                return  # on its way back already, given up, or stopping
-            self.move(e, P.DEAD, reason=reason)
-            self.health.unwatch(e)
-            if e.engine_id in self._tending:
-                self._tending[e.engine_id].died(reason)
-            else:
-                self._tend(Tending(e, reason))
-
-    def _tend_stale(self) -> None:
-        """STALE engines no tending owns get one that resyncs them."""
-        if self.weight_source is None or self.closing:
-            return
-        with self.lock:
-            for e in self.engines:
-                if e.phase is P.STALE and e.update_weights and e.engine_id not in self._tending:
-                    self._tend(Tending(e))
-
-    def _tend(self, t: Tending) -> None:
-        self._tending[t.engine.engine_id] = t
-        threading.Thread(target=self._tend_until_done, args=(t,),
-                         name=f"tend-{t.engine.engine_id}", daemon=True).start()
-
-    def _tend_until_done(self, t: Tending) -> None:
-        """Ask the recovery what the engine needs, do it, ask again, until it is back."""
-        e = t.engine
-        try:
-            while True:
-                with self.lock:
-                    step = self.recovery.next_step(t, closing=self.closing,
-                                                   syncing=self.syncing)
-                    if step in _ENDS:
-                        del self._tending[e.engine_id]
-                        self._ended(t, step)
-                        return
-                self._do(t, step)
-        except Exception as err:  # noqa: BLE001 - report it; the run goes on with fewer engines
-            with self.lock:
-                self._tending.pop(e.engine_id, None)
-                if t.is_recovery and not self.closing:
-                    logger.exception("%s: recovery failed", e.engine_id)
-                    self._give_up(t, f"{type(err).__name__}: {err}")
-                else:
-                    logger.warning("%s: resync stopped: %s", e.engine_id, err)
-
-    def _ended(self, t: Tending, step: Step) -> None:
-        e = t.engine
-        if step is Step.GIVE_UP:
-            self._give_up(t, f"died {t.relaunches} times while it was brought back"
-                          if e.phase is P.DEAD else f"not at version {self.version} in time")
-        elif step is Step.RECOVERED and t.is_recovery:
-            took = self.recovery.recovered(t, str(self.version))
-            self.events.emit(e.engine_id, Happening.RECOVERED, recovery_s=took)
-            logger.warning("%s recovered in %.1fs at version %s (%s)", e.engine_id, took,
-                           self.version, e.url)
-
-    def _give_up(self, t: Tending, error: str) -> None:
-        """LOST: out of the router, watched no more; the run goes on with fewer engines."""
-        e = t.engine
-        self.recovery.failed(t, error)
-        if e.phase not in (P.DEAD, P.LOST, P.STOPPED):
-            self.move(e, P.DEAD, reason=f"recovery failed: {error}")
-        if e.phase is P.DEAD:
-            self.move(e, P.LOST, reason=error)
-        self.health.unwatch(e)
-
-    def _do(self, t: Tending, step: Step) -> None:
-        """One step of bringing an engine back (outside the lock but for its moves)."""
-        e, launcher = t.engine, self.launcher
-        if step is Step.WAIT:
-            time.sleep(0.05)
-        elif step is Step.ROUTE_FROZEN:
-            with self.lock:
-                self._route_frozen(e)
-        elif step is Step.RESYNC:
-            self._resync(e)
-        elif step is Step.RELAUNCH:
-            launcher.kill(e)
-            lost = self.nodes.lost_node(e)
-            if lost is not None:
-                with self.lock:
-                    engines = list(self.engines)
-                self.nodes.announce(lost, engines)
-            with self.lock:
-                if self.closing:
-                    return
-                self.move(e, P.RELAUNCHING)
-            # Its actor died with no exit of its server: its node may be gone, its bundles
-            # placed again elsewhere (Ray may say so only after the actor's death).
-            if (lost is not None or (t.reason or "").startswith(ACTOR_LOST)) \
-                    and not self._placed_again(e, lost):
-                return  # the fleet is shutting down
-            e.restarts += 1
-            launched = launcher.wait_launched(launcher.launch(e), stop=lambda: self.closing)
-            with self.lock:
-                if self.closing or not launched:  # it stopped the actors it knew of
-                    launcher.shutdown([e])
-                    return
-                self.move(e, P.STALE, **launcher.loaded(e))
-            self.health.watch_exit(e)
-            self.health.watch(e)
-            t.back()
-        elif step is Step.REATTACH:
-            wait_s = self.settings.external_wait_s
-            with self.lock:
-                if self.closing:
-                    return
-                self.move(e, P.REATTACHING, address=e.external_address, wait_s=wait_s)
-            loaded = launcher.reattach(e, wait_s)
-            if loaded is None:
-                return  # the fleet is shutting down
-            e.restarts += 1
-            with self.lock:
-                self.move(e, P.STALE, **loaded)
-            self.health.watch(e)
-            t.back()
-
-    def _placed_again(self, e: ManagedEngine, lost: str | None) -> bool:
-        """Before a relaunch of an engine whose actor was lost: wait until Ray placed its
-        bundles (again, if its node `lost` is gone: the fleet runs smaller meanwhile, and
-        says so) and move its placements there; False if the fleet shuts down first."""
-        placements = self.nodes.placed_again(e, lost, stop=lambda: self.closing,
-                                             serving=self._serving_count)
-        if placements is None:
-            return False
-        e.placements = placements
-        self._bundles_moved(e)
-        return True
-
-    def _serving_count(self) -> tuple[int, int]:
-        """(engines routed now, engines the fleet has that are not stopped)."""
-        with self.lock:
-            return (sum(e.routed for e in self.engines),
-                    sum(e.phase is not P.STOPPED for e in self.engines))
-
-    def _bundles_moved(self, e: ManagedEngine) -> None:
-        """`e`'s bundles now lie where its placements say (`Membership` tracks them)."""
-
-    def _resync(self, e: ManagedEngine) -> None:
-        """One update of `e` alone at the fleet's version (`Fleet`, the update transaction)."""
-        raise NotImplementedError
-
-
-    def wait_recovered(self, timeout: float = 300.0) -> bool:
-        """Block until no recovery or resync is running (True) or the timeout passes. An
-        engine of a lost node that waits for room is not waited for: no wait brings it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if not set(self._tending) - self.nodes.waiting:
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
 
     # ---- colocated engines ------------------------------------------------------------------
 

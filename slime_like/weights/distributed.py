@@ -247,7 +247,9 @@ class DistributedTransport(Transport):
             # live engine that never joined (it refused the update, or was never asked)
             # waits until that engine leaves the group, which `abandon` asks it to do next.
             # So the group closes on a thread of its own; the next group waits for it.
-            self._closing = threading.Thread(target=close_group, args=(pg,), daemon=True,
+            # Handed over in a list the close empties: the thread's own arguments would
+            # otherwise keep the group alive until it ends.
+            self._closing = threading.Thread(target=close_group, args=([pg],), daemon=True,
                                              name="weight-group-close")
             del pg
             self._closing.start()

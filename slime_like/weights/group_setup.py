@@ -10,6 +10,7 @@ import ipaddress
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from urllib.parse import urlparse
@@ -139,7 +140,14 @@ def backend_hint(backend: str) -> str:
     return f" [{hint}]" if hint else ""
 
 
-def close_group(pg: dist.ProcessGroup) -> None:
+def close_group(held: list[dist.ProcessGroup]) -> None:
+    """Destroy the one group in `held` and drop the last reference to it: gloo closes its
+    connections when the group is freed. Freed at once unless something still refers to
+    it (a cycle): only then a full collection, which holds the GIL for a tenth of a second
+    or more in a trainer's heap (the step after a hang waits for it)."""
+    pg = held.pop()
     destroy_process_group(pg)
+    gone = weakref.ref(pg)
     del pg
-    gc.collect()  # the last reference gone, gloo closes its connections
+    if gone() is not None:
+        gc.collect()

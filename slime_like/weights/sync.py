@@ -256,6 +256,10 @@ class WeightSync(Members):
             hung = set(getattr(e, "hung", None) or ())
             for engine in engines:
                 engine.cancel_pending()
+                if engine.url in hung:
+                    # Its call still waiting is cut: a pause a cut-off host receives only
+                    # once its link returns would pause it after its resync.
+                    engine.abort_waiting()
             # No control call in flight during the clean-up, but for a hung engine's: it
             # will not answer, and its lane is stopped (its undo is its recovery's).
             settle([c for c in sent if c.engine.url not in hung], cfg.http_timeout_s)

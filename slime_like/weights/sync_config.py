@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from slime_like.config.deadlines import DeadlinePolicy
+from slime_like.config.deadlines import SYNC_CALLS, DeadlinePolicy
 from slime_like.config.flags import DEFAULT_DELTA_FULL_EVERY, UPDATE_WEIGHT_MODES
 from slime_like.errors import ConfigError
 from slime_like.protocol import io_struct as p
@@ -56,8 +56,12 @@ class WeightSyncConfig:
     # derived from what that call took on the engines lately, at most http_timeout_s. A
     # call past it while other engines answered (a join: unanswered, and no /ping either)
     # fails the sync naming that engine as hung (`WeightSyncError.hung`); a retry goes on
-    # without it.
-    deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+    # without it. By default (None) a sync the fleet settles (`resume_on_failure=False`)
+    # has a 0.2 s floor (`SYNC_CALLS`): the fleet holds a hung engine SUSPECT until it
+    # answers again, then resyncs it, so a wrong verdict costs a resync; a standalone sync
+    # keeps 1 s (`DeadlinePolicy()`): there a wrong verdict fails the sync
+    # (config/deadlines.py says why).
+    deadlines: DeadlinePolicy | None = None
     # "delta": send only what changed since the base every engine holds (weights/delta.py);
     # every `update_weight_delta_full_every`-th sync is full
     update_weight_mode: str = "full"
@@ -71,7 +75,9 @@ class WeightSyncConfig:
         def bad(name: str, expected: str) -> ConfigError:
             return ConfigError(name, f"expected {expected}, got {getattr(self, name)!r}")
 
-        object.__setattr__(self, "deadlines", DeadlinePolicy.of(self.deadlines))
+        object.__setattr__(self, "deadlines", DeadlinePolicy.of(self.deadlines) if
+                           self.deadlines is not None else
+                           DeadlinePolicy() if self.resume_on_failure else SYNC_CALLS)
         for name, kind in (("transport", Transport), ("pause_mode", PauseMode)):
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))

@@ -26,7 +26,7 @@ from slime_like.errors import EngineError, WeightSyncError
 # thread may not have run yet, e.g. while the trainer's own thread held the GIL).
 LAST_CHANCE_S = 0.05
 # How often a spinning wait looks for calls past their deadline (deadlines are >= the
-# policy's floor, a second by default: no need to look at every poll).
+# policy's floor, 0.2 s for a sync's calls: no need to look at every poll).
 LATE_CHECK_S = 0.005
 # How often a wait blocked on calls' futures wakes to look for one past its deadline.
 WAKE_S = 0.02

@@ -1,13 +1,16 @@
 """A hung engine costs the others nothing: a sync lands on them, a rollout's requests go
-elsewhere, each once the hung engine missed its deadline, not the health monitor's budget.
+elsewhere, each once the hung engine missed its deadline, not the health monitor's budget;
+and a sync's "hung" is a suspicion, not a death: an engine that answers again is resynced
+in place, one the health monitor calls dead is relaunched.
 
 Real Ray, the real sglang-router, two reference-engine processes; the fault is a real
 SIGSTOP of one engine's server. One fleet for the module, its health monitor on with a
-budget for a death (2 failed probes of up to 10 s, 1 s apart) far above the deadlines
-(1 s floor, or 10x what probes took lately), so the tests can tell which of the two found
-the engine: they assert the order of the fleet's events, never a time. Every stopped
-process is continued (or is already gone) before its test ends; after the fleet's
-shutdown no engine process is left and every engine's port is free again.
+budget for a death (2 failed probes of up to 5 s, 1 s apart) far above the deadlines (a
+sync's calls: 0.2 s floor; probes: 1 s floor; or 10x what each took lately), so the tests
+can tell which of the two found the engine: they assert the order of the fleet's events,
+never a time. Every stopped process is continued (or is already gone) before its test
+ends; after the fleet's shutdown no engine process is left and every engine's port is
+free again.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from slime_like.models import load_pretrained
 
 FLEET_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "own_trainer",
                           "fleet.yaml")
-HEALTH = HealthSettings(enabled=True, interval_s=1.0, timeout_s=10.0, first_wait_s=3.0,
+HEALTH = HealthSettings(enabled=True, interval_s=1.0, timeout_s=5.0, first_wait_s=3.0,
                         failure_threshold=2)
 
 
@@ -183,15 +186,43 @@ def test_requests_on_an_engine_hung_during_rollout_go_elsewhere_at_its_deadline(
     assert routed_urls(fleet) == {e.url for e in fleet.engines}
 
 
-def test_a_sync_lands_on_the_others_before_the_monitor_would_call_the_hung_engine_dead(
-        fleet, tiny_model_dir):
-    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
-    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
+def synced_steps(weights: FleetWeights, model, n: int = 3) -> list[float]:
+    """`n` pushes to the whole fleet (every call type answered by both engines: the
+    sync's deadlines have a basis); each one's seconds."""
     steps = []
-    for _ in range(3):  # every call type answered by both engines: deadlines have a basis
+    for _ in range(n):
         t0 = time.perf_counter()
         weights.push(model)
         steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def check_landed_while_suspect(fleet, events: list, hung, other, report: dict,
+                               expected: str) -> int:
+    """The sync landed on the other engine at the next version, after the hung one was
+    out of it and the router as SUSPECT for its pause past the deadline (not DEAD: the
+    monitor's verdict never came first); the index of the fleet's VERSION event."""
+    assert report["engines"] == [other.url]
+    assert fleet.version.wire == expected == other.handle.weight_version()
+    suspect = first(events, subject=hung.engine_id, kind=EngineState.SUSPECT)
+    landed = first(events, subject="fleet", kind=Happening.VERSION)
+    assert suspect is not None and landed is not None and suspect < landed, events
+    reason = str(events[suspect].details.get("reason"))
+    assert "hung during a weight sync" in reason and "pause_generation" in reason, reason
+    assert "deadline" in reason and hung.url in reason, reason
+    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
+    assert dead is None or dead > landed, events
+    return landed
+
+
+def test_an_engine_continued_after_it_hung_in_a_sync_is_resynced_not_relaunched(
+        fleet, tiny_model_dir):
+    """Stopped across a sync and continued at once (a debugger, a wedged host that comes
+    back, a deadline too short for a loaded machine): the same server serves again at the
+    fleet's version, resynced; never DEAD, never relaunched."""
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
+    steps = synced_steps(weights, model)
     hung, other = fleet.engines
     fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
     expected = fleet.version.next().wire
@@ -200,25 +231,44 @@ def test_a_sync_lands_on_the_others_before_the_monitor_would_call_the_hung_engin
         t0 = time.perf_counter()
         report = weights.push(model)
         step_after = time.perf_counter() - t0
-    # the sync landed on the other engine, at the next version
-    assert report["engines"] == [other.url]
-    assert fleet.version.wire == expected == other.handle.weight_version()
-    # the order: the hung engine was handed to recovery by the sync (its pause went past
-    # the deadline while the other engine answered), then the sync landed; the health
-    # monitor's verdict (3 failed probes) never came first
-    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
-    landed = first(events, subject="fleet", kind=Happening.VERSION)
-    assert dead is not None and landed is not None and dead < landed, events
-    reason = str(events[dead].details.get("reason"))
-    assert "hung during a weight sync" in reason and "pause_generation" in reason, reason
-    assert "deadline" in reason and hung.url in reason, reason
-    assert not [ev for ev in events[:landed] if "consecutive failed probes"
-                in str(ev.details.get("reason"))]
+    check_landed_while_suspect(fleet, events, hung, other, report, expected)
     print(f"\nstep after SIGSTOP {step_after:.3f}s against a median step of "
           f"{statistics.median(steps):.3f}s ({step_after / statistics.median(steps):.1f}x)")
-    # recovered: the stopped process is gone, a new one serves the fleet's version, routed
     wait_all_registered(fleet)
-    assert first(events, subject=hung.engine_id, kind=Happening.RECOVERED) is not None
+    # the same server, resynced in place: SUSPECT, then STALE once it answered, then
+    # synced alone and routed at the fleet's version; never DEAD
+    mine = [ev.kind for ev in events if ev.subject == hung.engine_id]
+    assert EngineState.DEAD not in mine and Happening.RECOVERED not in mine, events
+    assert mine[mine.index(EngineState.SUSPECT):][:4] == [
+        EngineState.SUSPECT, EngineState.STALE, EngineState.UPDATING,
+        EngineState.REGISTERED], events
+    assert server_pid(hung) == pid and hung.restarts == 0
+    assert {e.handle.weight_version() for e in fleet.engines} == {expected}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    weights.close()
+
+
+def test_a_sync_lands_on_the_others_before_the_monitor_calls_the_hung_engine_dead(
+        fleet, tiny_model_dir):
+    """Stopped across a sync and left stopped: the sync lands on the other engine at
+    once; the hung one is relaunched only once the health monitor calls it dead."""
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
+    synced_steps(weights, model)
+    hung, other = fleet.engines
+    fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
+    expected = fleet.version.next().wire
+    events = recorder(fleet)
+    with stopped(pid):
+        report = weights.push(model)
+        landed = check_landed_while_suspect(fleet, events, hung, other, report, expected)
+        # recovered: the monitor's verdict (2 failed probes), then a new server that
+        # serves the fleet's version, routed; the stopped one is gone
+        wait_all_registered(fleet)
+    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
+    assert dead is not None and dead > landed, events
+    assert "consecutive failed probes" in str(events[dead].details.get("reason")), events[dead]
+    assert first(events, dead, subject=hung.engine_id, kind=Happening.RECOVERED) is not None
     assert not _running(pid)
     assert {e.handle.weight_version() for e in fleet.engines} == {expected}
     assert routed_urls(fleet) == {e.url for e in fleet.engines}

@@ -8,7 +8,10 @@ up rather than retried forever, and no resync races a full sync for the same eng
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from slime_like.config.slices import HealthSettings
+from slime_like.fleet.launcher import LIVENESS_TIMEOUT_S
 from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.fleet.recovery import MAX_RECOVERY_ATTEMPTS, Recovery, Step, Tending
 
@@ -77,3 +80,30 @@ def test_an_engine_waiting_for_the_next_full_sync_gets_no_resync_of_its_own():
 
 def test_nothing_is_tended_while_the_fleet_closes():
     assert advice(Tending(engine(P.DEAD), "exited"), closing=True) is Step.LEAVE
+
+
+def test_an_engine_a_sync_found_hung_is_probed_until_it_answers_or_called_dead_in_time():
+    """SUSPECT from a sync: probed (not relaunched) while its answer is waited for; once
+    it answers it is STALE and resynced; no answer and no verdict by then: dead after all.
+    A suspect of the health monitor's own is the monitor's to judge."""
+    t = Tending(engine(P.SUSPECT), answer_by=time.monotonic() + 60)
+    assert advice(t) is Step.PROBE and advice(t, syncing=True) is Step.PROBE
+    t.engine.phase = P.STALE  # it answered
+    assert advice(t) is Step.RESYNC
+    late = Tending(engine(P.SUSPECT), answer_by=time.monotonic() - 1)
+    assert advice(late) is Step.CALL_DEAD
+    late.engine.phase = P.DEAD  # the monitor, or the tending, called it dead
+    late.died("2 consecutive failed probes")
+    assert advice(late) is Step.RELAUNCH
+    assert advice(Tending(engine(P.SUSPECT))) is Step.LEAVE
+
+
+def test_a_hung_engine_waits_past_the_monitors_budget_or_alone_for_that_budget():
+    """The monitor's verdict comes first while it runs: its rounds may each wait for the
+    actors' liveness and then a probe's timeout."""
+    watched = HealthSettings(enabled=True, interval_s=1, timeout_s=10, failure_threshold=2)
+    one_round = watched.interval_s + LIVENESS_TIMEOUT_S + watched.timeout_s
+    assert Recovery.answer_wait_s(watched) > 2 * watched.failure_threshold * one_round
+    alone = HealthSettings(enabled=False)
+    assert alone.failure_threshold * (alone.interval_s + alone.timeout_s) < \
+        Recovery.answer_wait_s(alone) < Recovery.answer_wait_s(replace(alone, enabled=True))

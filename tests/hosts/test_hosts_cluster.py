@@ -138,9 +138,10 @@ def served_after(run_dir: Path, engine: str, healed: float) -> list:
 
 
 def check_resynced_not_replaced(run_dir: Path, engine: str, healed: float) -> None:
-    """A partition shorter than the probes' verdict and Ray's node-death timeout that met
-    no weight sync's control calls: the engine was never DEAD or relaunched, and came back
-    only at the fleet's version."""
+    """A partition shorter than the probes' verdict and Ray's node-death timeout, whether
+    or not it met a weight sync's control calls (then the sync held the engine SUSPECT
+    until it answered again): the engine was never DEAD or relaunched, served after the
+    heal, and came back only at the fleet's version."""
     mine = [e for e in timeline(run_dir) if e["engine"] == engine]
     assert not {"DEAD", "RELAUNCHING"} & {e["state"] for e in mine}, mine
     assert served_after(run_dir, engine, healed), f"{engine} served nothing after the heal"
@@ -159,7 +160,8 @@ def cut_off(url: str) -> bool:
 @pytest.mark.slow
 def test_a_short_partition_of_an_engine_host_is_survived(hosts, tmp_path):
     h2 = hosts.hosts[2]
-    with job_on_hosts(hosts, tmp_path, 20, *JOB, GLOO_SOCKET_IFNAME=CLUSTER_IF) as run:
+    with job_on_hosts(hosts, tmp_path, PACED_STEPS, *JOB, *PACED,
+                      GLOO_SOCKET_IFNAME=CLUSTER_IF) as run:
         run.wait_for_step(3)
         hosts.set_link(h2, up=False)  # its processes live on, cut off
         try:
@@ -168,20 +170,20 @@ def test_a_short_partition_of_an_engine_host_is_survived(hosts, tmp_path):
             hosts.set_link(h2, up=True)
         healed = time.time()
         run.succeeded()
-        check_run(run.run_dir, 20, ENGINES)  # no sample lost or doubled; every check held
+        check_run(run.run_dir, PACED_STEPS, ENGINES)  # no sample lost or doubled; checks held
         check_resynced_not_replaced(run.run_dir, "default/g0/e1", healed)
 
 
 @pytest.mark.slow
 def test_a_chaos_partition_heals_with_no_stale_serve_and_no_sample_lost(hosts, tmp_path):
-    """The chaos fault `partition` at a seeded moment, through the hosts' switch. Where the
-    12 s cut lands decides what the fleet does: during a rollout or the step's probe, the
-    engine waits it out and is kept (resynced); across the next weight sync's pause (on a
-    quiet machine the sync follows the cut within a second), the sync judges it hung and it
-    is relaunched on its host once the link is back (docs/FAULT_TOLERANCE.md). Either way
-    nothing stale is served after the heal and no sample is lost or doubled."""
+    """The chaos fault `partition` at a seeded moment, through the hosts' switch: a 12 s
+    cut of an engine host. Wherever it lands (a rollout, the step's probe, or the next
+    weight sync's pause, which then finds the engine hung and holds it SUSPECT), the
+    engine is kept and resynced once its link is back, never relaunched; nothing stale is
+    served after the heal and no sample is lost or doubled."""
     with LinkSwitch(hosts) as switch, job_on_hosts(
-            hosts, tmp_path, 8, *JOB, "--chaos-seed", "5", "--chaos-faults", "partition",
+            hosts, tmp_path, PACED_STEPS, *JOB, *PACED, "--chaos-seed", "5",
+            "--chaos-faults", "partition",
             "--chaos-partition-command", switch.command(str(VENV_BIN / "python")),
             "--chaos-partition-seconds", str(PARTITION_S),
             GLOO_SOCKET_IFNAME=CLUSTER_IF) as run:
@@ -196,16 +198,12 @@ def test_a_chaos_partition_heals_with_no_stale_serve_and_no_sample_lost(hosts, t
     assert [c["node_ip"] for c in fault["effect"]] == [cut["node"]], fault
     assert len(switch.cuts) == 1 and cut["healed_at"] - cut["cut_at"] >= PARTITION_S, cut
     assert chaos["violations"] == [] and chaos["samples"] > 20, chaos
-    check_run(run.run_dir, 8, ENGINES)  # no sample lost or doubled; every check held
-    mine = [e for e in timeline(run.run_dir) if e["engine"] == engine]
-    if "DEAD" in {e["state"] for e in mine}:  # judged hung by a sync: relaunched on its host
-        assert "RECOVERED" in {e["state"] for e in mine}, mine
-        assert {urlparse(e["url"]).hostname for e in mine if "url" in e} == {cut["node"]}, mine
-        print(f"partition of {engine}: it met a weight sync, was judged hung and relaunched")
-    else:
-        assert served_after(run.run_dir, engine, cut["healed_at"]), "nothing served after it"
-        print(f"partition of {engine}: resynced, not replaced")
-    check_routed_only_at_the_fleet_version(run.run_dir, engine, cut["healed_at"])
+    check_run(run.run_dir, PACED_STEPS, ENGINES)  # no sample lost or doubled; checks held
+    met_a_sync = [e for e in timeline(run.run_dir) if e["engine"] == engine
+                  and "hung during a weight sync" in str(e.get("reason"))]
+    print(f"partition of {engine}: " + ("met a weight sync (SUSPECT), " if met_a_sync else "")
+          + "resynced, not replaced")
+    check_resynced_not_replaced(run.run_dir, engine, cut["healed_at"])
 
 
 @pytest.mark.slow
@@ -237,6 +235,13 @@ def test_a_long_partition_becomes_a_node_loss_and_leaves_nothing_on_the_healed_h
 
 LONG_PARTITION_S = 60.0
 PARTITION_S = 12.0
+# The training goes on during a short partition (the cut engine is out of the router and
+# the syncs), so the job must outlast the cut and the engine's resync by steps that route
+# to it: decode steps of at least 20 ms make a step take at least 0.25 s (12 tokens), and
+# 80 of them at least 20 s, of which at most the first 3 and 14 s (the cut, the resync)
+# pass before the engine is back.
+PACED = ("--reference-min-step-ms", "20")
+PACED_STEPS = 80
 
 
 def push(hosts: Hosts, model_dir: Path, engines: list[str], *cases: str) -> dict[str, dict]:
