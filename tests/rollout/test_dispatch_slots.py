@@ -29,6 +29,31 @@ def test_requests_wait_for_a_free_slot_and_go_to_the_emptiest_engine():
     assert slots.in_flight() == {"e0": 2, "e1": 1}
 
 
+def test_queue_places_are_given_only_once_every_routed_engine_is_full():
+    slots = EngineSlots(queue=1)
+    slots.route("e0", "http://a:1", None, 2)
+    slots.route("e1", "http://b:1", None, 1)
+
+    async def scenario():
+        held = [await slots.acquire(5.0) for _ in range(3)]   # every slot first
+        assert sorted(s.engine for s in held) == ["e0", "e0", "e1"]
+        queued = [await slots.acquire(5.0) for _ in range(2)]  # then one queue place each
+        assert sorted(s.engine for s in queued) == ["e0", "e1"]
+        assert slots.view("e0") == (3, 2, 0)
+        waiting = asyncio.ensure_future(slots.acquire(5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and slots.view("e0") == (3, 2, 1)  # slots and queues full
+        slots.unroute("e1")
+        slots.release(held[2])     # e1 has room again but left: nothing for it
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        slots.release(held[0])     # e0's queued request takes the slot: a place is free
+        return (await asyncio.wait_for(waiting, 2.0)).engine
+
+    assert asyncio.run(scenario()) == "e0"
+    assert slots.in_flight() == {"e0": 3, "e1": 1}
+
+
 def test_an_unrouted_engine_gets_nothing_and_keeps_its_count_until_routed_again():
     slots = EngineSlots()
     slots.route("e0", "http://a:1", None, 1)
