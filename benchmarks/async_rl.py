@@ -31,6 +31,9 @@ end of its last), so engine start-up and the first sync do not count:
   edges` (retracted requests not yet re-admitted, the first poll after a resume), and
   `schedule` (the client had nothing to send: the producer at its staleness window waiting
   for the trainer, or between groups; no dispatch can fill that);
+- slots filled: the mean share of the engines' `max_running_requests` running a request
+  over the same time (idle counts 0): a slot freed and left empty for a round trip lowers
+  it while the engine still counts as busy;
 - trainer idle: share of the window outside score/check/train/sync, trainer
   alone: share of the window when the trainer works and no engine has a request running
   (on shared cores, one core then has nothing to run);
@@ -110,6 +113,24 @@ def idle_causes(run_dir: Path, start: float, end: float) -> dict[str, float]:
     return {k: v / seen for k, v in idle.items()} if seen else {}
 
 
+def engine_fill(run_dir: Path, start: float, end: float) -> float | None:
+    """Mean share of the engines' slots running a request over [start, end] (down and
+    paused left out; idle counts 0): a slot left empty for a round trip lowers it even
+    while the engine is busy. None when a busy row does not say (no max_running_requests)."""
+    rows = read_utilization(run_dir / "utilization.jsonl")["engine"]
+    seen = filled = 0.0
+    for r in rows:
+        a, b = max(start, r["start_s"]), min(end, r["end_s"])
+        if b <= a or r.get("state") in ("down", "paused"):
+            continue
+        seen += b - a
+        if r.get("state") == "busy":
+            if r.get("fill") is None:
+                return None
+            filled += (b - a) * r["fill"]
+    return filled / seen if seen else None
+
+
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
@@ -159,6 +180,7 @@ def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> 
         "engine_idle": engine_idle(run_dir, start, end),
         "engine_idle_unpaused": engine_idle(run_dir, start, end, with_pauses=False),
         "idle_causes": idle_causes(run_dir, start, end),
+        "engine_fill": engine_fill(run_dir, start, end),
         "trainer_idle": trainer_idle(run_dir, start, end),
         "trainer_alone": trainer_alone(run_dir, start, end),
         "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages),
@@ -283,11 +305,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f" s, train + sync {base['train_sync_s']:.3f} s -> overlap bound {bound:.3f} s/step\n")
     head = ("| mode | samples/s | vs sync | step s | vs bound | train + sync s | engine idle | "
             "engine idle w/o pauses | of which dispatch / sync edges / schedule | "
+            "slots filled | "
             "trainer idle | trainer alone | "
             "staleness mean/max | reward first -> last | max logprob diff | mixed samples | "
             "CPU busy |")
     print(head)
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 17)
     for r in rows:
         r["vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["vs_bound"] = r["step_s"] / bound
@@ -299,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {r['train_sync_s']:.3f} | "
               f"{_pct(r['engine_idle'])} | {_pct(r['engine_idle_unpaused'])} | "
               f"{_pct(r['idle_dispatch'])} / {_pct(r['idle_sync_edges'])} / "
-              f"{_pct(r['idle_schedule'])} | "
+              f"{_pct(r['idle_schedule'])} | {_pct(r['engine_fill'])} | "
               f"{_pct(r['trainer_idle'])} | {_pct(r['trainer_alone'])} | "
               f"{r['staleness_mean']:.2f}/{r['staleness_max']} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "

@@ -5,7 +5,8 @@ An asynchronous schedule exists to keep both sides busy, so the operator needs t
 per poll) and keeps, per engine, intervals of `busy` (at least one request running),
 `idle`, `paused` (the engine says it is paused) and `down` (it did not answer); an idle
 interval also says why no request ran (`idle_causes.py`: the client's view of the engine,
-read right after its answer, when the job gives one).
+read right after its answer, when the job gives one), a busy one how full the engine's
+slots were (`fill`: running / `max_running_requests`, averaged over its polls).
 `TrainerUtilization` records the trainer's busy phases, marked by the job with
 `with trainer.busy("train"):`. `RunUtilization` bundles both with the syncs' positions and
 writes every closed interval to `utilization.jsonl` in the run folder, from which the
@@ -53,6 +54,7 @@ class Interval:
     start: float
     end: float
     cause: str | None = None  # why an idle engine ran nothing (idle_causes.py)
+    fill: float | None = None   # busy: mean share of its slots running (None: unknown)
 
     def overlap(self, since: float, until: float) -> float:
         """Seconds of this interval inside [since, until]."""
@@ -109,23 +111,33 @@ class _Track:
         self.cause: str | None = None
         self.since = 0.0
         self.last_seen = 0.0
+        self._fills: list[float] = [0.0, 0]  # the open interval's sum of fills, polls
         self._on_close = on_close
 
-    def mark(self, state: str, at: float, cause: str | None = None) -> None:
+    def mark(self, state: str, at: float, cause: str | None = None,
+             fill: float | None = None) -> None:
         """`state` holds from `at` on (a repeat of the current state only extends it)."""
         if (state, cause) != (self.state, self.cause):
             self.close(at)
             self.state, self.cause, self.since = state, cause, at
+        if fill is not None:
+            self._fills[0] += fill
+            self._fills[1] += 1
         self.last_seen = max(self.last_seen, at)
+
+    def _fill(self) -> float | None:
+        total, polls = self._fills
+        return round(total / polls, 4) if polls else None
 
     def close(self, at: float) -> None:
         if self.state is not None and at > self.since:
-            iv = Interval(self.subject, self.state, self.since, at, self.cause)
+            iv = Interval(self.subject, self.state, self.since, at, self.cause, self._fill())
             self.closed.append(iv)
             self._ends.append(at)
             if self._on_close is not None:
                 self._on_close(iv)
         self.state = None
+        self._fills = [0.0, 0]
         self.last_seen = max(self.last_seen, at)
 
     def forget_before(self, before: float, batch: int = 1024) -> None:
@@ -141,7 +153,7 @@ class _Track:
         out = [iv for iv in self.closed[first:] if iv.start < until]
         if self.state is not None and self.last_seen > self.since:
             out.append(Interval(self.subject, self.state, self.since, self.last_seen,
-                                self.cause))
+                                self.cause, self._fill()))
         return [iv for iv in out if iv.overlap(since, until) > 0]
 
 
@@ -155,6 +167,14 @@ def engine_state(loads: dict) -> str:
     if any(e.get("paused") for e in entries):
         return PAUSED
     return BUSY if sum(int(e.get("num_running_reqs") or 0) for e in entries) >= 1 else IDLE
+
+
+def engine_fill(loads: dict) -> float | None:
+    """Running requests / `max_running_requests` (all DP ranks), None when it is not said."""
+    entries = loads.get("loads") or []
+    slots = sum(int(e.get("max_running_requests") or 0) for e in entries)
+    running = sum(int(e.get("num_running_reqs") or 0) for e in entries)
+    return running / slots if slots > 0 else None
 
 
 def engine_queued(loads: dict) -> int:
@@ -201,12 +221,15 @@ class EngineUtilization:
     def _closed(self, iv: Interval) -> None:
         if self._log is not None:
             extra = {"cause": iv.cause} if iv.cause else {}
+            if iv.fill is not None and iv.state == BUSY:
+                extra["fill"] = iv.fill
             self._log.write("engine", iv.start, iv.end, subject=iv.subject, state=iv.state,
                             **extra)
 
     def _ask(self, engine: str, handle: EngineSession
-             ) -> tuple[str, int, ClientView | None] | None:
-        """(state, requests queued in the engine, the client's view of it), or None."""
+             ) -> tuple[str, int, ClientView | None, float | None] | None:
+        """(state, requests queued in the engine, the client's view of it, its fill), or
+        None."""
         try:
             loads = handle.loads(timeout=self.timeout_s) or {}
         except Exception:  # noqa: BLE001 - any failure to answer is "no answer"
@@ -217,7 +240,7 @@ class EngineUtilization:
                 view = self._client(engine)
             except Exception as e:  # noqa: BLE001 - the client's view is only for blame
                 logger.debug("client view of %s unavailable: %s", engine, e)
-        return engine_state(loads), engine_queued(loads), view
+        return engine_state(loads), engine_queued(loads), view, engine_fill(loads)
 
     def poll_once(self) -> None:
         """One poll of every engine (the thread calls it every `interval_s`)."""
@@ -236,11 +259,11 @@ class EngineUtilization:
             for engine, answer in answers.items():
                 track = self._tracks.setdefault(engine, _Track(engine, self._closed))
                 if answer is not None:
-                    state, _, view = answer
+                    state, _, view, fill = answer
                     self._failing.pop(engine, None)
                     cause = (blame(engine, queued, view, was_paused=track.state == PAUSED)
                              if state == IDLE else None)
-                    track.mark(state, at, cause)
+                    track.mark(state, at, cause, fill if state == BUSY else None)
                     continue
                 failed, first = self._failing.get(engine, (0, at))
                 self._failing[engine] = (failed + 1, first)

@@ -106,6 +106,7 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
         _wait_for("e0 idle again", lambda: util.state_of("e0") == IDLE)
         busy = [iv for iv in util.intervals(engine="e0") if iv.state == BUSY]
         assert busy and busy[0].start >= sent and busy[0].start < answered
+        assert busy[0].fill == 0.25  # one request running in 4 slots
         during = util.idle_ratio(sent, answered)
         assert during is not None and during < 1.0
         assert 0.0 < util.idle_ratio(begun, time.time()) < 1.0
