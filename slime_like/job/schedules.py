@@ -64,13 +64,14 @@ class ScheduledJob(Protocol):
 def client_view(job: ScheduledJob, engine: str) -> ClientView:
     """What the job's rollout client holds for `engine` now, which an idle engine is blamed
     on (observe/idle_causes.py): requests bound to it and waiting for a slot (admission
-    dispatch), and whether the producer's staleness window is full."""
+    dispatch), requests out, and whether the producer's staleness window is full."""
     fleet = job.fleet
     slots = fleet.routers.slots.get(fleet.updatable_model) if fleet is not None else None
     held = slots.view(engine) if slots is not None else None
     producer = job.producer
     return ClientView(bound=held[0] if held else None, waiting=held[2] if held else 0,
-                      producer_full=producer is not None and producer.window_full())
+                      producer_full=producer is not None and producer.window_full(),
+                      out=producer.generator.requests_out() if producer is not None else 0)
 
 
 def run_schedule(job: ScheduledJob) -> None:

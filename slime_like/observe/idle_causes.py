@@ -10,7 +10,9 @@ names the first cause that holds, in this order:
 - `engine_queue`: the engine has requests waiting and none running (they arrived, or a
   sync's resume gave back retracted ones, and its next step admits them);
 - `round_trip`: the client has requests bound to the engine that it does not run: an
-  answer on its way back or the next request on its way in (admission dispatch only);
+  answer on its way back or the next request on its way in (admission dispatch); through
+  a router, the client has more requests out than all engines hold (running or queued):
+  the rest are on their way through the router;
 - `routed_elsewhere`: another engine has requests queued that this one could run;
 - `hand_out`: requests wait in the client for a slot while this engine has one free;
 - `producer_window`: the producer admits no new group until the trainer trains (the
@@ -48,15 +50,17 @@ class ClientView:
     bound: int | None = None      # requests bound to the engine (admission), None: router
     waiting: int = 0              # requests waiting in the client for a slot (admission)
     producer_full: bool = False   # the producer's staleness window admits no group now
+    out: int = 0                  # requests sent and not answered (through a router too)
 
 
 def blame(engine: str, queued: Mapping[str, int], client: ClientView | None,
-          was_paused: bool) -> str:
+          was_paused: bool, held: int = 0) -> str:
     """The cause of one idle poll of `engine` (running none, not paused); `queued`: every
-    engine's waiting requests at the same poll."""
+    engine's waiting requests at the same poll, `held`: the requests all engines hold."""
     if queued.get(engine, 0) > 0:
         return ENGINE_QUEUE
-    if client is not None and client.bound:
+    if client is not None and (client.bound if client.bound is not None
+                               else client.out > held):
         return ROUND_TRIP
     if any(n > 0 for e, n in queued.items() if e != engine):
         return ROUTED_ELSEWHERE

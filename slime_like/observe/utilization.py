@@ -227,9 +227,9 @@ class EngineUtilization:
                             **extra)
 
     def _ask(self, engine: str, handle: EngineSession
-             ) -> tuple[str, int, ClientView | None, float | None] | None:
-        """(state, requests queued in the engine, the client's view of it, its fill), or
-        None."""
+             ) -> tuple[str, int, ClientView | None, float | None, int] | None:
+        """(state, requests queued in the engine, the client's view of it, its fill,
+        requests it holds), or None."""
         try:
             loads = handle.loads(timeout=self.timeout_s) or {}
         except Exception:  # noqa: BLE001 - any failure to answer is "no answer"
@@ -240,7 +240,9 @@ class EngineUtilization:
                 view = self._client(engine)
             except Exception as e:  # noqa: BLE001 - the client's view is only for blame
                 logger.debug("client view of %s unavailable: %s", engine, e)
-        return engine_state(loads), engine_queued(loads), view, engine_fill(loads)
+        held = sum(int(e.get("num_running_reqs") or 0) + int(e.get("num_waiting_reqs") or 0)
+                   for e in loads.get("loads") or [])
+        return engine_state(loads), engine_queued(loads), view, engine_fill(loads), held
 
     def poll_once(self) -> None:
         """One poll of every engine (the thread calls it every `interval_s`)."""
@@ -255,14 +257,15 @@ class EngineUtilization:
         answers = dict(zip(handles, self._pool.map(self._ask, handles, handles.values()),
                            strict=True))
         queued = {e: a[1] for e, a in answers.items() if a is not None}
+        held = sum(a[4] for a in answers.values() if a is not None)
         with self._lock:
             for engine, answer in answers.items():
                 track = self._tracks.setdefault(engine, _Track(engine, self._closed))
                 if answer is not None:
-                    state, _, view, fill = answer
+                    state, _, view, fill, _ = answer
                     self._failing.pop(engine, None)
-                    cause = (blame(engine, queued, view, was_paused=track.state == PAUSED)
-                             if state == IDLE else None)
+                    cause = (blame(engine, queued, view, was_paused=track.state == PAUSED,
+                                   held=held) if state == IDLE else None)
                     track.mark(state, at, cause, fill if state == BUSY else None)
                     continue
                 failed, first = self._failing.get(engine, (0, at))

@@ -218,6 +218,10 @@ class RouterGenerator:
             headers=headers, timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
             connector=aiohttp.TCPConnector(limit=self.concurrency))
 
+    def requests_out(self) -> int:
+        """Requests sent and not answered yet (read from any thread; a set's length)."""
+        return len(self._inflight)
+
     def resubmit_in_flight(self) -> None:
         """Thread-safe: cancel every request in flight; each is sent again at once."""
         loop = self._loop
