@@ -16,7 +16,10 @@ length, free their slots in the same step: the engine then runs nothing for that
 trip. So each engine is also given up to `queue` requests beyond its slots, as sglang queues
 what exceeds `max_running_requests`: they wait in the engine's own queue and take a freed
 slot at its next step. A request is queued only when no routed engine has a slot free, so
-no engine queues what another could run now.
+no engine queues what another could run now, and only while at least as many requests wait
+behind it in the client as there are queue places in all: at a rollout's tail nothing is
+left to refill a slot freed elsewhere, and a request committed to one engine's queue would
+wait there while another engine's slot stays empty (and its group, and the batch, later).
 
 The router still owns everything else: health, registration, the fleet's routing
 invariant. `EngineSlots` holds exactly the engines the fleet has in the router: the
@@ -134,7 +137,7 @@ class EngineSlots:
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self._waiters:
-                slot = self._take()
+                slot = self._take(behind=0)
                 if slot is not None:
                     return slot
             fut: asyncio.Future = loop.create_future()
@@ -172,13 +175,16 @@ class EngineSlots:
 
     # ---- under the lock -----------------------------------------------------------------------
 
-    def _take(self) -> Slot | None:
-        """A slot of the routed engine with the most free slots; when none has one, a place
-        in the queue of the one with the most room there; else None."""
+    def _take(self, behind: int) -> Slot | None:
+        """A slot of the routed engine with the most free slots; when none has one and
+        `behind` (requests waiting after this one) covers every queue place, a place in
+        the queue of the one with the most room there; else None."""
         routed = [(k, e) for k, e in self._engines.items() if e.routed]
         best = max(routed, key=lambda kv: kv[1].free, default=None)
         if best is None or best[1].free + self.queue <= 0:
             return None
+        if best[1].free <= 0 and behind < self.queue * len(routed):
+            return None  # no backlog to refill a slot freed elsewhere: wait for a slot
         engine, e = best
         e.in_flight += 1
         self.bound[engine] = self.bound.get(engine, 0) + 1
@@ -191,7 +197,7 @@ class EngineSlots:
             if fut.done():  # gave up
                 self._waiters.popleft()
                 continue
-            slot = self._take()
+            slot = self._take(behind=len(self._waiters) - 1)
             if slot is None:
                 return
             self._waiters.popleft()
