@@ -8,9 +8,9 @@ pause mode), in one process, on one local Ray cluster.
     python benchmarks/async_rl.py --engines 4 --modes fully-async:retract \
         --dispatch sglang-router:round_robin,sglang-router:cache_aware,sglang-router:admission
     # admission:K: at most K requests queued in an engine beyond its slots
-    # (--rollout-dispatch-queue K; plain admission: the default)
+    # (--rollout-dispatch-queue K; plain admission: the default, 0)
     python benchmarks/async_rl.py --engines 4 --modes fully-async:retract \
-        --dispatch sglang-router:admission:0,sglang-router:admission:2
+        --dispatch sglang-router:admission,sglang-router:admission:2
 
 Each run is the real job (reference engines behind the router, the trainer over gloo); job
 flags the benchmark does not know (`--router smg --router-policy least_load`, ...) go to

@@ -53,8 +53,9 @@ class RouterSettings:
     #: admission (a routed engine's free slot; rollout/dispatch.py)
     dispatch: Dispatch = Dispatch.ROUTER
     #: admission: requests bound to an engine beyond its slots, waiting in its own queue so
-    #: a freed slot is refilled at its next step instead of after a round trip
-    dispatch_queue: int = 2
+    #: a freed slot is refilled at its next step instead of after a round trip (0: never
+    #: beyond its slots; docs/ASYNC.md says when a queue wins and when it loses)
+    dispatch_queue: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dispatch", Dispatch(self.dispatch))

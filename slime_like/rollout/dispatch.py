@@ -13,13 +13,14 @@ first come first served, and go straight to the engine's URL with its API key.
 A slot freed on an engine would stay empty for one round trip through the client (the
 answer back, the next request bound and sent), and the tiny model's requests, all of one
 length, free their slots in the same step: the engine then runs nothing for that round
-trip. So each engine is also given up to `queue` requests beyond its slots, as sglang queues
-what exceeds `max_running_requests`: they wait in the engine's own queue and take a freed
-slot at its next step. A request is queued only when no routed engine has a slot free, so
-no engine queues what another could run now, and only while at least as many requests wait
-behind it in the client as there are queue places in all: at a rollout's tail nothing is
-left to refill a slot freed elsewhere, and a request committed to one engine's queue would
-wait there while another engine's slot stays empty (and its group, and the batch, later).
+trip. With `queue` > 0 each engine is also given up to that many requests beyond its
+slots, as sglang queues what exceeds `max_running_requests`: they wait in the engine's own
+queue and take a freed slot at its next step. A request is queued only when no routed
+engine has a slot free, so no engine queues what another could run now, and only while at
+least as many requests wait behind it in the client as there are queue places in all: at a
+rollout's tail nothing is left to refill a slot freed elsewhere. Off by default: a queued
+request waits for its engine's next slot instead of the first slot freed on any engine,
+which with 4 engines cost more than the round trip it saved (docs/ASYNC.md).
 
 The router still owns everything else: health, registration, the fleet's routing
 invariant. `EngineSlots` holds exactly the engines the fleet has in the router: the
