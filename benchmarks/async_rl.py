@@ -7,6 +7,10 @@ pause mode), in one process, on one local Ray cluster.
     # rollout client binds each request to a free engine slot, --rollout-dispatch admission)
     python benchmarks/async_rl.py --engines 4 --modes fully-async:retract \
         --dispatch sglang-router:round_robin,sglang-router:cache_aware,sglang-router:admission
+    # admission:K: at most K requests queued in an engine beyond its slots
+    # (--rollout-dispatch-queue K; plain admission: the default, 0)
+    python benchmarks/async_rl.py --engines 4 --modes fully-async:retract \
+        --dispatch sglang-router:admission,sglang-router:admission:2
 
 Each run is the real job (reference engines behind the router, the trainer over gloo); job
 flags the benchmark does not know (`--router smg --router-policy least_load`, ...) go to
@@ -20,7 +24,17 @@ end of its last), so engine start-up and the first sync do not count:
   train + sync (score, check, train and sync: longer where generation shares the cores);
 - engine idle: share of engine time with no request running (sampled from /v1/loads every
   50 ms), and the same without the syncs' own pauses (paused time left out of both the
-  idle time and the engine time: what dispatch can still win), trainer idle: share of the window outside score/check/train/sync, trainer
+  idle time and the engine time), split by cause (observe/idle_causes.py: each idle poll
+  blamed on what the engine and the rollout client held then): `dispatch` (requests
+  existed but were elsewhere: on their way between client and engine, queued on another
+  engine, waiting in the client for a slot: what a dispatch policy can still win), `sync
+  edges` (retracted requests not yet re-admitted, the first poll after a resume), and
+  `schedule` (the client had nothing to send: the producer at its staleness window waiting
+  for the trainer, or between groups; no dispatch can fill that);
+- slots filled: the mean share of the engines' `max_running_requests` running a request
+  over the same time (idle counts 0): a slot freed and left empty for a round trip lowers
+  it while the engine still counts as busy;
+- trainer idle: share of the window outside score/check/train/sync, trainer
   alone: share of the window when the trainer works and no engine has a request running
   (on shared cores, one core then has nothing to run);
 - staleness: versions between a sample's oldest token and the trained version;
@@ -48,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from slime_like.config.parse import parse_args  # noqa: E402
+from slime_like.observe.idle_causes import CAUSES, DISPATCH, SCHEDULE, SYNC_EDGES  # noqa: E402
 from slime_like.observe.utilization import read_utilization  # noqa: E402
 from slime_like.protocol.modes import Dispatch  # noqa: E402
 from slime_like.train import train  # noqa: E402
@@ -79,6 +94,41 @@ def engine_idle(run_dir: Path, start: float, end: float,
         if r.get("state") != "busy":
             idle += b - a
     return idle / seen if seen else None
+
+
+def idle_causes(run_dir: Path, start: float, end: float) -> dict[str, float]:
+    """Share of engine time in [start, end] (down and paused left out) idle for each cause
+    (observe/idle_causes.py; `unknown`: idle rows written without a cause)."""
+    rows = read_utilization(run_dir / "utilization.jsonl")["engine"]
+    seen = 0.0
+    idle: dict[str, float] = dict.fromkeys(CAUSES, 0.0)
+    for r in rows:
+        a, b = max(start, r["start_s"]), min(end, r["end_s"])
+        if b <= a or r.get("state") in ("down", "paused"):
+            continue
+        seen += b - a
+        if r.get("state") != "busy":
+            cause = r.get("cause") or "unknown"
+            idle[cause] = idle.get(cause, 0.0) + b - a
+    return {k: v / seen for k, v in idle.items()} if seen else {}
+
+
+def engine_fill(run_dir: Path, start: float, end: float) -> float | None:
+    """Mean share of the engines' slots running a request over [start, end] (down and
+    paused left out; idle counts 0): a slot left empty for a round trip lowers it even
+    while the engine is busy. None when a busy row does not say (no max_running_requests)."""
+    rows = read_utilization(run_dir / "utilization.jsonl")["engine"]
+    seen = filled = 0.0
+    for r in rows:
+        a, b = max(start, r["start_s"]), min(end, r["end_s"])
+        if b <= a or r.get("state") in ("down", "paused"):
+            continue
+        seen += b - a
+        if r.get("state") == "busy":
+            if r.get("fill") is None:
+                return None
+            filled += (b - a) * r["fill"]
+    return filled / seen if seen else None
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -129,6 +179,8 @@ def run_one(name: str, flags: list[str], config: str, steps: int, out: Path) -> 
                                           + m["sync_s"] for m in ms[1:]),
         "engine_idle": engine_idle(run_dir, start, end),
         "engine_idle_unpaused": engine_idle(run_dir, start, end, with_pauses=False),
+        "idle_causes": idle_causes(run_dir, start, end),
+        "engine_fill": engine_fill(run_dir, start, end),
         "trainer_idle": trainer_idle(run_dir, start, end),
         "trainer_alone": trainer_alone(run_dir, start, end),
         "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages),
@@ -211,8 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dispatch", default=None, metavar="ROUTER:POLICY,...",
                    help="run every mode once per router:policy (e.g. sglang-router:round_robin,"
                         "smg:least_load; POLICY admission: --rollout-dispatch admission, the "
-                        "client binds each request to a free engine slot); default: the "
-                        "config's router and policy")
+                        "client binds each request to a free engine slot; admission:K with "
+                        "--rollout-dispatch-queue K); default: the config's router and policy")
     p.add_argument("--out", default=None, help="run folders (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     a, job_flags = p.parse_known_args(argv)  # the rest: job flags for every run
@@ -227,8 +279,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         label = name
         if dispatch is not None:
             flags += ["--router", dispatch[0]]
-            flags += (["--rollout-dispatch", ADMISSION] if dispatch[1] == ADMISSION
-                      else ["--router-policy", dispatch[1]])
+            policy, _, queue = dispatch[1].partition(":")
+            if policy == ADMISSION:
+                flags += ["--rollout-dispatch", ADMISSION]
+                flags += ["--rollout-dispatch-queue", queue] if queue else []
+            else:
+                flags += ["--router-policy", dispatch[1]]
             label = f"{name} {dispatch[0]}:{dispatch[1]}"
         if a.reference_min_step_ms:
             flags += ["--reference-min-step-ms", str(a.reference_min_step_ms)]
@@ -248,21 +304,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{base['rollout_s']:.3f}"
           f" s, train + sync {base['train_sync_s']:.3f} s -> overlap bound {bound:.3f} s/step\n")
     head = ("| mode | samples/s | vs sync | step s | vs bound | train + sync s | engine idle | "
-            "engine idle w/o pauses | trainer idle | trainer alone | "
+            "engine idle w/o pauses | of which dispatch / sync edges / schedule | "
+            "slots filled | "
+            "trainer idle | trainer alone | "
             "staleness mean/max | reward first -> last | max logprob diff | mixed samples | "
             "CPU busy |")
     print(head)
-    print("|" + "---|" * 15)
+    print("|" + "---|" * 17)
     for r in rows:
         r["vs_sync"] = r["samples_per_s"] / base["samples_per_s"]
         r["vs_bound"] = r["step_s"] / bound
+        causes = r["idle_causes"]
+        for key, group in (("idle_dispatch", DISPATCH), ("idle_sync_edges", SYNC_EDGES),
+                           ("idle_schedule", SCHEDULE)):
+            r[key] = sum(causes.get(c, 0.0) for c in group) if causes else None
         print(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['vs_sync']:.2f}x | "
               f"{r['step_s']:.3f} | {r['vs_bound']:.2f}x | {r['train_sync_s']:.3f} | "
               f"{_pct(r['engine_idle'])} | {_pct(r['engine_idle_unpaused'])} | "
+              f"{_pct(r['idle_dispatch'])} / {_pct(r['idle_sync_edges'])} / "
+              f"{_pct(r['idle_schedule'])} | {_pct(r['engine_fill'])} | "
               f"{_pct(r['trainer_idle'])} | {_pct(r['trainer_alone'])} | "
               f"{r['staleness_mean']:.2f}/{r['staleness_max']} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
               f"{r['logprob_diff_max']:.1e} | {r['mixed_samples']} | {_pct(r['cpu_busy'])} |")
+    print("\nidle by cause (share of unpaused engine time; observe/idle_causes.py):")
+    for r in rows:
+        print(f"  {r['mode']}: " + ", ".join(f"{k} {_pct(v)}" for k, v in
+                                            r["idle_causes"].items() if v))
     if a.json_out:  # each row with what produced it, so a results file can be re-read
         run = {"config": Path(a.config).name, "job_flags": job_flags, "engines": a.engines,
                "reference_min_step_ms": a.reference_min_step_ms,

@@ -226,6 +226,13 @@ def _router(p: argparse.ArgumentParser) -> None:
                         "routed engine has a free slot of its --sglang-max-running-requests; "
                         "the request then goes straight to that engine; not with PD). The "
                         "router keeps health and registration either way.")
+    g.add_argument("--rollout-dispatch-queue", type=t.non_negative_int,
+                   default=RouterSettings.dispatch_queue,
+                   help="With --rollout-dispatch admission: requests bound to an engine beyond "
+                        "its slots once no engine has a slot free (and while as many more wait "
+                        "in the client); they wait in the engine's own queue, so a slot freed "
+                        "is refilled at its next step instead of after a round trip through "
+                        "the client. 0: never beyond its slots.")
     g.add_argument("--sglang-router-ip", default=None,
                    help="Refused: the job starts and owns its routers (the fleet alone adds "
                         "and removes workers); use --sglang-router-port to fix the port.")

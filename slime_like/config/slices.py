@@ -52,9 +52,16 @@ class RouterSettings:
     #: who binds a rollout request to an engine: the router's policy, or the client's
     #: admission (a routed engine's free slot; rollout/dispatch.py)
     dispatch: Dispatch = Dispatch.ROUTER
+    #: admission: requests bound to an engine beyond its slots, waiting in its own queue so
+    #: a freed slot is refilled at its next step instead of after a round trip (0: never
+    #: beyond its slots; docs/ASYNC.md says when a queue wins and when it loses)
+    dispatch_queue: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dispatch", Dispatch(self.dispatch))
+        if self.dispatch_queue < 0:
+            raise ValueError(f"RouterSettings.dispatch_queue must be >= 0, "
+                             f"got {self.dispatch_queue}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,8 @@ def fleet_settings(args: argparse.Namespace, *, log_dir: str,
                               flags=router_flags,
                               api_key=router_key or args.router_flags.get("api_key"),
                               request_timeout_s=float(args.rollout_request_timeout),
-                              dispatch=args.rollout_dispatch),
+                              dispatch=args.rollout_dispatch,
+                              dispatch_queue=args.rollout_dispatch_queue),
         health=HealthSettings(enabled=bool(args.use_fault_tolerance),
                               interval_s=args.rollout_health_check_interval,
                               timeout_s=args.rollout_health_check_timeout,

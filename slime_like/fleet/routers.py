@@ -60,7 +60,8 @@ class Routers(Mapping[str, Router]):
                     raise ConfigError("--rollout-dispatch", f"admission binds each request to "
                                       f"one engine; model {plan.model_name!r} runs prefill and "
                                       "decode engines, which its router pairs: use router")
-                self.slots[plan.model_name] = EngineSlots(plan.model_name)
+                self.slots[plan.model_name] = EngineSlots(
+                    plan.model_name, queue=settings.router.dispatch_queue)
 
     # ---- the mapping -------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ fleet in the background (`fleet/recovery.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -46,7 +47,7 @@ from slime_like.job.kl import reference_kl
 from slime_like.job.rollouts import StepRollouts
 from slime_like.job.samples import Rollout, staleness_of, train_masks
 from slime_like.job.scaling import ScaleWatcher
-from slime_like.job.schedules import run_schedule
+from slime_like.job.schedules import client_view, run_schedule
 from slime_like.observe.fleet_view import states_summary
 from slime_like.observe.observers import RunObservers
 from slime_like.observe.report import sync_metrics
@@ -54,6 +55,7 @@ from slime_like.protocol.weight_version import WeightVersion
 from slime_like.rollout.dynamic_sampling import GroupFilter
 from slime_like.rollout.generate import Sample
 from slime_like.rollout.plugins import Plugins
+from slime_like.rollout.producer import RolloutProducer
 from slime_like.submit.connect import init_ray
 from slime_like.trainer.group import TrainerGroup
 from slime_like.trainer.grpo import group_advantages
@@ -103,6 +105,7 @@ class Job:
         self.crash: ChaosMonkey | None = None
         self.partitioner: Partitioner | None = None  # the chaos fault `partition`
         self.utilization = None
+        self.producer: RolloutProducer | None = None  # the fully-async schedule's, while it runs
         self.scaler: ScaleWatcher | None = None  # the operator's scale commands
         self._step_started = 0.0
         self.phases: dict[str, float] = {}  # this step's phase seconds (docs/COLOCATE.md)
@@ -217,7 +220,8 @@ class Job:
         fleet = self.fleet
         self.utilization = self.obs.start_utilization(
             lambda: {e.engine_id: e.handle for e in fleet.engines
-                     if e.handle is not None and e.update_weights})
+                     if e.handle is not None and e.update_weights},
+            client=functools.partial(client_view, self))
         self._step_started = time.time()
 
     def start_chaos(self) -> None:

@@ -31,6 +31,7 @@ from slime_like.fleet.fleet import Fleet
 from slime_like.job.inputs import JobInputs
 from slime_like.job.rollouts import StepRollouts
 from slime_like.job.samples import Rollout
+from slime_like.observe.idle_causes import ClientView
 from slime_like.protocol.modes import AsyncMode
 from slime_like.rollout.dynamic_sampling import GroupFilter
 from slime_like.rollout.producer import RolloutProducer
@@ -51,12 +52,26 @@ class ScheduledJob(Protocol):
     out: Path
     notes: list[str]
     rollouts: StepRollouts | None
+    producer: RolloutProducer | None
 
     def step(self, step: int) -> None: ...
 
     def learn(self, step: int, rollout: Rollout,
               before_sync: Callable[[], None] | None = None) -> None: ...
 
+
+
+def client_view(job: ScheduledJob, engine: str) -> ClientView:
+    """What the job's rollout client holds for `engine` now, which an idle engine is blamed
+    on (observe/idle_causes.py): requests bound to it and waiting for a slot (admission
+    dispatch), requests out, and whether the producer's staleness window is full."""
+    fleet = job.fleet
+    slots = fleet.routers.slots.get(fleet.updatable_model) if fleet is not None else None
+    held = slots.view(engine) if slots is not None else None
+    producer = job.producer
+    return ClientView(bound=held[0] if held else None, waiting=held[2] if held else 0,
+                      producer_full=producer is not None and producer.window_full(),
+                      out=producer.generator.requests_out() if producer is not None else 0)
 
 
 def run_schedule(job: ScheduledJob) -> None:
@@ -147,6 +162,7 @@ def run_fully_async(job: ScheduledJob) -> None:
             keep_group=job.rollouts.keep_group if job.group_filter.enabled else None,
             draw_size=settings.dynamic_sampling.draw_size(batch))
         producer.start()
+        job.producer = producer  # what an idle engine is blamed on (observe/idle_causes.py)
         seen = {"aborted": 0, "partial": 0, "resubmitted": 0, "filtered": 0}
         try:
             for step in range(job.start_step, settings.num_steps):
@@ -182,6 +198,7 @@ def run_fully_async(job: ScheduledJob) -> None:
                 job.learn(step, rollout, before_sync=before_sync)
                 producer.trained()
         finally:
+            job.producer = None
             counts = producer.stop()
             summary = {"mode": AsyncMode.FULLY_ASYNC, "samples_per_group": n,
                        "groups": vars(counts), "balanced": counts.balanced()}

@@ -16,6 +16,7 @@ from typing import Any
 from slime_like.config.slices import ObserveSettings
 from slime_like.fleet.events import EngineState, FleetEvent
 from slime_like.observe.endpoints import MetricsEndpoint, metrics_endpoints
+from slime_like.observe.idle_causes import ClientView
 from slime_like.observe.progress import RunProgress
 from slime_like.observe.report import RunReport
 from slime_like.observe.run_info import json_safe
@@ -91,13 +92,16 @@ class RunObservers:
             self.progress.step(step, metrics.get("reward_mean"))
 
     def start_utilization(self, engines: Callable[[], Iterable[Any]],
-                          interval_s: float = 0.05) -> RunUtilization:
+                          interval_s: float = 0.05,
+                          client: Callable[[str], ClientView | None] | None = None
+                          ) -> RunUtilization:
         """Start sampling engine load (`engines()` read each poll: the `EngineSession`s to
         watch); the trainer's phases and the syncs are marked on what it returns. Written
-        to utilization.jsonl, drawn as utilization.png; stopped by `close`."""
+        to utilization.jsonl, drawn as utilization.png; stopped by `close`. `client(engine)`:
+        what the rollout client holds for an engine, which an idle interval is blamed on."""
         if self.utilization is None:
             self.utilization = RunUtilization(engines, self.report.out_dir, self.report.started,
-                                              interval_s=interval_s).start()
+                                              interval_s=interval_s, client=client).start()
         return self.utilization
 
     def close(self, title: str, notes: list[str] | None = None) -> Path:

@@ -3,7 +3,10 @@
 An asynchronous schedule exists to keep both sides busy, so the operator needs to see it:
 `EngineUtilization` polls every engine's `/v1/loads` on a thread (one short GET per engine
 per poll) and keeps, per engine, intervals of `busy` (at least one request running),
-`idle`, `paused` (the engine says it is paused) and `down` (it did not answer).
+`idle`, `paused` (the engine says it is paused) and `down` (it did not answer); an idle
+interval also says why no request ran (`idle_causes.py`: the client's view of the engine,
+read right after its answer, when the job gives one), a busy one how full the engine's
+slots were (`fill`: running / `max_running_requests`, averaged over its polls).
 `TrainerUtilization` records the trainer's busy phases, marked by the job with
 `with trainer.busy("train"):`. `RunUtilization` bundles both with the syncs' positions and
 writes every closed interval to `utilization.jsonl` in the run folder, from which the
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slime_like.observe.idle_causes import ClientView, blame
+
 if TYPE_CHECKING:  # only named in hints: `slime-like report` needs no engine client
     from slime_like.engine.session import EngineSession
 
@@ -48,6 +53,8 @@ class Interval:
     state: str
     start: float
     end: float
+    cause: str | None = None  # why an idle engine ran nothing (idle_causes.py)
+    fill: float | None = None   # busy: mean share of its slots running (None: unknown)
 
     def overlap(self, since: float, until: float) -> float:
         """Seconds of this interval inside [since, until]."""
@@ -101,25 +108,36 @@ class _Track:
         self.closed: list[Interval] = []
         self._ends: list[float] = []  # closed[i].end, for bisect
         self.state: str | None = None
+        self.cause: str | None = None
         self.since = 0.0
         self.last_seen = 0.0
+        self._fills: list[float] = [0.0, 0]  # the open interval's sum of fills, polls
         self._on_close = on_close
 
-    def mark(self, state: str, at: float) -> None:
+    def mark(self, state: str, at: float, cause: str | None = None,
+             fill: float | None = None) -> None:
         """`state` holds from `at` on (a repeat of the current state only extends it)."""
-        if state != self.state:
+        if (state, cause) != (self.state, self.cause):
             self.close(at)
-            self.state, self.since = state, at
+            self.state, self.cause, self.since = state, cause, at
+        if fill is not None:
+            self._fills[0] += fill
+            self._fills[1] += 1
         self.last_seen = max(self.last_seen, at)
+
+    def _fill(self) -> float | None:
+        total, polls = self._fills
+        return round(total / polls, 4) if polls else None
 
     def close(self, at: float) -> None:
         if self.state is not None and at > self.since:
-            iv = Interval(self.subject, self.state, self.since, at)
+            iv = Interval(self.subject, self.state, self.since, at, self.cause, self._fill())
             self.closed.append(iv)
             self._ends.append(at)
             if self._on_close is not None:
                 self._on_close(iv)
         self.state = None
+        self._fills = [0.0, 0]
         self.last_seen = max(self.last_seen, at)
 
     def forget_before(self, before: float, batch: int = 1024) -> None:
@@ -134,7 +152,8 @@ class _Track:
         first = bisect.bisect_right(self._ends, since)
         out = [iv for iv in self.closed[first:] if iv.start < until]
         if self.state is not None and self.last_seen > self.since:
-            out.append(Interval(self.subject, self.state, self.since, self.last_seen))
+            out.append(Interval(self.subject, self.state, self.since, self.last_seen,
+                                self.cause, self._fill()))
         return [iv for iv in out if iv.overlap(since, until) > 0]
 
 
@@ -150,6 +169,19 @@ def engine_state(loads: dict) -> str:
     return BUSY if sum(int(e.get("num_running_reqs") or 0) for e in entries) >= 1 else IDLE
 
 
+def engine_fill(loads: dict) -> float | None:
+    """Running requests / `max_running_requests` (all DP ranks), None when it is not said."""
+    entries = loads.get("loads") or []
+    slots = sum(int(e.get("max_running_requests") or 0) for e in entries)
+    running = sum(int(e.get("num_running_reqs") or 0) for e in entries)
+    return running / slots if slots > 0 else None
+
+
+def engine_queued(loads: dict) -> int:
+    """Requests waiting in the engine's own queue (all its DP ranks together)."""
+    return sum(int(e.get("num_waiting_reqs") or 0) for e in loads.get("loads") or [])
+
+
 class EngineUtilization:
     """Samples every engine's load on a thread; busy/idle/paused/down intervals per engine.
 
@@ -157,13 +189,16 @@ class EngineUtilization:
     go; it returns handles (rows named by `engine_id`) or a {name: handle} mapping. One that leaves the set has its interval closed. An engine whose `/v1/loads` fails
     `down_after` polls in a row is `down` from its first failed poll (one slow answer on a
     loaded machine is not a death). Intervals older than `keep_s` leave memory (the file
-    keeps them). Nothing here raises into the job.
+    keeps them). Nothing here raises into the job. `client(engine)`, read right after the
+    engine's answer, is what the rollout client holds for it: an idle interval then names
+    its cause (`idle_causes.blame`).
     """
 
     def __init__(self, engines: Callable[[], EngineSet], *, interval_s: float = 0.05,
                  timeout_s: float | None = None, down_after: int = 3,
                  log: UtilizationLog | None = None, clock: Callable[[], float] = time.time,
-                 max_workers: int = 8, keep_s: float = 3600.0):
+                 max_workers: int = 8, keep_s: float = 3600.0,
+                 client: Callable[[str], ClientView | None] | None = None):
         if interval_s <= 0:
             raise ValueError(f"EngineUtilization: interval_s must be > 0, got {interval_s}")
         self._engines = engines
@@ -173,6 +208,7 @@ class EngineUtilization:
         self.keep_s = keep_s
         self._log = log
         self._clock = clock
+        self._client = client
         self._tracks: dict[str, _Track] = {}
         self._failing: dict[str, tuple[int, float]] = {}  # engine -> (failed polls, first at)
         self._lock = threading.Lock()
@@ -184,13 +220,29 @@ class EngineUtilization:
 
     def _closed(self, iv: Interval) -> None:
         if self._log is not None:
-            self._log.write("engine", iv.start, iv.end, subject=iv.subject, state=iv.state)
+            extra = {"cause": iv.cause} if iv.cause else {}
+            if iv.fill is not None and iv.state == BUSY:
+                extra["fill"] = iv.fill
+            self._log.write("engine", iv.start, iv.end, subject=iv.subject, state=iv.state,
+                            **extra)
 
-    def _ask(self, handle: EngineSession) -> str | None:
+    def _ask(self, engine: str, handle: EngineSession
+             ) -> tuple[str, int, ClientView | None, float | None, int] | None:
+        """(state, requests queued in the engine, the client's view of it, its fill,
+        requests it holds), or None."""
         try:
-            return engine_state(handle.loads(timeout=self.timeout_s) or {})
+            loads = handle.loads(timeout=self.timeout_s) or {}
         except Exception:  # noqa: BLE001 - any failure to answer is "no answer"
             return None
+        view = None
+        if self._client is not None:
+            try:
+                view = self._client(engine)
+            except Exception as e:  # noqa: BLE001 - the client's view is only for blame
+                logger.debug("client view of %s unavailable: %s", engine, e)
+        held = sum(int(e.get("num_running_reqs") or 0) + int(e.get("num_waiting_reqs") or 0)
+                   for e in loads.get("loads") or [])
+        return engine_state(loads), engine_queued(loads), view, engine_fill(loads), held
 
     def poll_once(self) -> None:
         """One poll of every engine (the thread calls it every `interval_s`)."""
@@ -202,13 +254,19 @@ class EngineUtilization:
             logger.debug("engine set unavailable: %s", e)
             return
         at = self._clock()
-        answers = dict(zip(handles, self._pool.map(self._ask, handles.values()), strict=True))
+        answers = dict(zip(handles, self._pool.map(self._ask, handles, handles.values()),
+                           strict=True))
+        queued = {e: a[1] for e, a in answers.items() if a is not None}
+        held = sum(a[4] for a in answers.values() if a is not None)
         with self._lock:
-            for engine, state in answers.items():
+            for engine, answer in answers.items():
                 track = self._tracks.setdefault(engine, _Track(engine, self._closed))
-                if state is not None:
+                if answer is not None:
+                    state, _, view, fill, _ = answer
                     self._failing.pop(engine, None)
-                    track.mark(state, at)
+                    cause = (blame(engine, queued, view, was_paused=track.state == PAUSED,
+                                   held=held) if state == IDLE else None)
+                    track.mark(state, at, cause, fill if state == BUSY else None)
                     continue
                 failed, first = self._failing.get(engine, (0, at))
                 self._failing[engine] = (failed + 1, first)
@@ -336,10 +394,11 @@ class RunUtilization:
 
     def __init__(self, engines: Callable[[], EngineSet], run_dir: Path,
                  origin: float, *, interval_s: float = 0.05, timeout_s: float | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 client: Callable[[str], ClientView | None] | None = None):
         self.log = UtilizationLog(Path(run_dir) / UTILIZATION_FILE, origin)
         self.engines = EngineUtilization(engines, interval_s=interval_s, timeout_s=timeout_s,
-                                         log=self.log, clock=clock)
+                                         log=self.log, clock=clock, client=client)
         self.trainer = TrainerUtilization(log=self.log, clock=clock)
         self.syncs: list[tuple[float, float, str]] = []
         self._clock = clock

@@ -10,12 +10,25 @@ engine's slots are its `max_running_requests` (sglang's `/v1/loads`), and the cl
 how many of them its own requests hold. Requests that find no free slot wait in the client,
 first come first served, and go straight to the engine's URL with its API key.
 
+A slot freed on an engine would stay empty for one round trip through the client (the
+answer back, the next request bound and sent), and the tiny model's requests, all of one
+length, free their slots in the same step: the engine then runs nothing for that round
+trip. With `queue` > 0 each engine is also given up to that many requests beyond its
+slots, as sglang queues what exceeds `max_running_requests`: they wait in the engine's own
+queue and take a freed slot at its next step. A request is queued only when no routed
+engine has a slot free, so no engine queues what another could run now, and only while at
+least as many requests wait behind it in the client as there are queue places in all: at a
+rollout's tail nothing is left to refill a slot freed elsewhere. Off by default: a queued
+request waits for its engine's next slot instead of the first slot freed on any engine,
+which with 4 engines cost more than the round trip it saved (docs/ASYNC.md).
+
 The router still owns everything else: health, registration, the fleet's routing
 invariant. `EngineSlots` holds exactly the engines the fleet has in the router: the
 fleet's `Routers` adds an engine here after the router lists it and takes it out here
 before it leaves the router, so no request is bound to an engine the fleet unrouted (one
 already running there ends there, as through a router). An engine's count of requests in
-flight outlives its unrouting, so one routed again is never given more than its free slots.
+flight outlives its unrouting, so one routed again is never given more than its free slots
+(and queue places).
 """
 
 from __future__ import annotations
@@ -46,7 +59,8 @@ class _Engine:
 
     @property
     def free(self) -> int:
-        return self.slots - self.in_flight if self.routed else 0
+        """Slots no request of ours holds (below 0 while some wait in its queue)."""
+        return self.slots - self.in_flight
 
 
 class NoEngineRouted(RuntimeError):
@@ -60,8 +74,11 @@ class EngineSlots:
     waits for slots on its own event loop (a waiter is woken on its loop).
     """
 
-    def __init__(self, model: str = ""):
+    def __init__(self, model: str = "", queue: int = 0):
+        if queue < 0:
+            raise ValueError(f"EngineSlots({model!r}): queue must be >= 0, got {queue}")
         self.model = model
+        self.queue = queue  # requests bound to an engine beyond its slots (its own queue)
         self._lock = threading.Lock()
         self._engines: dict[str, _Engine] = {}
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
@@ -105,6 +122,14 @@ class EngineSlots:
         with self._lock:
             return {k: e.in_flight for k, e in self._engines.items()}
 
+    def view(self, engine: str) -> tuple[int, int, int] | None:
+        """(requests bound to the engine, its slots, requests waiting in the client for a
+        slot) now, or None for an engine never routed: what an idle engine is blamed on."""
+        with self._lock:
+            known = self._engines.get(engine)
+            waiting = sum(1 for _, fut in self._waiters if not fut.done())
+            return None if known is None else (known.in_flight, known.slots, waiting)
+
     # ---- the client's side --------------------------------------------------------------------
 
     async def acquire(self, no_engine_s: float) -> Slot:
@@ -113,7 +138,7 @@ class EngineSlots:
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self._waiters:
-                slot = self._take()
+                slot = self._take(behind=0)
                 if slot is not None:
                     return slot
             fut: asyncio.Future = loop.create_future()
@@ -151,11 +176,16 @@ class EngineSlots:
 
     # ---- under the lock -----------------------------------------------------------------------
 
-    def _take(self) -> Slot | None:
-        """A slot of the routed engine with the most free slots, or None."""
-        best = max(self._engines.items(), key=lambda kv: kv[1].free, default=None)
-        if best is None or best[1].free <= 0:
+    def _take(self, behind: int) -> Slot | None:
+        """A slot of the routed engine with the most free slots; when none has one and
+        `behind` (requests waiting after this one) covers every queue place, a place in
+        the queue of the one with the most room there; else None."""
+        routed = [(k, e) for k, e in self._engines.items() if e.routed]
+        best = max(routed, key=lambda kv: kv[1].free, default=None)
+        if best is None or best[1].free + self.queue <= 0:
             return None
+        if best[1].free <= 0 and behind < self.queue * len(routed):
+            return None  # no backlog to refill a slot freed elsewhere: wait for a slot
         engine, e = best
         e.in_flight += 1
         self.bound[engine] = self.bound.get(engine, 0) + 1
@@ -168,7 +198,7 @@ class EngineSlots:
             if fut.done():  # gave up
                 self._waiters.popleft()
                 continue
-            slot = self._take()
+            slot = self._take(behind=len(self._waiters) - 1)
             if slot is None:
                 return
             self._waiters.popleft()

@@ -212,8 +212,15 @@ class RouterGenerator:
         `resubmit_in_flight` then reaches): for callers that send `sample()`s themselves."""
         self._loop = asyncio.get_running_loop()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # aiohttp's default pool holds 100 connections: more requests than that would wait
+        # in the client while engines have slots free (admission with 6+ engines of 16).
         return aiohttp.ClientSession(
-            headers=headers, timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
+            headers=headers, timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            connector=aiohttp.TCPConnector(limit=self.concurrency))
+
+    def requests_out(self) -> int:
+        """Requests sent and not answered yet (read from any thread; a set's length)."""
+        return len(self._inflight)
 
     def resubmit_in_flight(self) -> None:
         """Thread-safe: cancel every request in flight; each is sent again at once."""

@@ -202,6 +202,14 @@ class RolloutProducer:
         with self._lock:
             return self._running
 
+    def window_full(self) -> bool:
+        """The staleness window admits no new group now: the producer waits for the
+        trainer (or its prompts ran out)."""
+        with self._lock:
+            return self._exhausted or admission_capacity(
+                self.max_staleness, self.batch_groups, self._trained, self._accepted,
+                self._running) <= 0
+
     # ---- the producer's thread ----------------------------------------------------------------
 
     def _wake_loop(self) -> None:

@@ -1,10 +1,11 @@
 """Admission dispatch (`--rollout-dispatch admission`) on the real fleet: real Ray, the real
 sglang-router (registration and health), two reference engines of 2 slots each
-(`--max-running-requests 2`), and the rollout client binding requests to free slots.
+(`--max-running-requests 2`) and a queue of 1 beyond them (`--rollout-dispatch-queue 1`),
+and the rollout client binding requests to free slots.
 
-- more requests than slots: no engine ever holds more than its slots (running + waiting,
-  read from its own `/v1/loads` while they run), both engines serve, and a weight update
-  (pause, retract, resume) in the middle loses nothing;
+- more requests than slots: no engine ever holds more than its slots and queue (running +
+  waiting, read from its own `/v1/loads` while they run), both engines serve, and a weight
+  update (pause, retract, resume) in the middle loses nothing;
 - an engine drained while requests run (out of the router) is given no request from the
   moment it leaves, and the other engine serves the rest.
 """
@@ -30,6 +31,7 @@ from slime_like.protocol.modes import Dispatch
 
 FLEET_YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
 SLOTS = 2
+QUEUE = 1  # requests bound to an engine beyond its slots (they wait in its own queue)
 PARAMS = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}
 
 
@@ -71,7 +73,8 @@ def admitted(tmp_path_factory, tiny_model_dir):
         FLEET_YAML, model_path=tiny_model_dir, log_dir=tmp_path_factory.mktemp("admission"),
         engine=EngineSettings(program="reference", reference_min_step_ms=5.0,
                               sglang_flags={"max_running_requests": SLOTS}),
-        router=RouterSettings(flags={"policy": "round_robin"}, dispatch=Dispatch.ADMISSION))
+        router=RouterSettings(flags={"policy": "round_robin"}, dispatch=Dispatch.ADMISSION,
+                              dispatch_queue=QUEUE))
     try:
         weights = FleetWeights(fleet, transport=Transport.DISTRIBUTED,
                                pause_mode=PauseMode.RETRACT, update_weight_buffer_size=1 << 20)
@@ -111,8 +114,8 @@ def test_no_engine_is_given_more_than_its_slots_and_a_sync_loses_nothing(admitte
     assert len(samples) == 16
     assert all(s.finish_reason == "length" and len(s.output_ids) == 24 for s in samples)
     assert any("2" in s.versions() for s in samples)  # the sync landed mid-rollout
-    # 16 requests for 4 slots: each engine was full, never beyond
-    assert seen.most == dict.fromkeys(seen.handles, SLOTS), seen.most
+    # 16 requests for 4 slots and 2 queue places: each engine was full, never beyond
+    assert seen.most == dict.fromkeys(seen.handles, SLOTS + QUEUE), seen.most
     assert all(slots.bound[e] > 0 for e in seen.handles), slots.bound
     assert set(slots.in_flight().values()) == {0}
 

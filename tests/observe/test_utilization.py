@@ -1,4 +1,5 @@
-"""Engine busy/idle/down sampled from real reference engines; trainer phases on a fake clock."""
+"""Engine busy/idle/down sampled from real reference engines (an idle one blamed on what the
+client says it holds); trainer phases on a fake clock."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ import pytest
 
 from slime_like.engine.address import EngineAddress
 from slime_like.engine.session import EngineSession
+from slime_like.observe.idle_causes import (
+    NO_REQUEST,
+    PRODUCER_WINDOW,
+    ROUND_TRIP,
+    SYNC_EDGE,
+    ClientView,
+)
 from slime_like.observe.utilization import (
     BUSY,
     DOWN,
@@ -58,12 +66,16 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
     watched = [EngineSession(EngineAddress(e0.url, engine_id="e0"))]
     begun = time.time()
     log = UtilizationLog(tmp_path / "utilization.jsonl", origin=begun)
-    util = EngineUtilization(lambda: list(watched), interval_s=0.05, log=log).start()
+    client = {"e0": ClientView(producer_full=True)}  # what the rollout client holds
+    util = EngineUtilization(lambda: list(watched), interval_s=0.05, log=log,
+                             client=client.get).start()
     try:
         _wait_for("a few polls", lambda: util.polls >= 5)
         quiet_until = time.time()
         assert util.state_of("e0") == IDLE
         assert util.idle_ratio(begun, quiet_until) == 1.0
+        assert {iv.cause for iv in util.intervals(engine="e0")} == {PRODUCER_WINDOW}
+        client["e0"] = ClientView()  # the client has nothing at all for it
 
         # Paused for a sync: not busy, and counted as idle time.
         watched[0].pause_generation("retract", timeout=10)
@@ -72,6 +84,13 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
         finally:
             watched[0].continue_generation(timeout=10)
         _wait_for("e0 idle after continue", lambda: util.state_of("e0") == IDLE)
+        _wait_for("a poll after the resume", lambda: util.intervals(engine="e0")[-1].cause
+                  == NO_REQUEST)
+        after_pause = [iv.cause for iv in util.intervals(engine="e0")][-2:]
+        assert after_pause == [SYNC_EDGE, NO_REQUEST]  # the first idle poll after a resume
+        client["e0"] = ClientView(bound=1)  # a request bound to it but not running there
+        _wait_for("e0 idle on a round trip", lambda: util.intervals(engine="e0")[-1].cause
+                  == ROUND_TRIP)
 
         # One long generation: the engine is busy while it runs, idle again after.
         out: dict = {}
@@ -87,6 +106,7 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
         _wait_for("e0 idle again", lambda: util.state_of("e0") == IDLE)
         busy = [iv for iv in util.intervals(engine="e0") if iv.state == BUSY]
         assert busy and busy[0].start >= sent and busy[0].start < answered
+        assert busy[0].fill == 0.25  # one request running in 4 slots
         during = util.idle_ratio(sent, answered)
         assert during is not None and during < 1.0
         assert 0.0 < util.idle_ratio(begun, time.time()) < 1.0
@@ -113,6 +133,8 @@ def test_engines_idle_then_busy_during_a_generation_and_down_once_killed(two_eng
     rows = read_utilization(tmp_path / "utilization.jsonl")["engine"]
     states = {(r["subject"], r["state"]) for r in rows}
     assert {("e0", IDLE), ("e0", BUSY), ("e1", IDLE), ("e1", DOWN)} <= states
+    assert {r.get("cause") for r in rows if r["subject"] == "e0" and r["state"] == IDLE} \
+        == {PRODUCER_WINDOW, SYNC_EDGE, NO_REQUEST, ROUND_TRIP}
     assert all(r["end_s"] > r["start_s"] >= 0 for r in rows)
 
 

@@ -29,6 +29,36 @@ def test_requests_wait_for_a_free_slot_and_go_to_the_emptiest_engine():
     assert slots.in_flight() == {"e0": 2, "e1": 1}
 
 
+def test_queue_places_only_once_every_engine_is_full_and_only_with_a_backlog():
+    slots = EngineSlots(queue=1)
+    slots.route("e0", "http://a:1", None, 2)
+    slots.route("e1", "http://b:1", None, 1)
+
+    async def scenario():
+        held = [await slots.acquire(5.0) for _ in range(3)]   # every slot first
+        assert sorted(s.engine for s in held) == ["e0", "e0", "e1"]
+        later = [asyncio.ensure_future(slots.acquire(5.0)) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        # a queue place each while two more wait behind (2 places in all); not the last two
+        assert sorted(f.result().engine for f in later[:2]) == ["e0", "e1"]
+        assert not any(f.done() for f in later[2:])
+        assert slots.view("e0") == (3, 2, 2)
+        queued_e1 = next(f.result() for f in later[:2] if f.result().engine == "e1")
+        slots.release(held[2])     # e1's queued request takes the slot it freed
+        await asyncio.sleep(0.05)
+        assert not later[2].done()
+        slots.release(queued_e1)   # a slot free: the next waiter takes it
+        assert (await asyncio.wait_for(later[2], 2.0)).engine == "e1"
+        slots.release(held[0])     # e0 at its slots again, and no backlog: no queue place
+        await asyncio.sleep(0.05)
+        assert not later[3].done()
+        slots.release(held[1])     # a slot free: the last one takes it
+        assert (await asyncio.wait_for(later[3], 2.0)).engine == "e0"
+
+    asyncio.run(scenario())
+    assert slots.in_flight() == {"e0": 2, "e1": 1}
+
+
 def test_an_unrouted_engine_gets_nothing_and_keeps_its_count_until_routed_again():
     slots = EngineSlots()
     slots.route("e0", "http://a:1", None, 1)
