@@ -2,6 +2,7 @@
 
     python benchmarks/fleet_scale.py --engines 1 4 16          # this machine (2 cores: to 16)
     python benchmarks/fleet_scale.py --engines 64 --json rows.jsonl    # one N per command
+    python benchmarks/fleet_scale.py --engines 16 --router smg --rl-plane --only-syncs
 
 For each N it starts a fresh Ray cluster of simulated nodes (`ray.cluster_utils.Cluster`,
 one node of 8 declared GPUs per 8 engines, on 127.0.0.2, 127.0.0.3, ...), launches the
@@ -24,6 +25,11 @@ model) and measures, with a client sending requests through the router throughou
   fleet's version), 8 of the first engines are drained (requests moved), and the next push
   regroups without them;
 - the end: `fleet.shutdown()` until every engine process is gone.
+
+`--router smg` runs the fleet behind smg instead; `--rl-plane` with it starts smg with
+`--enable-rl`, so each sync's pause and continue reach the engines in one smg request per
+step (`rl_plane_reached`: how many engines it reached in the last steady sync's pause);
+`--only-syncs` stops after the steady syncs (the control plane's figures, side by side).
 
 Rows print with their ratio to the N = 4 row where one ran (or the first row's); `--json`
 appends them, so runs of one N each can be put side by side (`--table FILE` prints them).
@@ -59,6 +65,7 @@ from slime_like.api import (  # noqa: E402
     FleetLayout,
     FleetWeights,
     HealthSettings,
+    RouterSettings,
     launch_fleet,
 )
 from slime_like.chaos import kill_engine  # noqa: E402
@@ -217,11 +224,15 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     cluster.wait_for_nodes()
     log_dir = work / f"logs-{n}"
     timeline = Timeline()
-    row: dict = {"engines": n, "nodes": nodes}
+    row: dict = {"engines": n, "nodes": nodes, "router": args.router,
+                 "rl_plane": bool(args.rl_plane)}
     psutil.cpu_percent()  # the machine's busy share from here on
     t0 = time.time()
     fleet = launch_fleet(None, model_path=args.model, engine="reference", log_dir=log_dir,
                          on_event=timeline, layout=FleetLayout(num_gpus=n),
+                         router=RouterSettings(kind=args.router,
+                                               flags={"enable_rl": True} if args.rl_plane
+                                               else {}),
                          health=HealthSettings(enabled=True, interval_s=args.probe_interval,
                                                timeout_s=args.probe_timeout, first_wait_s=0.0,
                                                failure_threshold=2))
@@ -249,6 +260,11 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["sync_s"] = statistics.median(walls)
         row["sync_data_s"] = statistics.median(data)
         row["sync_control_s"] = row["sync_s"] - row["sync_data_s"]
+        row["rl_plane_reached"] = len((report.get("via_rl_plane") or {}).get(
+            "pause_generation", []))
+        if args.only_syncs:
+            weights.close()
+            return row
         if n > 1:  # a hang is told from the others' answers: none with one engine
             row.update(_hung_engine(fleet, weights, model, timeline, args))
         if args.only == "hung":
@@ -355,9 +371,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--health-window", type=float, default=5.0)
     p.add_argument("--rate-window", type=float, default=3.0)
     p.add_argument("--drain-deadline", type=float, default=2.0)
+    p.add_argument("--router", choices=["sglang-router", "smg"], default="sglang-router")
+    p.add_argument("--rl-plane", action="store_true",
+                   help="with --router smg: pause and continue through smg's RL control plane")
+    p.add_argument("--only-syncs", action="store_true",
+                   help="stop after the steady syncs (no kill, add, drain)")
     p.add_argument("--json", default=None, help="append each row as a JSON line")
     p.add_argument("--table", default=None, help="print the rows of this JSON-lines file")
     a = p.parse_args(argv)
+    if a.rl_plane and a.router != "smg":
+        p.error("--rl-plane: smg's RL control plane needs --router smg")
     if a.table:
         rows = [json.loads(x) for x in Path(a.table).read_text().splitlines() if x.strip()]
         print_table(rows)

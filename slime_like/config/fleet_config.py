@@ -25,6 +25,7 @@ from slime_like.config.slices import (
     PlacementSettings,
     RouterSettings,
     fresh_keys,
+    rl_plane_on,
 )
 from slime_like.config.topology import TopologyInputs, topology_of
 from slime_like.config.validate import check_addresses, check_router_flags
@@ -83,7 +84,8 @@ def fleet_config(sglang_config: str | Path | None, *, model_path: str, log_dir: 
                     "request_timeout_secs": DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS, **router.flags}
     api, admin, router_key = fresh_keys(engine.api_key or given["api_key"],
                                         engine.admin_api_key or given["admin_api_key"],
-                                        router.api_key or router_flags.pop("api_key", None))
+                                        router.api_key or router_flags.pop("api_key", None),
+                                        rl_plane=rl_plane_on(router.kind, router_flags))
     fleet = FleetSettings(
         engine=replace(engine, sglang_flags=flags, api_key=api, admin_api_key=admin),
         router=replace(router, flags={k: v for k, v in router_flags.items() if v is not None},

@@ -132,6 +132,13 @@ SERVER_FIELD_NOTES = {
                     "trainer (fp8_*; docs/WEIGHT_SYNC.md, FP8 rollout)",
 }
 
+ROUTER_FIELD_NOTES = {
+    "enable_rl": "slime_like then starts the engines with the admin key only (no user key), "
+                 "registers them with it, and sends each sync's pause and continue to every "
+                 "engine in one request through smg's /v1/rl (docs/COMPATIBILITY.md, smg's RL "
+                 "control plane)",
+}
+
 
 def _help(spec: ArgSpec, owner: str, version: str, note: str = "") -> str:
     default = "None" if spec.default is None else json.dumps(spec.default)
@@ -196,7 +203,7 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         if spec.dest in EXCLUDED_ROUTER_FIELDS or spec.dest in seen:
             continue
         seen.add(spec.dest)
-        note = ""
+        note = ROUTER_FIELD_NOTES.get(spec.dest, "")
         if spec.dest in SLIME_ROUTER_DEFAULTS:
             note = f"slime_like default: {json.dumps(SLIME_ROUTER_DEFAULTS[spec.dest])}"
         elif spec.dest in OWNED_ROUTER_FIELDS:

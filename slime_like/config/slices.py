@@ -14,6 +14,7 @@ from typing import Any
 
 from slime_like.config.async_flags import staleness_bound
 from slime_like.config.deadlines import DeadlinePolicy
+from slime_like.errors import ConfigError
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER
 from slime_like.protocol.modes import DEFAULT_PAUSE_MODE, AsyncMode, Dispatch, PauseMode
 
@@ -106,12 +107,29 @@ def make_keys(args: argparse.Namespace) -> tuple[str | None, str | None, str | N
     the job creates uses them, so nothing else on the network can pause, update or route.
     """
     return fresh_keys(args.sglang_flags.get("api_key"), args.sglang_flags.get("admin_api_key"),
-                      args.router_flags.get("api_key"))
+                      args.router_flags.get("api_key"),
+                      rl_plane=rl_plane_on(getattr(args, "router", None), args.router_flags))
 
 
-def fresh_keys(api: str | None, admin: str | None,
-               router: str | None) -> tuple[str, str, str]:
-    """Each key given, or a fresh one; the router's defaults to the engines' API key."""
+def rl_plane_on(router: str | None, router_flags: dict[str, Any]) -> bool:
+    """Whether syncs reach the engines through smg's RL control plane (`--router smg
+    --router-enable-rl`)."""
+    return (router or DEFAULT_ROUTER) == "smg" and bool(router_flags.get("enable_rl"))
+
+
+def fresh_keys(api: str | None, admin: str | None, router: str | None, *,
+               rl_plane: bool = False) -> tuple[str | None, str, str]:
+    """Each key given, or a fresh one; the router's defaults to the engines' API key.
+
+    `rl_plane`: the engines get no user key (smg calls a worker with the one key it was
+    registered with, and must reach both its info and its admin routes: it is registered
+    with the admin key), and the router its own key, which guards the users."""
+    if rl_plane:
+        if api:
+            raise ConfigError("--sglang-api-key", "with --router smg --router-enable-rl the "
+                              "engines run with the admin key only (smg reaches them with "
+                              "it); the router's key (--router-api-key) guards the users")
+        return None, admin or secrets.token_hex(24), router or secrets.token_hex(24)
     api = api or secrets.token_hex(24)
     return api, admin or secrets.token_hex(24), router or api
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from slime_like.engine.address import EngineAddress
 from slime_like.engine.client import DEFAULT_TIMEOUT_S, EngineClient
@@ -35,6 +35,9 @@ from slime_like.protocol.compat import (
     try_parse_version,
 )
 from slime_like.protocol.modes import PauseMode
+
+if TYPE_CHECKING:
+    from slime_like.engine.rl_plane import PlaneCall, RlPlane
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741 - an item
@@ -52,7 +55,8 @@ class CallCancelled(Exception):
 class EngineSession:
     """One engine's verbs, its ordered lane, and the undo of what this process did to it."""
 
-    def __init__(self, address: EngineAddress, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, address: EngineAddress, timeout: float = DEFAULT_TIMEOUT_S,
+                 rl_plane: RlPlane | None = None):
         if not isinstance(address, EngineAddress):
             raise TypeError(f"an EngineSession is built from an EngineAddress, got {address!r}")
         self.address = address
@@ -60,6 +64,9 @@ class EngineSession:
                                  admin_api_key=address.admin_api_key, timeout=timeout)
         # Read from /server_info by `probe`; None until then.
         self.version: tuple[int, ...] | None = None
+        # The smg RL control plane that reaches this engine (`engine/rl_plane.py`), set
+        # while the engine is a worker of an smg started with `--enable-rl`.
+        self.rl_plane = rl_plane
         self.server_info: dict = {}
         # What this process changed on the engine (undone by `undo`).
         self.paused: PauseMode | None = None
@@ -70,7 +77,7 @@ class EngineSession:
         self._generation = 0
 
     def __reduce__(self) -> tuple:
-        return (EngineSession, (self.address, self.http.timeout))
+        return (EngineSession, (self.address, self.http.timeout, self.rl_plane))
 
     def __repr__(self) -> str:
         return f"EngineSession({self.address.engine_id} at {self.url})"
@@ -182,14 +189,37 @@ class EngineSession:
     # ---- generation control ------------------------------------------------------------------
 
     def pause_generation(self, mode: PauseMode = PauseMode.RETRACT,
-                         timeout: float | None = None) -> dict:
+                         timeout: float | None = None, via: PlaneCall | None = None) -> dict:
+        """Pause the engine; `via`: take its answer from that smg fan-out (`rl_plane.py`)
+        when it reached the engine, else call the engine directly."""
         self.paused = mode  # before the call: even one that timed out may have paused it
+        if via is not None:
+            answer = via.answer_for(self)
+            if answer is not None:
+                return answer
         return self.http.pause_generation(mode, timeout)
 
-    def continue_generation(self, timeout: float | None = None) -> dict:
-        out = self.http.continue_generation(timeout=timeout)
+    def continue_generation(self, timeout: float | None = None,
+                            via: PlaneCall | None = None) -> dict:
+        """Continue the engine (`via`: as in `pause_generation`)."""
+        out = via.answer_for(self) if via is not None else None
+        if out is None:
+            out = self.http.continue_generation(timeout=timeout)
         self.paused = None
         return out
+
+    @staticmethod
+    def record_paused(mode: PauseMode) -> Callable[[EngineSession], None]:
+        """What a pause through smg records on each session it is sent to, before it is
+        sent (as `pause_generation` does)."""
+        def record(session: EngineSession) -> None:
+            session.paused = mode
+        return record
+
+    @staticmethod
+    def record_continued(session: EngineSession, _answer: Any) -> None:
+        """What a continue through smg records on each session it reached."""
+        session.paused = None
 
     def abort_request(self, rid: str = "", abort_all: bool = False,
                       timeout: float | None = None) -> None:
@@ -360,6 +390,11 @@ class EngineSession:
             self._last = queued
         engine_pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
         return queued.future
+
+    def tail(self) -> Future | None:
+        """The future of the last call queued in this session's lane (None: none queued)."""
+        with self._lock:
+            return None if self._last is None else self._last.future
 
     def new_chain(self) -> None:
         """The next call starts a chain of its own: a call that failed earlier (in another

@@ -157,10 +157,16 @@ class Routers(Mapping[str, Router]):
             except Exception as err:  # noqa: BLE001 - any failure: not registered
                 raise RouterError(f"{e.engine_id} ({h.url}) did not answer /health within "
                                   f"{wait:.0f}s: not registered ({err})") from err
-        info = self._routers[e.model_name].client.add_worker(
+        router = self._routers[e.model_name]
+        # The router calls the worker with the key it was registered with: an engine with
+        # no user key (`--router-enable-rl`) is registered with its admin key, which its
+        # info routes accept too, so smg's RL plane reaches its admin routes.
+        info = router.client.add_worker(
             h.url, worker_type=h.worker_type, bootstrap_port=h.bootstrap_port,
-            api_key=h.api_key, timeout=wait)
+            api_key=h.api_key or h.admin_api_key, timeout=wait)
         e.router_worker_id = info.id
+        if router.rl_plane is not None and h.api_key is None:
+            h.rl_plane = router.rl_plane
         slots = self.slots.get(e.model_name)
         if slots is not None:
             known = slots.knows(e.engine_id, h.url)

@@ -20,10 +20,11 @@ from typing import Any
 from slime_like.cluster.hosts import node_ip, server_url
 from slime_like.cluster.ports import reserve_ports
 from slime_like.cluster.process import ServerProcess, server_env
+from slime_like.engine.rl_plane import RlPlane
 from slime_like.errors import LaunchError
 from slime_like.router.args import compose_router_args, render_router_argv
 from slime_like.router.client import RouterClient
-from slime_like.router.kinds import RouterKind, router_kind
+from slime_like.router.kinds import SMG, RouterKind, router_kind
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,13 @@ class Router:
         if self.prometheus_port is None:
             raise LaunchError(f"{self.name}: not started")
         return server_url(self.host, self.prometheus_port) + "/metrics"
+
+    @property
+    def rl_plane(self) -> RlPlane | None:
+        """smg's RL control plane (`/v1/rl`), when this is an smg started with `enable_rl`."""
+        if self.kind.name != SMG or not self.router_flags.get("enable_rl") or self.port is None:
+            return None
+        return RlPlane(self.url, api_key=self.api_key)
 
     @property
     def client(self) -> RouterClient:

@@ -6,6 +6,12 @@ sends pause, then begin, then bucket 1, each once the one before was answered), 
 continue right behind the last update where nothing else is due; the flush follows the
 pause mode's rule; verify reads `/model_info`; continue resumes every paused engine, also
 after a failure. Each call's round trip is timed for the report.
+
+Engines reached through an smg RL control plane (`EngineSession.rl_plane`,
+`--router-enable-rl`) get their pause and continue in one smg request per step for all of
+them (`engine/rl_plane.py`): each lane's call then takes its engine's answer from that
+request, or calls the engine itself where smg did not reach it. Abort-mode pauses stay
+per engine (each reads its in-flight count first).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from slime_like.engine.fanout import on_all
+from slime_like.engine.rl_plane import PlaneCall, plane_calls, start_all
 from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol.modes import PauseMode
@@ -45,13 +52,19 @@ class Control:
         them, nothing runs) are not paused; `report.not_paused` lists them."""
         mode = self.config.pause_mode
         out: list[EngineCall] = []
+        planes = {} if mode is PauseMode.ABORT else plane_calls(
+            [e for e in engines if e.url not in quiet], "pause_generation", {"mode": mode},
+            on_sent=EngineSession.record_paused(mode), timeout=self.config.http_timeout_s)
+        _reported(planes, report)
+        start_all(planes)
 
         def pause(engine: EngineSession) -> Any:
             if mode is PauseMode.ABORT:  # how many requests the pause is about to abort
                 count = engine.in_flight()
                 if count is not None:
                     report.in_flight_at_pause[engine.url] = count
-            return engine.pause_generation(mode, timeout=self.config.http_timeout_s)
+            return engine.pause_generation(mode, timeout=self.config.http_timeout_s,
+                                           via=planes.get(engine.url))
 
         for engine in engines:
             engine.new_chain()  # a call that failed in the last update does not stop these
@@ -79,20 +92,27 @@ class Control:
         return [_call(e, "end_weight_update", lambda e: e.end_weight_update())
                 for e in engines if e.in_update]
 
-    def submit_continue(self, engines: list[EngineSession], ends: list[EngineCall]
-                        ) -> list[EngineCall]:
+    def submit_continue(self, engines: list[EngineSession], ends: list[EngineCall],
+                        report: SyncReport | None = None) -> list[EngineCall]:
         """continue_generation right behind every end; not sent if an end failed and the
         caller keeps failed syncs paused (resume_on_failure=False)."""
         keep_paused = not self.config.resume_on_failure
         futures = [c.future for c in ends]
+        paused = [e for e in engines if e.paused is not None]
+        # Through smg: sent once every end (and every lane's last call) answered; a failure
+        # there sends nothing through smg, and each lane does what it did before.
+        planes = plane_calls(paused, "continue_generation", {},
+                             on_answer=EngineSession.record_continued,
+                             timeout=self.config.http_timeout_s)
+        _reported(planes, report)
+        start_all(planes, [*futures, *filter(None, (e.tail() for e in paused))])
 
         def resume(engine: EngineSession) -> Any:
             if keep_paused and any(f.exception() is not None for f in futures):
                 raise CallCancelled("not sent: end_weight_update failed on an engine")
-            return engine.continue_generation()
+            return engine.continue_generation(via=planes.get(engine.url))
 
-        return [_call(e, "continue_generation", resume, futures) for e in engines
-                if e.paused is not None]
+        return [_call(e, "continue_generation", resume, futures) for e in paused]
 
     def flush_plan(self, engine: EngineSession, report: SyncReport) -> str | None:
         """None when the engine's cache is to be flushed, else why not (the pause-mode rule)."""
@@ -110,12 +130,12 @@ class Control:
         return None
 
     def end_and_continue(self, engines: list[EngineSession], sent: list[EngineCall],
-                         watch: Watch) -> list[EngineCall]:
+                         watch: Watch, report: SyncReport | None = None) -> list[EngineCall]:
         """End and continue back to back in every lane (no trainer hop); waits for the
         ends (each with its deadline), returns the continues (answered after the sync)."""
         ends = self.submit_end(engines)
         sent += ends
-        resumed = self.submit_continue(engines, ends)
+        resumed = self.submit_continue(engines, ends, report)
         sent += resumed
         _wait(watch, ends)  # a failure names the engine and the step
         return resumed
@@ -183,6 +203,13 @@ class Control:
             with lock:
                 problems.extend((engine.url, p) for p in found)
 
+        if resume:  # the paused engines smg reaches: one request (each session records it)
+            calls = plane_calls([e for e in engines if e.paused is not None and not e.in_update],
+                                "continue_generation", {},
+                                on_answer=EngineSession.record_continued,
+                                timeout=self.config.http_timeout_s)
+            for call in {id(c): c for c in calls.values()}.values():
+                call.run()
         todo = [e for e in engines if e.in_update or (resume and e.paused is not None)]
         if todo:
             with contextlib.suppress(WeightSyncError):
@@ -211,6 +238,15 @@ class LastAnswers:
         answer = self.answers.get(engine.url)
         message = answer.get("message", "") if isinstance(answer, dict) else ""
         return f"Weight version updated to {self.version}" in str(message)
+
+
+def _reported(calls: dict[str, PlaneCall], report: SyncReport | None) -> None:
+    """Each call's reached engines into `report.via_rl_plane` once it is answered."""
+    if report is None:
+        return
+    for call in {id(c): c for c in calls.values()}.values():
+        call.future.add_done_callback(lambda f, step=call.path: report.via_rl_plane.setdefault(
+            step, []).extend(sorted(f.result())))
 
 
 def _call(engine: EngineSession, step: str, fn: Callable[[EngineSession], Any],

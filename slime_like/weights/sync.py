@@ -243,7 +243,7 @@ class WeightSync(Members):
                 # Every engine's last answer carries the new version and no separate flush is
                 # due: end and continue go out back to back in each lane, no trainer hop.
                 with steps("end"):
-                    resumed = self.control.end_and_continue(engines, sent, closing)
+                    resumed = self.control.end_and_continue(engines, sent, closing, report)
                 with steps("flush"):
                     self.control.flush(engines, folded, answers.refused, report)
                 report.seconds["verify"] = 0.0  # the last update's answer said so

@@ -135,6 +135,9 @@ class SyncReport:
     warnings: list[str] = field(default_factory=list)
     #: seconds of each control round trip (slowest engine) and of an average bucket update
     round_trips: dict[str, float] = field(default_factory=dict)
+    #: per step, the engines smg's RL control plane reached (`--router-enable-rl`); the
+    #: others were called directly
+    via_rl_plane: dict[str, list[str]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"weight_version": self.weight_version, "transport": self.transport,
@@ -143,7 +146,8 @@ class SyncReport:
                 "total_s": round(self.total_s, 6), "transfer": self.transfer,
                 "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
                 "not_paused": self.not_paused,
-                "warnings": self.warnings, "round_trips": self.round_trips}
+                "warnings": self.warnings, "round_trips": self.round_trips,
+                "via_rl_plane": self.via_rl_plane}
 
 
 class StepClock:

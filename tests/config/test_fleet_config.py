@@ -18,6 +18,7 @@ from slime_like.config.slices import (
     HealthSettings,
     RouterSettings,
     fleet_settings,
+    make_keys,
     placement_settings,
 )
 from slime_like.errors import ConfigError
@@ -83,6 +84,19 @@ def test_given_keys_are_kept():
     _, fleet = _api(engine=EngineSettings(program="reference", api_key="k", admin_api_key="a"))
     assert (fleet.engine.api_key, fleet.engine.admin_api_key, fleet.router.api_key) == \
         ("k", "a", "k")
+
+
+def test_the_rl_plane_gives_engines_the_admin_key_only_and_the_router_its_own():
+    rl = RouterSettings(kind="smg", flags={"enable_rl": True})
+    _, fleet = _api(router=rl)
+    assert fleet.engine.api_key is None and fleet.engine.admin_api_key
+    assert fleet.router.api_key and fleet.router.api_key != fleet.engine.admin_api_key
+    args = parse_args(["--engine", "reference", "--hf-checkpoint", "/m", "--debug-rollout-only",
+                       "--sglang-config", str(YAML), "--router", "smg", "--router-enable-rl"])
+    api, admin, router = make_keys(args)
+    assert api is None and admin and router and router != admin
+    with pytest.raises(ConfigError, match="--sglang-api-key"):
+        _api(router=rl, engine=EngineSettings(program="reference", api_key="k"))
 
 
 @pytest.mark.parametrize("kw, where", [
