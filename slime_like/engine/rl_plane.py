@@ -25,12 +25,19 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import requests
 
-if TYPE_CHECKING:
-    from slime_like.engine.session import EngineSession
+from slime_like.engine.call_pool import engine_pool
+
+
+class EngineSession(Protocol):
+    """What the plane needs of an engine session (`session.py`): the engine's URL. A
+    protocol, not the class, so the session module can use the plane without a circle."""
+
+    @property
+    def url(self) -> str: ...
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +134,6 @@ class PlaneCall:
         self.failed: dict[str, str] = {}  # url -> why smg did not reach it
 
     def start(self, gate: Sequence[Future] = ()) -> PlaneCall:
-        from slime_like.engine.session import engine_pool
         engine_pool().submit(self._run, tuple(gate))
         return self
 

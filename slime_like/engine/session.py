@@ -11,7 +11,7 @@ that process.
 The session's calls can also be queued in its ordered lane (`submit`): each call is sent
 once the one before it was sent and the futures it waits for are done (by default: the
 one before was answered), on one thread pool shared by every session of the process
-(`engine_pool`); `engine/fanout.py` fans one call out to many sessions at once.
+(`engine/call_pool.py`); `engine/fanout.py` fans one call out to many sessions at once.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from slime_like.engine.address import EngineAddress
+from slime_like.engine.call_pool import engine_pool
 from slime_like.engine.client import DEFAULT_TIMEOUT_S, EngineClient
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol import io_struct as p
@@ -461,18 +462,3 @@ class _Queued:
     def __init__(self, future: Future):
         self.future = future
         self.sent = threading.Event()
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def engine_pool() -> ThreadPoolExecutor:
-    """The process's one pool for engine calls. Threads start lazily, so its size is only a
-    ceiling: a waiting call holds a thread, and calls start in submission order, so the
-    call a waiter waits for has always started before it."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1024, thread_name_prefix="engine-call")
-        return _POOL

@@ -84,7 +84,7 @@ def _calls_in(path: Path, function: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def recording(tiny_model_dir, tmp_path_factory) -> dict[str, Recording]:
-    import slime_like.engine.session as session_module
+    import slime_like.engine.call_pool as call_pool
     from slime_like.engine.address import EngineAddress
     from slime_like.engine.session import EngineSession
     from slime_like.trainer.actor import TrainerRank
@@ -102,7 +102,7 @@ def recording(tiny_model_dir, tmp_path_factory) -> dict[str, Recording]:
                 rank.push_weights(target, version=1, full=True)  # attached: the group formed
                 # The engine calls run on the process's one pool, whose threads start
                 # lazily: a fresh pool starts them under the tracer, which then sees them.
-                session_module._POOL = None
+                call_pool._POOL = None
                 tracer = WalkTracer({transport: ROOT})
                 with tracer:
                     report = rank.push_weights(target, version=2, full=True)
