@@ -8,7 +8,9 @@ still holds exactly the delta's next base). Reported per (transport, lr): bytes 
 sync seconds (median over steps) for both, their ratios, the fraction of bf16 values the
 step changed, and what the other codec (sparse int32 index + bf16 value per changed
 element) would have sent for the same step. The engine's checksums are compared with the
-trainer's after each (transport, lr).
+trainer's after each (transport, lr). Over `disk`, each sync's files are also fsynced after
+it (timed apart): "time × with fsync" is the ratio when the files must reach the disk, as
+on a network filesystem, which sends them at close, rather than stay in the page cache.
 
 Transports: `disk` (checkpoint vs delta directory on this host's filesystem) and `gloo`
 (a weight group to an engine in its own network namespace, across a veth pair shaped to
@@ -165,6 +167,21 @@ def codec_sizes(sync: WeightSync, model: CausalLM) -> dict:
             "elements": total}
 
 
+def flushed(sync: WeightSync) -> float:
+    """fsync every file of the sync's newest directory: the seconds a filesystem that must
+    hold the bytes durably (or a network filesystem, which sends them at close) adds. The
+    engine has read them already; this is timed after the sync, not inside it."""
+    t0 = time.perf_counter()
+    newest = sync.transport.written[-1]
+    for f in sorted(newest.iterdir()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
 def _hf(model: CausalLM):
     return ((n, p.detach()) for n, p in hf_named_parameters(model))
 
@@ -209,7 +226,9 @@ def bench_transport(args, transport: str, model: CausalLM, model_dir: Path, work
                 sizes = codec_sizes(delta, model) if step == 1 else {}
                 version = f"{tag}-{step}"
                 rd = delta.update(model, version)
+                delta_flush_s = flushed(delta) if kind == "disk" else 0.0
                 rf = full.update(model, version)
+                full_flush_s = flushed(full) if kind == "disk" else 0.0
                 d = rd.transfer["delta"]
                 assert d["mode"] == "delta", d
                 steps.append({"step": step, "train_s": round(step_s, 3),
@@ -218,6 +237,8 @@ def bench_transport(args, transport: str, model: CausalLM, model_dir: Path, work
                               "delta_engine_s": round(rd.transfer["http_s"], 3),
                               "full_pack_s": round(rf.transfer["pack_s"], 3),
                               "full_engine_s": round(rf.transfer["http_s"], 3),
+                              "delta_flush_s": round(delta_flush_s, 3),
+                              "full_flush_s": round(full_flush_s, 3),
                               "delta_bytes": rd.transfer["bytes"],
                               "full_bytes": rf.transfer["bytes"], **sizes})
                 log(f"{transport} {tag} step {step}: delta {rd.total_s:.2f}s (trainer "
@@ -246,11 +267,17 @@ def summarize(transport: str, lr: float, steps: list[dict], same: bool, args) ->
            "bytes_ratio": round(med["delta_bytes"] / med["full_bytes"], 4),
            "delta_s": round(med["delta_s"], 3), "full_s": round(med["full_s"], 3),
            "time_ratio": round(med["delta_s"] / med["full_s"], 3),
+           "delta_flush_s": round(statistics.median(s["delta_flush_s"] for s in steps), 3),
+           "full_flush_s": round(statistics.median(s["full_flush_s"] for s in steps), 3),
            "changed_fraction": first.get("changed_fraction"),
            "sparse_bytes_ratio": round(first["sparse_bytes"] / first["full_bytes"], 4)
            if "sparse_bytes" in first else None,
            "zstd_bytes_ratio_step1": round(first["delta_bytes"] / first["full_bytes"], 4),
            "checksum_equal": same, "per_step": steps}
+    if transport == "disk":  # the same pair with each sync's files made durable
+        row["time_ratio_flushed"] = round(
+            statistics.median(s["delta_s"] + s["delta_flush_s"] for s in steps)
+            / statistics.median(s["full_s"] + s["full_flush_s"] for s in steps), 3)
     row["bytes_target_met"] = row["bytes_ratio"] <= BYTES_TARGET
     row["time_target_met"] = row["time_ratio"] <= TIME_TARGET
     return row
@@ -262,14 +289,15 @@ def log(msg: str) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| transport | lr | params changed | delta MB | full MB | bytes × | sparse × "
-             "| delta s | full s | time × | checksums |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| delta s | full s | time × | time × with fsync | checksums |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         where = r["transport"] + (f" ({r['link_gbit']:g} Gb/s)" if r["link_gbit"] else "")
         lines.append(f"| {where} | {r['lr']:g} | {100 * (r['changed_fraction'] or 0):.2f}% "
                      f"| {r['delta_bytes'] / 1e6:.1f} | {r['full_bytes'] / 1e6:.1f} "
                      f"| {r['bytes_ratio']:.3f} | {r['sparse_bytes_ratio']} "
                      f"| {r['delta_s']:.2f} | {r['full_s']:.2f} | {r['time_ratio']:.2f} "
+                     f"| {r.get('time_ratio_flushed', '')} "
                      f"| {'equal' if r['checksum_equal'] else 'DIFFER'} |")
     return "\n".join(lines)
 

@@ -49,7 +49,8 @@ class Routers(Mapping[str, Router]):
         self.restarts: list[dict] = []
         self.closing = False
         # After a relaunch: the fleet re-adds that model's engines; how many it re-added.
-        self.on_restarted: Callable[[str], int] = lambda model: 0
+        # (engines re-added at once, engines their sync in progress will route)
+        self.on_restarted: Callable[[str], tuple[int, int]] = lambda model: (0, 0)
         self._routers: dict[str, Router] = {}
         self._state: dict[str, RouterState] = {}
         # Admission dispatch: each model's routed engines and their slots (rollout/dispatch.py)
@@ -119,12 +120,12 @@ class Routers(Mapping[str, Router]):
             logger.exception("router of %s could not be relaunched", model)
             self._moved(model, RouterState.FAILED, error=str(err))
             return
-        workers = self.on_restarted(model)
+        workers, left_to_sync = self.on_restarted(model)
         took = round(time.time() - t0, 2)
         self.restarts.append({"model": model, "code": code, "restart_s": took,
                               "url": router.url, "at": t0})
         self._moved(model, RouterState.READY, url=router.url, pid=router.process.pid,
-                    restart_s=took, workers=workers)
+                    restart_s=took, workers=workers, left_to_sync=left_to_sync)
         self._supervise(model, router)
 
     def stop(self) -> None:

@@ -129,17 +129,20 @@ class Supervision(Tendings):
                              f"fleet is at {self.version}: not routed")
         self.routers.add(e, timeout, if_answering=if_answering)
 
-    def _reroute(self, model: str) -> int:
+    def _reroute(self, model: str) -> tuple[int, int]:
         """After a router's relaunch: its engines re-added (or resync) at once, each within
         REROUTE_TIMEOUT_S (a hung one would hide behind the lock from the health monitor),
         if they answer /health now. Not those in a sync (paused: no /health answer); its
-        settle routes them. The router cannot cancel a registration it still probes."""
+        settle routes them. The router cannot cancel a registration it still probes.
+        Returns (engines re-added now, engines left to their sync's settle)."""
         with self.lock:
             mine = [e for e in self.engines if e.model_name == model and e.routed]
+            in_sync = 0
             for e in mine:
                 self.routers.forget(e)
                 if e.phase is P.UPDATING_ROUTED:
                     self.move(e, P.UPDATING)  # out with the old router; its sync routes it
+                    in_sync += 1
             serving = [e for e in mine if e.phase is P.REGISTERED]
             outcomes = each(serving, lambda e: self._route(e, REROUTE_TIMEOUT_S,
                                                            if_answering=True))
@@ -148,7 +151,7 @@ class Supervision(Tendings):
                     logger.warning("%s: not re-added to the new router: %s", e.engine_id, err)
                     self.move(e, P.STALE, reason=f"router restart: {err}")
         self._tend_stale()
-        return len(serving)
+        return len(serving), in_sync
 
     # ---- start ------------------------------------------------------------------------------
 

@@ -19,8 +19,10 @@ and one `<k>.xor.zst` file per bucket.
 
 from __future__ import annotations
 
+import io
+from typing import BinaryIO
+
 import numpy as np
-import torch
 import xxhash
 import zstandard
 from pydantic import BaseModel, ConfigDict
@@ -33,6 +35,8 @@ MANIFEST = "delta.json"
 #: in every refusal's message (the sender syncs again in full when it reads it)
 REFUSED = "weight delta refused"
 ZSTD_LEVEL = 1  # level 1: the XOR is mostly zeros; higher levels cost time, not bytes
+#: a streamed piece: small enough to stay in cache from the XOR through zstd and the digest
+CHUNK_BYTES = 8 << 20
 
 
 class DeltaHeader(BaseModel):
@@ -77,34 +81,101 @@ def digest(data: np.ndarray | bytes | memoryview) -> str:
         data, np.ndarray) else data)
 
 
-def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a flat uint8 numpy view (no copy when contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+class DeltaEncoder:
+    """One bucket's delta, streamed: each piece of the new bytes is XORed with the base,
+    compressed, and copied over the base, so the base becomes the new bytes in place.
+
+    Pieces of at most `CHUNK_BYTES` stay in the CPU's cache from the XOR through zstd and
+    the digest, and no bucket-sized copy of the new bytes is made: the encode reads the
+    new bytes once and the base twice. A failed encode leaves the base half new: the
+    caller must forget it.
+    """
+
+    def __init__(self, base: np.ndarray, sink: BinaryIO, scratch: np.ndarray):
+        self.base, self.scratch, self.sink = base, scratch, sink
+        self.offset, self._start = 0, sink.tell()
+        # threads=-1: zstd splits the stream over every core (one frame; decoding is the
+        # same); size: the frame records the bucket's size, and zstd checks it was met
+        self._z = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1).stream_writer(
+            sink, size=base.size, closefd=False)
+        self._hash = xxhash.xxh3_64()
+
+    def write(self, piece: np.ndarray) -> None:
+        """The next `piece.size` bytes of the bucket (any size up to the scratch's)."""
+        n = piece.size
+        if self.offset + n > self.base.size:
+            raise ValueError(f"the bucket's tensors hold more than the base's {self.base.size} "
+                             "bytes")
+        old, xor = self.base[self.offset:self.offset + n], self.scratch[:n]
+        xor_into(old, piece, xor)
+        self._z.write(memoryview(xor))
+        np.copyto(old, piece)
+        self._hash.update(memoryview(old))
+        self.offset += n
+
+    def finish(self) -> tuple[str, int]:
+        """End the frame: (the new bytes' digest, the compressed size written)."""
+        if self.offset != self.base.size:
+            raise ValueError(f"the bucket's tensors hold {self.offset} bytes, the base "
+                             f"{self.base.size}")
+        self._z.flush(zstandard.FLUSH_FRAME)
+        return self._hash.hexdigest(), self.sink.tell() - self._start
+
+
+class DeltaDecoder:
+    """A delta's XOR bytes, decompressed piece by piece into the caller's buffers."""
+
+    def __init__(self, blob: bytes | memoryview | np.ndarray):
+        data = memoryview(np.ascontiguousarray(blob)) if isinstance(blob, np.ndarray) else blob
+        self._reader = zstandard.ZstdDecompressor().stream_reader(data)
+        self.offset = 0
+
+    def read_into(self, out: np.ndarray) -> None:
+        """Fill `out` (uint8) with the next `out.size` bytes of the XOR."""
+        view, got = memoryview(out), 0
+        while got < out.size:
+            n = self._reader.readinto(view[got:])
+            if n == 0:
+                raise ValueError(f"the delta decodes to {self.offset + got} bytes, the bucket "
+                                 f"holds more")
+            got += n
+        self.offset += got
+
+    def finish(self) -> None:
+        """The XOR must end where the bucket does."""
+        if self._reader.read(1):
+            raise ValueError(f"the delta decodes to more than the bucket's {self.offset} bytes")
 
 
 def encode(base: np.ndarray, new: np.ndarray, scratch: np.ndarray | None = None) -> bytes:
-    """zstd(base XOR new); `scratch` (same size, uint8) avoids an allocation per bucket."""
+    """zstd(base XOR new) in one call (the streamed `DeltaEncoder` on a copy of the base)."""
     if base.shape != new.shape:
         raise ValueError(f"delta base holds {base.size} bytes, the bucket {new.size}")
-    out = scratch if scratch is not None and scratch.size == new.size else np.empty_like(new)
-    np.bitwise_xor(_wide(base), _wide(new), out=_wide(out))
-    # threads=-1: zstd splits the bucket over every core (one frame; decoding is unchanged)
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1).compress(memoryview(out))
+    sink = io.BytesIO()
+    encoder = DeltaEncoder(base.copy(), sink, scratch if scratch is not None
+                           else np.empty(min(new.size, CHUNK_BYTES), dtype=np.uint8))
+    for start in range(0, new.size, encoder.scratch.size or 1):
+        encoder.write(new[start:start + encoder.scratch.size])
+    encoder.finish()
+    return sink.getvalue()
 
 
-def apply(current: np.ndarray, blob: bytes | memoryview) -> None:
-    """current ^= zstd-decoded blob, in place; the decoded size must equal the bucket's."""
-    xor = zstandard.ZstdDecompressor().decompress(blob, max_output_size=current.size)
-    if len(xor) != current.size:
-        raise ValueError(f"the delta decodes to {len(xor)} bytes, the bucket holds "
-                         f"{current.size}")
-    decoded = _wide(np.frombuffer(xor, dtype=np.uint8))
-    np.bitwise_xor(_wide(current), decoded, out=_wide(current))
+def apply(current: np.ndarray, blob: bytes | memoryview | np.ndarray) -> None:
+    """current ^= the decoded blob, in place, piece by piece; sizes must match exactly."""
+    decoder, xor = DeltaDecoder(blob), np.empty(min(current.size, CHUNK_BYTES), dtype=np.uint8)
+    for start in range(0, current.size, xor.size or 1):
+        part = current[start:start + xor.size]
+        decoder.read_into(xor[:part.size])
+        xor_into(part, xor[:part.size], part)
+    decoder.finish()
 
 
-def _wide(a: np.ndarray) -> np.ndarray:
-    """The same bytes as 8-byte words when they divide evenly (XOR runs several times faster)."""
-    return a.view(np.uint64) if a.size % 8 == 0 and a.ctypes.data % 8 == 0 else a
+def xor_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a ^ b over uint8 arrays of one size, as 8-byte words when all three allow it
+    (several times faster than byte by byte)."""
+    if all(x.size % 8 == 0 and x.ctypes.data % 8 == 0 for x in (a, b, out)):
+        a, b, out = a.view(np.uint64), b.view(np.uint64), out.view(np.uint64)
+    np.bitwise_xor(a, b, out=out)
 
 
 def supports_delta(server_info: dict, encoding: str = XOR_ZSTD) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from slime_like.protocol import weight_delta as wd
 from slime_like.protocol.buckets import dtype_from_name
@@ -105,23 +106,51 @@ class WeightDeltas:
             raise DeltaRefused(f"the delta's base is weight version {header.base_version!r} "
                                f"but this engine serves {engine_version!r}")
         params = self._bucket_params(names, dtypes, shapes)
-        current = self._gather(params)
-        if current.size != header.nbytes:
+        size = sum(p.numel() * p.element_size() for p in params)
+        if size != header.nbytes:
             raise DeltaRefused(f"the delta's bucket holds {header.nbytes} bytes, "
-                               f"{names[0]!r}..{names[-1]!r} here hold {current.size}")
-        if wd.digest(current) != header.base_checksum:
+                               f"{names[0]!r}..{names[-1]!r} here hold {size}")
+        result, base_digest, decode_error = self._decode_onto(params, size, blob)
+        if base_digest != header.base_checksum:
             raise DeltaRefused(f"the weights of {names[0]!r}..{names[-1]!r} are not the delta's "
-                               f"base (digest {wd.digest(current)}, expected "
-                               f"{header.base_checksum})")
-        try:
-            wd.apply(current, memoryview(blob))
-        except Exception as e:  # noqa: BLE001 - a corrupt blob is a refusal, nothing changed
-            raise DeltaRefused(f"the delta of {names[0]!r}.. does not decode: {e}") from None
-        got = wd.digest(current)
+                               f"base (digest {base_digest}, expected {header.base_checksum})")
+        if decode_error is not None:
+            raise DeltaRefused(f"the delta of {names[0]!r}.. does not decode: {decode_error}")
+        got = wd.digest(result)
         if got != header.checksum:
             raise DeltaRefused(f"{names[0]!r}..{names[-1]!r} after the delta have digest {got}, "
                                f"the trainer's is {header.checksum}")
-        self._scatter(names, params, current)
+        self._scatter(names, params, result)
+
+    @staticmethod
+    def _decode_onto(params: list[torch.Tensor], size: int, blob: np.ndarray
+                     ) -> tuple[np.ndarray, str, str | None]:
+        """The bucket's bytes after the delta, in a new host buffer (the parameters are not
+        touched), streamed piece by piece: each piece of the current bytes is hashed as the
+        base and XORed with the decoded piece straight into the result. Returns (result,
+        the base's digest, why the blob did not decode or None)."""
+        result = np.empty(size, dtype=np.uint8)
+        base, decoder, error, offset = xxhash.xxh3_64(), wd.DeltaDecoder(blob), None, 0
+        for p in params:
+            flat = p.reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), wd.CHUNK_BYTES):
+                piece = flat[start:start + wd.CHUNK_BYTES].cpu().numpy()
+                base.update(memoryview(piece))
+                out = result[offset:offset + piece.size]
+                offset += piece.size
+                if error is None:
+                    try:
+                        decoder.read_into(out)
+                    except Exception as e:  # noqa: BLE001 - a corrupt blob is a refusal
+                        error = str(e)
+                        continue
+                    wd.xor_into(out, piece, out)
+        if error is None:
+            try:
+                decoder.finish()
+            except Exception as e:  # noqa: BLE001
+                error = str(e)
+        return result, base.hexdigest(), error
 
     def _bucket_params(self, names: list[str], dtypes: list[str],
                        shapes: list[list[int]]) -> list[torch.Tensor]:

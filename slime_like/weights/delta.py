@@ -2,7 +2,7 @@
 
 `--update-weight-mode delta` (slime's spelling; `--update-weight-delta` is the same) keeps,
 in this process's host memory, the bytes of the last sync in bucket layout (one copy of
-the served weights: 2 GiB for a 1B-parameter bf16 model, plus one bucket of scratch) and
+the served weights: 2 GiB for a 1B-parameter bf16 model, plus 8 MiB of scratch) and
 the engines that acknowledged it. A sync is then a delta, bucket by bucket the zstd of
 `base XOR new` with the digests of base and result (`protocol/weight_delta.py`), when every
 engine holds that base; otherwise it is full, and the base is rewritten from what it sent:
@@ -25,8 +25,9 @@ guess here costs a failed sync, never wrong weights; `WeightSync` then syncs aga
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -47,6 +48,16 @@ def host_bytes(tensors: Sequence[torch.Tensor]) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
     # cat copies, even one tensor: the base must own its bytes, not alias the model's
     return torch.cat([flat_bytes(t.detach()) for t in tensors]).cpu().numpy()
+
+
+def host_pieces(tensors: Sequence[torch.Tensor], chunk: int = wd.CHUNK_BYTES
+                ) -> Iterator[np.ndarray]:
+    """A bucket's bytes in wire layout as host pieces of at most `chunk` bytes: views of
+    CPU tensors (no copy), one small copy each from a GPU."""
+    for t in tensors:
+        flat = flat_bytes(t.detach())
+        for start in range(0, flat.numel(), chunk):
+            yield flat[start:start + chunk].cpu().numpy()
 
 
 @dataclass
@@ -122,18 +133,28 @@ class DeltaBase:
         self.outcome.raw_bytes += new.nbytes
         self.outcome.sent_bytes += new.nbytes
 
-    def encode(self, k: int, new: np.ndarray) -> tuple[bytes, wd.DeltaHeader]:
-        """Bucket k as a delta on the base; `new` becomes the base."""
-        if self._scratch is None or self._scratch.size < new.size:
-            self._scratch = np.empty(max(b.size for b in self.buckets), dtype=np.uint8)
-        blob = wd.encode(self.buckets[k], new, self._scratch[:new.size])
+    def encode(self, k: int, pieces: Iterable[np.ndarray], sink: BinaryIO) -> wd.DeltaHeader:
+        """Bucket k, given as flat-layout pieces (`host_pieces`), as a delta on the base,
+        streamed into `sink`; the base becomes the new bytes in place. A failure midway
+        leaves that bucket half new: the base is then forgotten (the next sync is full)."""
+        base = self.buckets[k]
+        if self._scratch is None:
+            self._scratch = np.empty(wd.CHUNK_BYTES, dtype=np.uint8)
+        encoder = wd.DeltaEncoder(base, sink, self._scratch)
+        try:
+            for piece in pieces:
+                encoder.write(piece)
+            checksum, encoded = encoder.finish()
+        except BaseException:
+            self.invalidate()
+            self.buckets, self.checksums = [], []
+            raise
         header = wd.DeltaHeader(base_version=self._base_version, base_checksum=self.checksums[k],
-                                checksum=wd.digest(new), encoded_nbytes=len(blob),
-                                nbytes=new.nbytes)
-        self.buckets[k], self.checksums[k] = new, header.checksum
-        self.outcome.raw_bytes += new.nbytes
-        self.outcome.sent_bytes += len(blob)
-        return blob, header
+                                checksum=checksum, encoded_nbytes=encoded, nbytes=base.nbytes)
+        self.checksums[k] = checksum
+        self.outcome.raw_bytes += base.nbytes
+        self.outcome.sent_bytes += encoded
+        return header
 
     def landed(self, engines: Sequence[EngineSession], version: str) -> None:
         """Every byte of the sync is on its way: these engines will hold `version` (unless

@@ -17,6 +17,7 @@ moves the same bytes as the plain transports with one host copy more.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from slime_like.protocol import io_struct as p
 from slime_like.protocol import weight_delta as wd
 from slime_like.protocol.buckets import Bucket
 from slime_like.protocol.modes import Transport
-from slime_like.weights.delta import DeltaBase, host_bytes
+from slime_like.weights.delta import DeltaBase, host_bytes, host_pieces
 from slime_like.weights.disk import DiskTransport, _safe_version
 from slime_like.weights.distributed import FLATTENED, DistributedTransport
 from slime_like.weights.packing import WeightSource, bucket_tensors, metas_body
@@ -101,9 +102,9 @@ class DeltaDiskTransport(_KeepsDeltaBase, DiskTransport):
         entries, base_version = [], self.base.version
         src = iter(source.tensors())
         for k, bucket in enumerate(buckets):
-            blob, header = self.base.encode(k, host_bytes(bucket_tensors(src, bucket)))
             name = f"{k:05d}.xor.zst"
-            (tmp / name).write_bytes(blob)
+            with open(tmp / name, "wb") as sink:  # zstd writes each piece as it compresses
+                header = self.base.encode(k, host_pieces(bucket_tensors(src, bucket)), sink)
             entries.append(wd.DeltaBucketFile(file=name, header=header, **metas_body(bucket.metas)))
         manifest = wd.DeltaManifest(base_version=base_version, version=version, buckets=entries)
         (tmp / wd.MANIFEST).write_text(json.dumps(manifest.model_dump()))
@@ -164,13 +165,16 @@ class DeltaDistributedTransport(_KeepsDeltaBase, DistributedTransport):
         works: list = []
         for k, bucket in enumerate(buckets):
             t0 = time.perf_counter()
-            new = host_bytes(bucket_tensors(src, bucket))
+            tensors = bucket_tensors(src, bucket)
             if full:
+                new = host_bytes(tensors)
                 self.base.record(k, new)
                 buf, header, fmt = torch.from_numpy(new), None, FLATTENED
             else:
-                blob, header = self.base.encode(k, new)
-                buf, fmt = torch.frombuffer(bytearray(blob), dtype=torch.uint8), wd.XOR_ZSTD
+                sink = io.BytesIO()
+                header = self.base.encode(k, host_pieces(tensors), sink)
+                # the tensor holds the BytesIO's buffer alive: no copy of the compressed bytes
+                buf, fmt = torch.frombuffer(sink.getbuffer(), dtype=torch.uint8), wd.XOR_ZSTD
             buf = buf.to(self.device)
             stats.pack_s += time.perf_counter() - t0
             yield self._delta_payload(k, len(buckets), bucket, fmt, header)
