@@ -40,7 +40,8 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
     """sync_s, the transport, sync_gbps where the transport reported the bytes it moved,
     sync_requests and sync_pack_s (the update requests per engine, the trainer's pack copy),
     and sync_not_paused: how many engines it updated without pausing (held out of the
-    router, idle: colocated engines between their memory resume and the sync)."""
+    router, idle: colocated engines between their memory resume and the sync);
+    sync_via_rl_plane: per control call, how many engines smg's RL plane reached."""
     if not sync_report:
         return {}
     seconds = float(sync_report.get("total_s", 0.0))
@@ -49,6 +50,9 @@ def sync_metrics(sync_report: dict[str, Any] | None) -> dict[str, Any]:
         out["sync_transport"] = sync_report["transport"]
     if "not_paused" in sync_report:
         out["sync_not_paused"] = len(sync_report["not_paused"])
+    if sync_report.get("via_rl_plane"):  # `--router-enable-rl`: engines smg reached per call
+        out["sync_via_rl_plane"] = {path: len(urls)
+                                    for path, urls in sync_report["via_rl_plane"].items()}
     transfer = sync_report.get("transfer") or {}
     moved = transfer.get("bytes")
     if moved and seconds > 0:

@@ -64,6 +64,10 @@ class Members:
         """The update's engines as membership changes (leavers removed, joiners added); an
         engine still synced keeps its session (it remembers the groups it joined)."""
         new = [session_for(e) for e in engines]
+        kept = {e.url: e for e in self.engines}
+        for e in new:  # where an engine is routed is the caller's news: the smg RL plane
+            if e.url in kept and kept[e.url] is not e:  # that reaches it once it is routed
+                kept[e.url].rl_plane = e.rl_plane
         if [e.url for e in new] == [e.url for e in self.engines]:
             return
         wanted = {e.url for e in new}

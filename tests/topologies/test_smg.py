@@ -49,14 +49,18 @@ def _no_pid_outlives(run_dir) -> None:
 
 def test_quickstart_through_smg_survives_a_router_kill_and_an_engine_crash(tmp_path, fresh_ray):
     steps = 6
-    run_job(tmp_path, "configs/quickstart.yaml", *SMG, "--num-rollout", str(steps),
-            "--chaos-seed", "7", "--chaos-faults", "kill_router",
+    run_job(tmp_path, "configs/quickstart.yaml", *SMG, "--router-enable-rl",
+            "--num-rollout", str(steps), "--chaos-seed", "7", "--chaos-faults", "kill_router",
             "--simulate-engine-crash-at", "2", "--rollout-health-check-interval", "0.5")
     ms = metrics(tmp_path)
     assert [m["step"] for m in ms] == list(range(steps))
     assert all(m["samples_returned"] == m["samples_requested"] for m in ms)
     assert all(m["logprob_max_abs_diff"] < 1e-4 for m in ms)
     _router_ran_from_smg(tmp_path, "default")
+    # the syncs before the faults (step 2) paused and continued both engines through smg's
+    # RL plane, in one request each; with one engine left the sessions call it themselves
+    reached = [m.get("sync_via_rl_plane", {}) for m in ms]
+    assert reached[:2] == [{"pause_generation": 2, "continue_generation": 2}] * 2, reached
 
     # the router fault: smg was SIGKILLed, relaunched on its port, both engines re-added,
     # and the outside sampler never saw an engine routed while stale or unreachable
