@@ -173,7 +173,7 @@ def flushed(sync: WeightSync) -> float:
     engine has read them already; this is timed after the sync, not inside it."""
     t0 = time.perf_counter()
     newest = sync.transport.written[-1]
-    for f in sorted(newest.iterdir()):
+    for f in sorted(x for x in newest.rglob("*") if x.is_file()):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -4,9 +4,11 @@ Each rank holds the whole model by HF name, so every rank applies the same bucke
 is checked three times before any parameter changes: the engine serves the base version the
 delta names, the bucket's current bytes have the base digest, and the bytes after the XOR
 have the result digest; only then is the result copied into the parameters. A refused
-bucket leaves the parameters as they were. From disk, a bucket refused after others landed
-undoes those (XOR is its own inverse: the same delta applied again gives the base back), so
-a delta directory lands whole or not at all, like a checkpoint reload.
+bucket leaves the parameters as they were. From disk, a bucket refused after others of the
+same manifest landed undoes those (XOR is its own inverse: the same delta applied again
+gives the base back), so a manifest lands whole or not at all, like a checkpoint reload
+(the trainer sends one manifest per bucket, so the engine applies one while the next is
+encoded).
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 Each keeps a `DeltaBase` and, per sync, sends either the full weights (recording them as
 the new base) or, bucket by bucket, the compressed XOR against the base:
 
-  disk         a delta directory `weights-<version>.delta/` beside the full checkpoints
-               (manifest and one file per bucket, written to a temporary sibling and
-               renamed into place), loaded through `update_weights_from_disk` with
-               `load_format="xor_zstd"`
+  disk         a delta directory `weights-<version>.delta/` beside the full checkpoints,
+               one sub-directory per bucket (its manifest and file, written to a
+               temporary sibling and renamed into place), each loaded by its own
+               `update_weights_from_disk` with `load_format="xor_zstd"` as soon as it is
+               written (the engine applies bucket k while the trainer encodes k+1)
   distributed  per bucket an `update_weights_from_distributed` request with
                `load_format="xor_zstd"` and the bucket's `weight_delta` header, then one
                broadcast of its compressed bytes over the weight group
@@ -88,39 +89,44 @@ class DeltaDiskTransport(_KeepsDeltaBase, DiskTransport):
                 self.base.record(k, host_bytes(bucket_tensors(src, bucket)))
             stats.pack_s += time.perf_counter() - t0
         else:
-            yield self._delta_payload(source, buckets, version, stats)
+            yield from self._delta_payloads(source, buckets, version, stats)
         stats.delta = self.base.outcome.as_dict()
         self.base.landed(engines, version)
 
-    def _delta_payload(self, source: WeightSource, buckets: Sequence[Bucket], version: str,
-                       stats: TransferStats) -> Payload:
-        t0 = time.perf_counter()
+    def _delta_payloads(self, source: WeightSource, buckets: Sequence[Bucket], version: str,
+                        stats: TransferStats) -> Iterator[Payload]:
+        """One sub-directory and one request per bucket, each yielded once written: the
+        engine loads bucket k while this process encodes bucket k+1."""
         out = self.directory / f"weights-{_safe_version(version)}.delta"
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        entries, base_version = [], self.base.version
-        src = iter(source.tensors())
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        self._keep(out)
+        base_version, src = self.base.version, iter(source.tensors())
         for k, bucket in enumerate(buckets):
-            name = f"{k:05d}.xor.zst"
+            t0 = time.perf_counter()
+            done = out / f"{k:05d}"
+            tmp = out / f".{k:05d}.tmp-{os.getpid()}"
+            tmp.mkdir()
+            name = "bucket.xor.zst"
             with open(tmp / name, "wb") as sink:  # zstd writes each piece as it compresses
                 header = self.base.encode(k, host_pieces(bucket_tensors(src, bucket)), sink)
-            entries.append(wd.DeltaBucketFile(file=name, header=header, **metas_body(bucket.metas)))
-        manifest = wd.DeltaManifest(base_version=base_version, version=version, buckets=entries)
-        (tmp / wd.MANIFEST).write_text(json.dumps(manifest.model_dump()))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        stats.pack_s += time.perf_counter() - t0  # "pack" = encoding and writing the delta
-        stats.bytes += self.base.outcome.sent_bytes
-        stats.buckets += len(buckets)
+            manifest = wd.DeltaManifest(base_version=base_version, version=version, buckets=[
+                wd.DeltaBucketFile(file=name, header=header, **metas_body(bucket.metas))])
+            (tmp / wd.MANIFEST).write_text(json.dumps(manifest.model_dump()))
+            os.replace(tmp, done)
+            stats.pack_s += time.perf_counter() - t0  # "pack" = encoding and writing the delta
+            stats.bytes += header.encoded_nbytes
+            stats.buckets += 1
+            yield self._bucket_payload(done, k, len(buckets), header.encoded_nbytes)
 
+    @staticmethod
+    def _bucket_payload(path: Path, k: int, count: int, nbytes: int) -> Payload:
         def request(engine: EngineSession, flush: bool, version: str | None):
-            return p.UpdateWeightsFromDiskRequest(model_path=str(out), load_format=wd.XOR_ZSTD,
+            return p.UpdateWeightsFromDiskRequest(model_path=str(path), load_format=wd.XOR_ZSTD,
                                                   flush_cache=flush, weight_version=version)
 
-        self._keep(out)
-        return Payload("update_weights_from_disk (delta)", "update_weights_from_disk", request,
-                       self.base.outcome.sent_bytes, last=True)
+        return Payload(f"update_weights_from_disk (delta bucket {k + 1}/{count})",
+                       "update_weights_from_disk", request, nbytes, last=k == count - 1)
 
     def _keep(self, out: Path) -> None:
         """The newest full checkpoint stays (the deltas' first base), and `keep` deltas."""

@@ -98,8 +98,10 @@ def test_a_wrong_base_is_refused_unchanged_and_the_sync_falls_back_to_full(
         assert a.weight_version() == served
         before = a.rank_checksums()
 
-        # The last delta directory again: its base is the version before, refused as such.
+        # The last delta's first bucket again (one sub-directory and request per bucket):
+        # its base is the version before, refused as such.
         last = max((tmp_path / "ckpt").glob("*.delta"), key=lambda p: p.stat().st_mtime)
+        last = last / "00000"
         answer = a.post("/update_weights_from_disk", {"model_path": str(last),
                                                       "load_format": wd.XOR_ZSTD}).json()
         assert not answer["success"] and f"but this engine serves {served!r}" in answer["message"]
