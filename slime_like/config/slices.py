@@ -273,8 +273,11 @@ class ChaosSettings:
 
 def chaos_settings(args: argparse.Namespace) -> ChaosSettings:
     return ChaosSettings(seed=args.chaos_seed, faults=tuple(args.chaos_faults or ()),
-                         detection_grace_s=args.rollout_health_check_interval
-                         + args.rollout_health_check_timeout + 1.5,
+                         # the monitor's own budget: `failures` probes in a row, each an
+                         # interval apart and up to a timeout long, then the unrouting
+                         detection_grace_s=args.rollout_health_check_failures
+                         * (args.rollout_health_check_interval
+                            + args.rollout_health_check_timeout) + 1.5,
                          crash_at=args.simulate_engine_crash_at,
                          crash_model=args.simulate_engine_crash_model,
                          crash_node_rank=args.simulate_engine_crash_node_rank,
