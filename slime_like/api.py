@@ -31,7 +31,7 @@ from pathlib import Path
 from slime_like.cluster.placement import JobPlacement, place_job
 from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.config.fleet_config import FleetLayout, fleet_config
-from slime_like.config.slices import EngineSettings, HealthSettings, RouterSettings
+from slime_like.config.fleet_slices import EngineSettings, HealthSettings, RouterSettings
 from slime_like.errors import FleetError
 from slime_like.fleet.attempts import Update
 from slime_like.fleet.draining import Drained, DrainReport

@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from slime_like.config.fleet_slices import fleet_settings, make_keys
 from slime_like.config.parse import parse_args
-from slime_like.config.slices import dry_run_settings, fleet_settings, job_settings, make_keys
+from slime_like.config.slices import dry_run_settings, job_settings
 from slime_like.errors import ConfigError
 from slime_like.job.dry_run import describe
 from slime_like.job.inputs import preflight

@@ -11,19 +11,19 @@ import argparse
 
 from slime_like.config import argtypes as t
 from slime_like.config.async_flags import add_async_flags
-from slime_like.config.passthrough import (
-    add_router_flags,
-    add_sglang_server_flags,
-    reserved_flag_hints,
-)
-from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
-from slime_like.config.slices import (
+from slime_like.config.fleet_slices import (
     DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS,
     EngineSettings,
     FleetSettings,
     HealthSettings,
     RouterSettings,
 )
+from slime_like.config.passthrough import (
+    add_router_flags,
+    add_sglang_server_flags,
+    reserved_flag_hints,
+)
+from slime_like.config.rl_flags import add_dynamic_sampling_flags, add_off_policy_flags
 from slime_like.protocol.flag_tables import DEFAULT_ROUTER, ROUTER_TABLES
 from slime_like.protocol.modes import Dispatch, Transport
 

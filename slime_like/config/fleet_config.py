@@ -15,18 +15,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slime_like.config.flags import ENGINE_PROGRAMS
-from slime_like.config.layout import nominal_bundles, placement_group_layout, plan_job
-from slime_like.config.passthrough import OWNED_ROUTER_FIELDS, SLIME_ROUTER_DEFAULTS
-from slime_like.config.slices import (
+from slime_like.config.fleet_slices import (
     DEFAULT_ROUTER_REQUEST_TIMEOUT_SECS,
     EngineSettings,
     FleetSettings,
     HealthSettings,
-    PlacementSettings,
     RouterSettings,
     fresh_keys,
     rl_plane_on,
 )
+from slime_like.config.layout import nominal_bundles, placement_group_layout, plan_job
+from slime_like.config.passthrough import OWNED_ROUTER_FIELDS, SLIME_ROUTER_DEFAULTS
+from slime_like.config.slices import PlacementSettings
 from slime_like.config.topology import TopologyInputs, topology_of
 from slime_like.config.validate import check_addresses, check_router_flags
 from slime_like.errors import ConfigError

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from slime_like.cluster.hosts import format_host
+from slime_like.config.fleet_slices import EngineSettings
 from slime_like.config.layout import EnginePlacement
-from slime_like.config.slices import EngineSettings
 from slime_like.engine.launch import render_argv
 from slime_like.engine.server import EngineConfig, EngineServer
 from slime_like.errors import ConfigError

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from slime_like.config.slices import FleetSettings
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.fleet.lifecycle import ManagedEngine
 from slime_like.fleet.routers import Routers
 from slime_like.rollout.generate import RouterGenerator, Sample

@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from slime_like.config.slices import HealthSettings
+from slime_like.config.fleet_slices import HealthSettings
 from slime_like.engine.deadlines import CallClock
 from slime_like.fleet.launcher import Launcher
 from slime_like.fleet.lifecycle import PING_ONLY, WATCHED, ManagedEngine

@@ -18,8 +18,8 @@ from typing import Any
 import ray
 
 from slime_like.cluster.placement import JobPlacement
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.config.layout import EnginePlacement
-from slime_like.config.slices import FleetSettings
 from slime_like.engine.actor import EngineActor
 from slime_like.engine.address import EngineAddress
 from slime_like.engine.external import CHECKED_FIELDS, ExternalEngine

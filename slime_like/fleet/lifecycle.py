@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.config.layout import EnginePlacement, JobPlan
-from slime_like.config.slices import FleetSettings
 from slime_like.engine.from_placement import engine_config
 from slime_like.engine.session import EngineSession
 from slime_like.errors import SlimeLikeError

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 
 from slime_like.cluster.capacity import Capacity
 from slime_like.cluster.placement import JobPlacement
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.config.layout import EnginePlacement
-from slime_like.config.slices import FleetSettings
 from slime_like.engine.fanout import each
 from slime_like.errors import FleetError
 from slime_like.fleet.attempts import Update

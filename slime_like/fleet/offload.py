@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from slime_like.config.slices import FleetSettings
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.engine.fanout import each
 from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.protocol.io_struct import ALL_MEMORY_TAGS

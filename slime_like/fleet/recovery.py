@@ -27,7 +27,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from slime_like.config.slices import HealthSettings
+from slime_like.config.fleet_slices import HealthSettings
 from slime_like.fleet.launcher import LIVENESS_TIMEOUT_S
 from slime_like.fleet.lifecycle import FOR_FULL_SYNC, ManagedEngine, Phase
 

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.config.layout import RouterPlan
-from slime_like.config.slices import FleetSettings
 from slime_like.errors import ConfigError, RouterError
 from slime_like.fleet.events import EventBus, RouterState
 from slime_like.fleet.lifecycle import ManagedEngine

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from slime_like.cluster.placement import JobPlacement
-from slime_like.config.slices import FleetSettings
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.engine.fanout import each
 from slime_like.engine.session import EngineSession
 from slime_like.errors import FleetError

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from slime_like.config.slices import FleetSettings
+from slime_like.config.fleet_slices import FleetSettings
 from slime_like.fleet.attempts import WeightSource
 from slime_like.fleet.events import EventBus, Happening
 from slime_like.fleet.health import ACTOR_LOST, FleetHealth

@@ -37,7 +37,8 @@ from slime_like.chaos import (
 )
 from slime_like.chaos.served import stale_serves
 from slime_like.cluster.placement import JobPlacement, place_job
-from slime_like.config.slices import FleetSettings, JobSettings
+from slime_like.config.fleet_slices import FleetSettings
+from slime_like.config.slices import JobSettings
 from slime_like.errors import ConfigError, SlimeLikeError
 from slime_like.fleet.fleet import Fleet
 from slime_like.job.checkpoints import save_checkpoint, save_due

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from slime_like.config.fleet_config import FleetLayout, fleet_config
-from slime_like.config.parse import parse_args
-from slime_like.config.slices import (
+from slime_like.config.fleet_slices import (
     EngineSettings,
     HealthSettings,
     RouterSettings,
     fleet_settings,
     make_keys,
-    placement_settings,
 )
+from slime_like.config.parse import parse_args
+from slime_like.config.slices import placement_settings
 from slime_like.errors import ConfigError
 from slime_like.protocol.modes import WorkerType
 

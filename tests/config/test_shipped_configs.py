@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from slime_like.config import parse_args
-from slime_like.config.slices import engine_settings
+from slime_like.config.fleet_slices import engine_settings
 from slime_like.engine.from_placement import engine_argv, engine_server_args
 from slime_like.engine.launch import parse_argv
 

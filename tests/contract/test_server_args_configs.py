@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from slime_like.config import parse_args
-from slime_like.config.slices import engine_settings
+from slime_like.config.fleet_slices import engine_settings
 from slime_like.engine.from_placement import engine_config
 from slime_like.engine.launch import engine_view, render_argv
 from slime_like.engine.server import EngineServer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slime_like.config.deadlines import DeadlinePolicy
-from slime_like.config.slices import HealthSettings
+from slime_like.config.fleet_slices import HealthSettings
 from slime_like.engine.deadlines import CallClock
 from slime_like.errors import ConfigError
 from slime_like.weights.sync_config import WeightSyncConfig

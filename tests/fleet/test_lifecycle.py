@@ -121,8 +121,8 @@ def test_an_engine_stopped_while_launching_says_it_never_served_and_why(tmp_path
     """A run that fails during the launch stops engines still LAUNCHING: their STOPPED event
     says so and carries why (on a GPU run this read as a bare STOPPED <- LAUNCHING)."""
     from slime_like.cluster.placement import JobPlacement
+    from slime_like.config.fleet_slices import fleet_settings
     from slime_like.config.parse import parse_args
-    from slime_like.config.slices import fleet_settings
     from slime_like.fleet.events import FleetEvent
     from slime_like.fleet.fleet import Fleet
 

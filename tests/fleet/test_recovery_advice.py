@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from slime_like.config.slices import HealthSettings
+from slime_like.config.fleet_slices import HealthSettings
 from slime_like.fleet.launcher import LIVENESS_TIMEOUT_S
 from slime_like.fleet.lifecycle import ManagedEngine, Phase
 from slime_like.fleet.recovery import MAX_RECOVERY_ATTEMPTS, Recovery, Step, Tending

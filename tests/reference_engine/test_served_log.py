@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from slime_like.chaos.served import stale_serves
+from slime_like.config.fleet_slices import engine_settings
 from slime_like.config.parse import parse_args
-from slime_like.config.slices import engine_settings
 from slime_like.engine.from_placement import engine_config
 from slime_like.reference_engine.served_log import SERVED_LOG_ENV, read_served
 from tests.reference_engine.conftest import start_engine, stop_engine

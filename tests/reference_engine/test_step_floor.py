@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from slime_like.config.fleet_slices import engine_settings
 from slime_like.config.parse import parse_args
-from slime_like.config.slices import engine_settings
 from slime_like.engine.from_placement import engine_config
 from slime_like.errors import ConfigError
 from slime_like.reference_engine.step_floor import MIN_STEP_ENV

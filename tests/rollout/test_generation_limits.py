@@ -14,8 +14,8 @@ import time
 from aiohttp import web
 
 from slime_like.cluster.ports import free_port
+from slime_like.config.fleet_slices import fleet_settings
 from slime_like.config.parse import parse_args
-from slime_like.config.slices import fleet_settings
 from slime_like.rollout.generate import RouterGenerator
 
 
