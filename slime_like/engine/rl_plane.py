@@ -32,9 +32,12 @@ import requests
 from slime_like.engine.call_pool import engine_pool
 
 
-class EngineSession(Protocol):
-    """What the plane needs of an engine session (`session.py`): the engine's URL. A
-    protocol, not the class, so the session module can use the plane without a circle."""
+class PlaneMember(Protocol):
+    """What the plane needs of an engine session (`session.EngineSession`): its engine's
+    URL. A protocol, not the class, so the session module can use the plane without a
+    circle."""
+
+    rl_plane: RlPlane | None
 
     @property
     def url(self) -> str: ...
@@ -119,9 +122,9 @@ class PlaneCall:
     before the request (what a call that timed out may still have done)."""
 
     def __init__(self, plane: RlPlane, path: str, body: dict,
-                 sessions: Sequence[EngineSession], *,
-                 on_sent: Callable[[EngineSession], None] | None = None,
-                 on_answer: Callable[[EngineSession, Any], None] | None = None,
+                 sessions: Sequence[PlaneMember], *,
+                 on_sent: Callable[[PlaneMember], None] | None = None,
+                 on_answer: Callable[[PlaneMember, Any], None] | None = None,
                  timeout: float | None = None):
         self.plane = plane
         self.path = path
@@ -176,7 +179,7 @@ class PlaneCall:
                 self.on_answer(mine[url], body)
         return answered
 
-    def answer_for(self, session: EngineSession) -> Any | None:
+    def answer_for(self, session: PlaneMember) -> Any | None:
         """The engine's answer through smg (waits for the request), or None when smg did not
         reach it: the session then calls its engine itself."""
         answered = self.future.result()
@@ -186,11 +189,11 @@ class PlaneCall:
         return answered[url] if answered[url] is not None else {}
 
 
-def plane_calls(sessions: Sequence[EngineSession], path: str, body: dict, *,
+def plane_calls(sessions: Sequence[PlaneMember], path: str, body: dict, *,
                 min_engines: int = 2, **kw: Any) -> dict[str, PlaneCall]:
     """One PlaneCall per RL plane the sessions are reached by (at least `min_engines` of
     them on it), by session URL; sessions without a plane are not in it."""
-    by_plane: dict[RlPlane, list[EngineSession]] = {}
+    by_plane: dict[RlPlane, list[PlaneMember]] = {}
     for s in sessions:
         if s.rl_plane is not None:
             by_plane.setdefault(s.rl_plane, []).append(s)

@@ -112,13 +112,12 @@ class WeightDeltas:
         if size != header.nbytes:
             raise DeltaRefused(f"the delta's bucket holds {header.nbytes} bytes, "
                                f"{names[0]!r}..{names[-1]!r} here hold {size}")
-        result, base_digest, decode_error = self._decode_onto(params, size, blob)
+        result, base_digest, decode_error, got = self._decode_onto(params, size, blob)
         if base_digest != header.base_checksum:
             raise DeltaRefused(f"the weights of {names[0]!r}..{names[-1]!r} are not the delta's "
                                f"base (digest {base_digest}, expected {header.base_checksum})")
         if decode_error is not None:
             raise DeltaRefused(f"the delta of {names[0]!r}.. does not decode: {decode_error}")
-        got = wd.digest(result)
         if got != header.checksum:
             raise DeltaRefused(f"{names[0]!r}..{names[-1]!r} after the delta have digest {got}, "
                                f"the trainer's is {header.checksum}")
@@ -126,13 +125,15 @@ class WeightDeltas:
 
     @staticmethod
     def _decode_onto(params: list[torch.Tensor], size: int, blob: np.ndarray
-                     ) -> tuple[np.ndarray, str, str | None]:
+                     ) -> tuple[np.ndarray, str, str | None, str]:
         """The bucket's bytes after the delta, in a new host buffer (the parameters are not
         touched), streamed piece by piece: each piece of the current bytes is hashed as the
-        base and XORed with the decoded piece straight into the result. Returns (result,
-        the base's digest, why the blob did not decode or None)."""
+        base, XORed with the decoded piece straight into the result, and that hashed too.
+        Returns (result, the base's digest, why the blob did not decode or None, the
+        result's digest)."""
         result = np.empty(size, dtype=np.uint8)
-        base, decoder, error, offset = xxhash.xxh3_64(), wd.DeltaDecoder(blob), None, 0
+        base, after = xxhash.xxh3_64(), xxhash.xxh3_64()
+        decoder, error, offset = wd.DeltaDecoder(blob), None, 0
         for p in params:
             flat = p.reshape(-1).view(torch.uint8)
             for start in range(0, flat.numel(), wd.CHUNK_BYTES):
@@ -147,12 +148,13 @@ class WeightDeltas:
                         error = str(e)
                         continue
                     wd.xor_into(out, piece, out)
+                    after.update(memoryview(out))
         if error is None:
             try:
                 decoder.finish()
             except Exception as e:  # noqa: BLE001
                 error = str(e)
-        return result, base.hexdigest(), error
+        return result, base.hexdigest(), error, after.hexdigest()
 
     def _bucket_params(self, names: list[str], dtypes: list[str],
                        shapes: list[list[int]]) -> list[torch.Tensor]:

@@ -146,8 +146,7 @@ class DeltaBase:
                 encoder.write(piece)
             checksum, encoded = encoder.finish()
         except BaseException:
-            self.invalidate()
-            self.buckets, self.checksums = [], []
+            self.release()  # half new: no engine holds these bytes
             raise
         header = wd.DeltaHeader(base_version=self._base_version, base_checksum=self.checksums[k],
                                 checksum=checksum, encoded_nbytes=encoded, nbytes=base.nbytes)
