@@ -60,7 +60,10 @@ def test_a_host_sees_only_its_own_processes_and_a_failed_test_leaves_nothing(tmp
     h = Hosts(2, tmp_path)
     with pytest.raises(RuntimeError, match="the test failed"), h:
         a, b = h.hosts
-        h.ssh(a, "(sleep 600 > /dev/null 2>&1 < /dev/null &)")
+        # ssh returns once sleep has exec'd (its comm is "sleep"), not just forked: a forked
+        # child still named bash would make the next line race the scheduler.
+        h.ssh(a, "(sleep 600 > /dev/null 2>&1 < /dev/null &); "
+                 "until pgrep -x sleep > /dev/null; do sleep 0.05; done")
         assert any(c.startswith("sleep 600") for c in h.processes(a))
         assert h.ssh(b, "pgrep -x sleep || true").stdout == ""  # its own PID namespace
         assert h.addresses(a) == {"lo": ["127.0.0.1"], CLUSTER_IF: [a.ip], DECOY_IF: [a.decoy_ip]}
