@@ -2,7 +2,7 @@
 set, and dropped when they stop answering (handed to whoever recovers them).
 
 Apart from the transaction (`sync.py`), which only asks who still answers after a failure
-and drops the rest; the weight group is rebuilt for the living at the next sync.
+(a second, longer ping for those silent to the first) and drops the rest; the weight group is rebuilt for the living at the next sync.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ from slime_like.weights.sync_config import WeightSyncConfig
 from slime_like.weights.transport import Transport
 
 log = logging.getLogger(__name__)
+
+#: an engine silent to the first liveness ping after a failure gets one this many times
+#: longer before it is dropped (a loaded host, not a dead one)
+LATE_PING_FACTOR = 3
 
 
 class Members:
@@ -83,6 +87,16 @@ class Members:
         def alive(engine: EngineSession) -> bool:
             return engine.ping(timeout=self.config.liveness_timeout_s)
 
+        return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
+
+    def _late_answering(self, engines: list[EngineSession]) -> list[EngineSession]:
+        """Those of `engines` (silent to the first ping) that answer one of
+        `LATE_PING_FACTOR` times the liveness timeout: slow, not dead."""
+        def alive(engine: EngineSession) -> bool:
+            return engine.ping(timeout=LATE_PING_FACTOR * self.config.liveness_timeout_s)
+
+        if not engines:
+            return []
         return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
 
     def _with_dead_dropped(self, err: WeightSyncError,

@@ -21,9 +21,10 @@ changed, and has its call type's deadline (`engine/deadlines.py`): an engine pas
 the others answered is hung, and the sync fails naming it (`WeightSyncError.hung`) rather
 than waiting for it. On failure the sessions undo what they changed: pending collectives
 are aborted, open update sessions ended, every paused engine continued (or handed to the
-caller), engines that stopped answering (or hung) are dropped (the next sync rebuilds the
-group for the living; `take_dropped()` hands them to recovery), and the `WeightSyncError`
-names the step and the engine.
+caller), engines that stopped answering (silent to a ping, then to one three times as
+long: a loaded host's slow answer is not a death) or hung are dropped (the next sync
+rebuilds the group for the living; `take_dropped()` hands them to recovery), and the
+`WeightSyncError` names the step and the engine.
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ class WeightSync(Members):
         updates: list[EngineCall] = []   # the transfer's calls
         answering = engines              # after a failure: those that still answer
         resumed: list[EngineCall] = []   # continue_generation sent through the lanes
+        hung: set[str] = set()           # found hung by a call's deadline
         failure: BaseException | None = None
         try:
             with steps("pause"):
@@ -278,6 +280,16 @@ class WeightSync(Members):
             if failure is None or cfg.resume_on_failure:
                 with steps("continue"):
                     problems = self.control.undo(answering, resumed)
+                    # A ping missed on a loaded host is not a death: a second, longer one
+                    # (the answering engines already resumed, so only the trainer waits)
+                    # lets a slow engine be undone and kept rather than dropped paused.
+                    late = self._late_answering([e for e in engines if e not in answering
+                                                 and e.url not in hung])
+                    if late:  # what `_failed` did for the others: leave the group, undo
+                        if self.transport is not None:
+                            self.transport.abandon([e.url for e in late])
+                        problems += self.control.undo(late)
+                        answering = [e for e in engines if e in answering or e in late]
             else:
                 error.paused = [e.url for e in engines if e.paused is not None]
                 for engine in engines:

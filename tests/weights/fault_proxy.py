@@ -6,6 +6,9 @@ Armed with (endpoint, n, fault), it acts at the n-th call of that endpoint:
   then relays the call, which waits like any call to a hung server;
 - "500": answers 500 itself without relaying. A real engine cannot be made to answer an
   error on demand at a given call, so this one fault is a fake, and says so in its body.
+Apart from the armed fault, `slow(endpoint, seconds)` holds the first call of an endpoint
+after the fault fired that long before relaying it: a host too loaded to answer in time (also a fake: a real
+engine cannot be made slow at one call without stopping it).
 Every other call is relayed unchanged (keys, bodies, statuses), and the relay records the
 weight-group names engines were asked to join.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -32,6 +36,7 @@ class FaultProxy:
         self.groups: list[str] = []
         self.fault: tuple[str, int, str] | None = None
         self.fired = threading.Event()
+        self.delays: dict[str, float] = {}
         self._lock = threading.Lock()
         proxy = self
 
@@ -64,6 +69,12 @@ class FaultProxy:
     def disarm(self) -> None:
         with self._lock:
             self.fault = None
+            self.delays.clear()
+
+    def slow(self, endpoint: str, seconds: float) -> None:
+        """The first call of `endpoint` after the armed fault fired waits `seconds`."""
+        with self._lock:
+            self.delays[endpoint] = seconds
 
     def _relay(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
@@ -75,6 +86,8 @@ class FaultProxy:
             fire = fault is not None and fault[0] == path and fault[1] == self.calls[path]
             if fire:
                 self.fault = None
+            delay = self.delays.pop(path, 0.0) if self.fired.is_set() else 0.0
+        time.sleep(delay)
         if path == "/init_weights_update_group" and body:
             self.groups.append(json.loads(body)["group_name"])
         if fire:

@@ -196,3 +196,32 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
         sync.close()
     for url in (fleet.a.url, fleet.b.url):
         assert_left_clean(url, fleet.proxy.groups)
+
+
+def test_an_engine_slow_to_answer_the_ping_after_a_failure_is_undone_not_dropped(
+        fleet, tiny_model_dir):
+    """After a failed sync every engine is pinged (`liveness_timeout_s`, 1 s here). Engine B,
+    paused by the sync, answers that ping late (the proxy holds it 1.8 s: a loaded host)
+    but within the second, longer ping: it is continued and kept, not dropped paused."""
+    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
+                      http_timeout_s=3, group_timeout_s=GROUP_TIMEOUT_S, liveness_timeout_s=1)
+    try:
+        sync.update(trainer_model(tiny_model_dir, seed=11), "1")
+        fleet.proxy.arm("/begin_weight_update", 1, "500")
+        fleet.proxy.slow("/ping", 1.8)
+        with pytest.raises(WeightSyncError) as failure:
+            sync.update(trainer_model(tiny_model_dir, seed=12), "2")
+        assert failure.value.engine == fleet.proxy.url, failure.value
+        assert "/ping" not in fleet.proxy.delays  # the slow ping was the one after the fault
+        assert sync.take_dropped() == []
+        for url in (fleet.a.url, fleet.b.url):
+            assert_left_clean(url, fleet.proxy.groups, keep=sync.transport.group_name)
+        sync.update(trainer_model(tiny_model_dir, seed=13), "3")  # both still members
+        assert sync.last_report.engines == [fleet.a.url, fleet.proxy.url]
+        for url in (fleet.a.url, fleet.b.url):
+            assert_serves(url, "3")
+    finally:
+        fleet.proxy.disarm()
+        sync.close()
+    for url in (fleet.a.url, fleet.b.url):
+        assert_left_clean(url, fleet.proxy.groups)
