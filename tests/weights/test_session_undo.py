@@ -12,8 +12,10 @@ directly, with the admin key, what state it was left in.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -115,6 +117,23 @@ def assert_serves(url: str, version: str) -> None:
     assert got["weight_version"] == version, (url, got)
 
 
+@contextlib.contextmanager
+def syncing(fleet: Fleet, http_timeout_s: float = 3) -> Iterator[WeightSync]:
+    """A WeightSync over engines A and B; afterwards, whatever the case did: the proxy
+    disarmed, B never left hung for the next case, the sync closed, both engines clean."""
+    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
+                      http_timeout_s=http_timeout_s, group_timeout_s=GROUP_TIMEOUT_S,
+                      liveness_timeout_s=1)
+    try:
+        yield sync
+    finally:
+        fleet.proxy.disarm()
+        fleet.b.process.kill(signal.SIGCONT)
+        sync.close()
+    for url in (fleet.a.url, fleet.b.url):
+        assert_left_clean(url, fleet.proxy.groups)
+
+
 CASES = [(step, fault) for step in STEPS for fault in ("500", "kill", "hang")]
 
 
@@ -125,9 +144,7 @@ def test_a_fault_at_each_step_is_undone_and_the_next_update_lands(fleet, tiny_mo
     policy = trainer_model(tiny_model_dir, seed=11)
     if n is None:
         n = len(plan_buckets(ModelWeights(policy).metadata(), BUCKET_BYTES))
-    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
-                      http_timeout_s=3, group_timeout_s=GROUP_TIMEOUT_S, liveness_timeout_s=1)
-    try:
+    with syncing(fleet) as sync:
         sync.update(policy, "1")  # forms the group: the faults land in a running fleet
         fleet.proxy.arm(endpoint, n, fault)
         retried = step == "continue" and fault == "500"  # continue is idempotent: retried once
@@ -155,12 +172,6 @@ def test_a_fault_at_each_step_is_undone_and_the_next_update_lands(fleet, tiny_mo
         for url in (fleet.a.url, fleet.b.url):
             assert_serves(url, "3")
             assert_left_clean(url, fleet.proxy.groups, keep=sync.transport.group_name)
-    finally:
-        fleet.proxy.disarm()
-        fleet.b.process.kill(signal.SIGCONT)  # never leave engine B hung for the next case
-        sync.close()
-    for url in (fleet.a.url, fleet.b.url):
-        assert_left_clean(url, fleet.proxy.groups)
 
 
 def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout(
@@ -169,9 +180,7 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
     real) is cut at the pause's deadline, not the 60 s HTTP timeout: the sync fails naming
     B as hung without waiting for it, leaves engine A clean, and the next update lands on A
     alone. Continued and added back, B takes the update after that."""
-    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
-                      http_timeout_s=60, group_timeout_s=GROUP_TIMEOUT_S, liveness_timeout_s=1)
-    try:
+    with syncing(fleet, http_timeout_s=60) as sync:
         for version in ("1", "2"):  # every call type answered twice by each engine
             sync.update(trainer_model(tiny_model_dir, seed=11), version)
         fleet.proxy.arm("/pause_generation", 1, "hang")
@@ -190,12 +199,6 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
         sync.update(trainer_model(tiny_model_dir, seed=14), "5")
         for url in (fleet.a.url, fleet.b.url):
             assert_serves(url, "5")
-    finally:
-        fleet.proxy.disarm()
-        fleet.b.process.kill(signal.SIGCONT)  # never leave engine B hung for the next case
-        sync.close()
-    for url in (fleet.a.url, fleet.b.url):
-        assert_left_clean(url, fleet.proxy.groups)
 
 
 def test_an_engine_slow_to_answer_the_ping_after_a_failure_is_undone_not_dropped(
@@ -203,9 +206,7 @@ def test_an_engine_slow_to_answer_the_ping_after_a_failure_is_undone_not_dropped
     """After a failed sync every engine is pinged (`liveness_timeout_s`, 1 s here). Engine B,
     paused by the sync, answers that ping late (the proxy holds it 1.8 s: a loaded host)
     but within the second, longer ping: it is continued and kept, not dropped paused."""
-    sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
-                      http_timeout_s=3, group_timeout_s=GROUP_TIMEOUT_S, liveness_timeout_s=1)
-    try:
+    with syncing(fleet) as sync:
         sync.update(trainer_model(tiny_model_dir, seed=11), "1")
         fleet.proxy.arm("/begin_weight_update", 1, "500")
         fleet.proxy.slow("/ping", 1.8)
@@ -220,8 +221,3 @@ def test_an_engine_slow_to_answer_the_ping_after_a_failure_is_undone_not_dropped
         assert sync.last_report.engines == [fleet.a.url, fleet.proxy.url]
         for url in (fleet.a.url, fleet.b.url):
             assert_serves(url, "3")
-    finally:
-        fleet.proxy.disarm()
-        sync.close()
-    for url in (fleet.a.url, fleet.b.url):
-        assert_left_clean(url, fleet.proxy.groups)
