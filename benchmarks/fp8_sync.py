@@ -30,7 +30,6 @@ Prints one JSON line per part on stdout (`--json-out` appends them to a file too
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -57,6 +56,7 @@ from slime_like.models.config import ModelConfig  # noqa: E402
 from slime_like.models.loading import build_model, init_dummy_weights  # noqa: E402
 from slime_like.models.transformer import CausalLM  # noqa: E402
 from slime_like.protocol.buckets import dtype_from_name  # noqa: E402
+from slime_like.protocol.checksums import overall_checksum, tensor_checksum  # noqa: E402
 from slime_like.rollout.quant_mismatch import quantization_mismatch  # noqa: E402
 from slime_like.weights import WeightSync  # noqa: E402
 from slime_like.weights.fp8 import Fp8Weights, ServedWeights  # noqa: E402
@@ -75,15 +75,7 @@ def cpu_layout(args) -> ModelConfig:
 
 def checksum(named) -> str:
     """The engines' per-rank checksum (sha256 over name + per-tensor hash) of these tensors."""
-    sums = {}
-    for name, t in named:
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        sums[name] = f"{int.from_bytes(hashlib.sha256(memoryview(raw)).digest()[:8], 'big'):016x}"
-    h = hashlib.sha256()
-    for name in sorted(sums):
-        h.update(name.encode())
-        h.update(sums[name].encode())
-    return h.hexdigest()
+    return overall_checksum({name: tensor_checksum(t) for name, t in named})
 
 
 def engine_checksum(url: str) -> list[str]:

@@ -26,7 +26,6 @@ Peak memory on GPU is `torch.cuda.max_memory_allocated` (reset before the first 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -47,21 +46,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from slime_like.cluster.ports import free_port  # noqa: E402
+from slime_like.protocol.checksums import overall_checksum, tensor_checksum  # noqa: E402
 
 TARGETS = {"ratio": 1.3, "extra_vs_bound": 1.1, "overlap": 0.7}
 
 
 def checksum(named) -> str:
     """The engine's /weights_checker checksum, computed on full tensors."""
-    sums = {}
-    for name, t in named:
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-        sums[name] = f"{int.from_bytes(hashlib.sha256(raw).digest()[:8], 'big'):016x}"
-    h = hashlib.sha256()
-    for name in sorted(sums):
-        h.update(name.encode())
-        h.update(sums[name].encode())
-    return h.hexdigest()
+    return overall_checksum({name: tensor_checksum(t) for name, t in named})
 
 
 # ---- memory --------------------------------------------------------------------------------

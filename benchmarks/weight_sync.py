@@ -36,7 +36,6 @@ every sync).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -64,6 +63,7 @@ from slime_like.cluster.ports import free_port  # noqa: E402
 from slime_like.models.config import ModelConfig  # noqa: E402
 from slime_like.models.transformer import CausalLM, hf_named_parameters  # noqa: E402
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name, dtype_name  # noqa: E402
+from slime_like.protocol.checksums import overall_checksum, tensor_checksum  # noqa: E402
 from slime_like.protocol.weight_group import (  # noqa: E402
     destroy_process_group,
     init_custom_process_group,
@@ -176,20 +176,11 @@ def perturb(params: list[torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-def _hash(t: torch.Tensor) -> str:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    return f"{int.from_bytes(hashlib.sha256(memoryview(raw)).digest()[:8], 'big'):016x}"
-
-
 def trainer_checksum(metas: list[TensorMeta], params: list[torch.Tensor]) -> str:
     """The engines' per-rank checksum (sha256 over name + per-tensor hash), computed here."""
     with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        sums = dict(zip([m.name for m in metas], pool.map(_hash, params), strict=True))
-    h = hashlib.sha256()
-    for name in sorted(sums):
-        h.update(name.encode())
-        h.update(sums[name].encode())
-    return h.hexdigest()
+        sums = dict(zip([m.name for m in metas], pool.map(tensor_checksum, params), strict=True))
+    return overall_checksum(sums)
 
 
 def engine_checksums(url: str) -> list[str]:

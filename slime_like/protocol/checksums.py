@@ -13,8 +13,8 @@ import torch
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """First 8 bytes of sha256 over the raw bytes, as %016x (sglang's CPU tensor hash)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    return f"{int.from_bytes(hashlib.sha256(raw).digest()[:8], 'big'):016x}"
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return f"{int.from_bytes(hashlib.sha256(memoryview(raw)).digest()[:8], 'big'):016x}"
 
 
 def overall_checksum(checksums: dict[str, str]) -> str:

@@ -4,7 +4,6 @@ head dim 128, so each rank's share of every split dimension is whole blocks)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from slime_like.errors import ConfigError
 from slime_like.models.loading import load_pretrained
 from slime_like.models.tiny import make_tiny_model
 from slime_like.protocol import fp8
+from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.reference_engine.fp8 import Fp8Linear, quantize_model
 from slime_like.weights import WeightSync
 from slime_like.weights.fp8 import Fp8Weights, ServedWeights
@@ -44,13 +44,7 @@ def fp8_tp2_engine(fp8_model_dir, weights_log_dir) -> Iterator[Engine]:
 
 def _checksum(named) -> str:
     """The engine's per-rank checksum (sha256 over name + per-tensor hash) of these tensors."""
-    sums = {n: f"{int.from_bytes(hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).digest()[:8], 'big'):016x}"  # noqa: E501
-            for n, t in named}
-    h = hashlib.sha256()
-    for name in sorted(sums):
-        h.update(name.encode())
-        h.update(sums[name].encode())
-    return h.hexdigest()
+    return overall_checksum({n: tensor_checksum(t) for n, t in named})
 
 
 def test_both_ranks_load_the_quantized_sync_and_generate_as_the_served_copy(

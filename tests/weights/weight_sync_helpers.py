@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from slime_like.cluster.ports import free_port
 from slime_like.cluster.process import ServerProcess
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.transformer import CausalLM, hf_named_parameters
+from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 
 
 @dataclass
@@ -76,15 +76,7 @@ def trainer_model(model_dir: Path, seed: int) -> CausalLM:
 
 def model_checksum(model: torch.nn.Module) -> str:
     """The engine's per-rank checksum, computed on the trainer's tensors."""
-    sums = {}
-    for name, p in hf_named_parameters(model):
-        raw = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        sums[name] = f"{int.from_bytes(hashlib.sha256(raw).digest()[:8], 'big'):016x}"
-    h = hashlib.sha256()
-    for name in sorted(sums):
-        h.update(name.encode())
-        h.update(sums[name].encode())
-    return h.hexdigest()
+    return overall_checksum({n: tensor_checksum(p) for n, p in hf_named_parameters(model)})
 
 
 @torch.no_grad()
