@@ -288,12 +288,22 @@ class Hosts:
             time.sleep(0.2)
 
     def close(self) -> None:
-        """Kill every host's processes, remove its namespace, links and temp dir."""
+        """Kill every host's processes, remove its namespace, links and temp dir.
+
+        Returns once every process the hosts ran is gone: unshare exits as soon as its
+        child (the host's PID 1) is sent SIGKILL, while the kernel still kills the rest of
+        the PID namespace after it."""
         for h in self.hosts:
+            inside = self._tree(h)
             with contextlib.suppress(ProcessLookupError):
                 h.init.kill()  # unshare: --kill-child takes the host's PID 1, and with it the rest
             with contextlib.suppress(subprocess.TimeoutExpired):
                 h.init.wait(timeout=10)
+            _, alive = psutil.wait_procs(inside, timeout=10)
+            for p in alive:  # the kernel did not get to it: kill it ourselves
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            psutil.wait_procs(alive, timeout=5)
             shutil.rmtree(h.temp_dir, ignore_errors=True)
         cleanup_leftovers(owner=self.owner)
         self.hosts = []
@@ -312,15 +322,21 @@ class Hosts:
 
     def processes(self, host: Host) -> list[str]:
         """The command lines running on `host` (its PID namespace), its sshd excluded."""
-        init = psutil.Process(host.init.pid).children()
-        if not init:
-            return []
         out = []
-        for p in init[0].children(recursive=True):
+        for p in self._tree(host)[1:]:
             with contextlib.suppress(psutil.Error):
                 if p.status() != psutil.STATUS_ZOMBIE:
                     out.append(" ".join(p.cmdline()))
         return out
+
+    @staticmethod
+    def _tree(host: Host) -> list[psutil.Process]:
+        """The host's PID 1 (its sshd) and every process below it."""
+        try:
+            init = psutil.Process(host.init.pid).children()
+            return [init[0], *init[0].children(recursive=True)] if init else []
+        except psutil.Error:
+            return []
 
     def addresses(self, host: Host) -> dict[str, list[str]]:
         """Interface -> IPv4 addresses inside `host`."""
