@@ -91,7 +91,8 @@ class WeightDeltas:
                 applied.append((entry, blob))
         except (DeltaRefused, OSError) as e:
             for entry, blob in reversed(applied):  # XOR again: each bucket back to its base
-                self._xor_in(entry.names, entry.dtypes, entry.shapes, blob)
+                self._xor_in(entry.names, entry.dtypes, entry.shapes, blob,
+                             entry.header.frames)
             return False, (f"Failed to update weights: {wd.REFUSED}: {e}.\nRolling back to "
                            "original weights.")
         return True, APPLIED
@@ -112,7 +113,8 @@ class WeightDeltas:
         if size != header.nbytes:
             raise DeltaRefused(f"the delta's bucket holds {header.nbytes} bytes, "
                                f"{names[0]!r}..{names[-1]!r} here hold {size}")
-        result, base_digest, decode_error, got = self._decode_onto(params, size, blob)
+        result, base_digest, decode_error, got = self._decode_onto(params, size, blob,
+                                                                   header.frames)
         if base_digest != header.base_checksum:
             raise DeltaRefused(f"the weights of {names[0]!r}..{names[-1]!r} are not the delta's "
                                f"base (digest {base_digest}, expected {header.base_checksum})")
@@ -124,36 +126,40 @@ class WeightDeltas:
         self._scatter(names, params, result)
 
     @staticmethod
-    def _decode_onto(params: list[torch.Tensor], size: int, blob: np.ndarray
-                     ) -> tuple[np.ndarray, str, str | None, str]:
+    def _decode_onto(params: list[torch.Tensor], size: int, blob: np.ndarray,
+                     frames: list[int]) -> tuple[np.ndarray, str, str | None, str]:
         """The bucket's bytes after the delta, in a new host buffer (the parameters are not
-        touched), streamed piece by piece: each piece of the current bytes is hashed as the
-        base, XORed with the decoded piece straight into the result, and that hashed too.
-        Returns (result, the base's digest, why the blob did not decode or None, the
-        result's digest)."""
+        touched). Every frame is decoded into that buffer at once on the codec threads;
+        meanwhile, in order, each piece of the current bytes is hashed as the base, XORed
+        into its decoded piece once that is there, and the result hashed. Returns (result,
+        the base's digest, why the blob did not decode or None, the result's digest)."""
         result = np.empty(size, dtype=np.uint8)
         base, after = xxhash.xxh3_64(), xxhash.xxh3_64()
-        decoder, error, offset = wd.DeltaDecoder(blob), None, 0
-        for p in params:
-            flat = p.reshape(-1).view(torch.uint8)
-            for start in range(0, flat.numel(), wd.CHUNK_BYTES):
-                piece = flat[start:start + wd.CHUNK_BYTES].cpu().numpy()
-                base.update(memoryview(piece))
-                out = result[offset:offset + piece.size]
-                offset += piece.size
-                if error is None:
-                    try:
-                        decoder.read_into(out)
-                    except Exception as e:  # noqa: BLE001 - a corrupt blob is a refusal
-                        error = str(e)
-                        continue
-                    wd.xor_into(out, piece, out)
-                    after.update(memoryview(out))
-        if error is None:
-            try:
-                decoder.finish()
-            except Exception as e:  # noqa: BLE001
-                error = str(e)
+        error: str | None = None
+        try:
+            decoder = wd.DeltaDecoder(blob, frames, result)
+        except ValueError as e:
+            decoder, error = None, str(e)
+        offset = 0
+        try:
+            for p in params:
+                flat = p.reshape(-1).view(torch.uint8)
+                for start in range(0, flat.numel(), wd.CHUNK_BYTES):
+                    piece = flat[start:start + wd.CHUNK_BYTES].cpu().numpy()
+                    base.update(memoryview(piece))
+                    out = result[offset:offset + piece.size]
+                    offset += piece.size
+                    if error is None:
+                        try:
+                            decoder.wait_through(offset)
+                        except Exception as e:  # noqa: BLE001 - a corrupt blob is a refusal
+                            error = str(e) or type(e).__name__
+                            continue
+                        wd.xor_into(out, piece, out)
+                        after.update(memoryview(out))
+        finally:
+            if decoder is not None:
+                decoder.close()
         return result, base.hexdigest(), error, after.hexdigest()
 
     def _bucket_params(self, names: list[str], dtypes: list[str],
@@ -191,9 +197,9 @@ class WeightDeltas:
             torch._foreach_copy_(dsts, srcs)
 
     def _xor_in(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                blob: bytes) -> None:
+                blob: bytes, frames: list[int]) -> None:
         """Apply a bucket's XOR without checks (the undo of one that was checked)."""
         params = self._bucket_params(names, dtypes, shapes)
         current = self._gather(params)
-        wd.apply(current, blob)
+        wd.apply(current, blob, frames)
         self._scatter(names, params, current)

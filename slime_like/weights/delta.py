@@ -2,7 +2,8 @@
 
 `--update-weight-mode delta` (slime's spelling; `--update-weight-delta` is the same) keeps,
 in this process's host memory, the bytes of the last sync in bucket layout (one copy of
-the served weights: 2 GiB for a 1B-parameter bf16 model, plus 8 MiB of scratch) and
+the served weights: 2 GiB for a 1B-parameter bf16 model, plus 8 MiB of frame buffer per
+core and two) and
 the engines that acknowledged it. A sync is then a delta, bucket by bucket the zstd of
 `base XOR new` with the digests of base and result (`protocol/weight_delta.py`), when every
 engine holds that base; otherwise it is full, and the base is rewritten from what it sent:
@@ -88,14 +89,13 @@ class DeltaBase:
         self.version: str | None = None
         self.holders: dict[str, tuple] = {}
         self.since_full = 0
-        self._scratch: np.ndarray | None = None
+        self._buffers: list[np.ndarray] = []  # the encoder's frame buffers, kept across buckets
         self.outcome: DeltaOutcome | None = None
 
     @property
     def nbytes(self) -> int:
         """Host memory the base holds."""
-        return sum(b.nbytes for b in self.buckets) + (
-            self._scratch.nbytes if self._scratch is not None else 0)
+        return sum(b.nbytes for b in self.buckets) + sum(b.nbytes for b in self._buffers)
 
     # ---- the choice ------------------------------------------------------------------------
 
@@ -138,18 +138,19 @@ class DeltaBase:
         streamed into `sink`; the base becomes the new bytes in place. A failure midway
         leaves that bucket half new: the base is then forgotten (the next sync is full)."""
         base = self.buckets[k]
-        if self._scratch is None:
-            self._scratch = np.empty(wd.CHUNK_BYTES, dtype=np.uint8)
-        encoder = wd.DeltaEncoder(base, sink, self._scratch)
+        encoder = wd.DeltaEncoder(base, sink, self._buffers)
         try:
             for piece in pieces:
                 encoder.write(piece)
-            checksum, encoded = encoder.finish()
+            checksum, frames = encoder.finish()
         except BaseException:
+            encoder.close()
             self.release()  # half new: no engine holds these bytes
             raise
+        encoded = sum(frames)
         header = wd.DeltaHeader(base_version=self._base_version, base_checksum=self.checksums[k],
-                                checksum=checksum, encoded_nbytes=encoded, nbytes=base.nbytes)
+                                checksum=checksum, encoded_nbytes=encoded, nbytes=base.nbytes,
+                                frames=frames)
         self.checksums[k] = checksum
         self.outcome.raw_bytes += base.nbytes
         self.outcome.sent_bytes += encoded
@@ -176,7 +177,7 @@ class DeltaBase:
             self.holders.pop(url, None)
 
     def release(self) -> None:
-        self.buckets, self.checksums, self._scratch = [], [], None
+        self.buckets, self.checksums, self._buffers = [], [], []
         self.signature, self.version, self.holders = None, None, {}
 
 

@@ -2,7 +2,8 @@
 
 The real transports and engines are in `tests/weights/test_delta_sync.py`; here the pieces
 take sizes the tiny model never gives (odd byte counts, so the 8-byte word path and the byte
-path meet inside one bucket) and the blobs are broken in the ways a refusal must catch.
+path meet inside one bucket, and pieces that straddle the frames' grid) and the blobs are
+broken in the ways a refusal must catch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import io
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 from slime_like.protocol import weight_delta as wd
 from slime_like.weights.delta import DeltaBase, DeltaOutcome, host_pieces
@@ -28,35 +30,46 @@ def _bucket(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray
 def test_pieces_of_any_size_encode_what_one_call_decodes():
     rng = np.random.default_rng(3)
     base, new = _bucket(rng, 3 * wd.CHUNK_BYTES + 13)
-    held, sink = base.copy(), io.BytesIO()
-    encoder = wd.DeltaEncoder(held, sink, np.empty(wd.CHUNK_BYTES, dtype=np.uint8))
+    held, sink, buffers = base.copy(), io.BytesIO(), []
+    encoder = wd.DeltaEncoder(held, sink, buffers)
     offset = 0
     for n in [7, 1001, wd.CHUNK_BYTES, 3, wd.CHUNK_BYTES - 5, 2 * wd.CHUNK_BYTES]:
         encoder.write(new[offset:offset + n])
         offset += n
         if offset >= new.size:
             break
-    checksum, encoded = encoder.finish()
+    checksum, frames = encoder.finish()
     assert np.array_equal(held, new), "the base must become the new bytes"
-    assert checksum == wd.digest(new) and encoded == len(sink.getvalue()) < new.size // 4
+    assert checksum == wd.digest(new) and sum(frames) == len(sink.getvalue()) < new.size // 4
+    assert len(frames) == 4 == wd.frame_count(new.size)  # one per CHUNK_BYTES, the last 13 B
+    assert 0 < len(buffers) <= wd.DeltaEncoder.MAX_BUFFERS  # given back, for the next bucket
     engine = base.copy()
-    wd.apply(engine, sink.getvalue())
+    wd.apply(engine, sink.getvalue(), frames)
     assert np.array_equal(engine, new)
+    # each frame stands alone: frame 2 alone gives bytes [2, 3) x CHUNK_BYTES of the XOR
+    start = sum(frames[:2])
+    alone = zstandard.ZstdDecompressor().decompress(sink.getvalue()[start:start + frames[2]])
+    piece = slice(2 * wd.CHUNK_BYTES, 3 * wd.CHUNK_BYTES)
+    assert np.array_equal(np.frombuffer(alone, dtype=np.uint8), base[piece] ^ new[piece])
 
 
 def test_a_blob_for_another_size_or_a_broken_blob_is_an_error():
     rng = np.random.default_rng(4)
     base, new = _bucket(rng, wd.CHUNK_BYTES + 77)
-    blob = wd.encode(base, new)
+    blob, frames = wd.encode(base, new)
     with pytest.raises(ValueError, match="decodes to more than"):
-        wd.apply(base[:-1].copy(), blob)
-    with pytest.raises(ValueError, match="bucket holds more"):
-        wd.apply(np.zeros(base.size + 1, dtype=np.uint8), blob)
+        wd.apply(base[:-1].copy(), blob, frames)
+    with pytest.raises(ValueError, match=r"frame decodes to 77 bytes, its piece holds 78"):
+        wd.apply(np.zeros(base.size + 1, dtype=np.uint8), blob, frames)
+    with pytest.raises(ValueError, match="the delta has 2 frames, a bucket of"):
+        wd.apply(np.zeros(3 * wd.CHUNK_BYTES, dtype=np.uint8), blob, frames)
+    with pytest.raises(ValueError, match="frames hold .* bytes, the blob"):
+        wd.apply(base.copy(), blob, [frames[0] + 1, frames[1]])
     broken = bytearray(blob)
     broken[len(broken) // 2] ^= 0xFF
     with pytest.raises(Exception):  # noqa: B017 - zstd's own error, whatever its class
         target = base.copy()
-        wd.apply(target, bytes(broken))
+        wd.apply(target, bytes(broken), frames)
         assert np.array_equal(target, new), "a broken blob decoded to the right bytes"
 
 
