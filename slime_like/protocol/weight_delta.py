@@ -92,8 +92,10 @@ def digest(data: np.ndarray | bytes | memoryview) -> str:
         data, np.ndarray) else data)
 
 
-#: zstd threads of this process: one per core (zstd releases the GIL)
-CODEC_THREADS = os.cpu_count() or 1
+#: zstd threads of this process: one per core it may run on (zstd releases the GIL); the
+#: affinity, not the host's count, where the process is pinned to some cores
+CODEC_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+    os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _codecs = threading.local()
