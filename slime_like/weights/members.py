@@ -2,7 +2,8 @@
 set, and dropped when they stop answering (handed to whoever recovers them).
 
 Apart from the transaction (`sync.py`), which only asks who still answers after a failure
-(a second, longer ping for those silent to the first) and drops the rest; the weight group is rebuilt for the living at the next sync.
+(a second, longer ping for those silent to the first) and drops the rest; the weight
+group is rebuilt for the living at the next sync.
 """
 
 from __future__ import annotations
@@ -83,17 +84,11 @@ class Members:
         order = {e.url: i for i, e in enumerate(new)}
         self.engines.sort(key=lambda e: order[e.url])
 
-    def _answering(self, engines: list[EngineSession]) -> list[EngineSession]:
+    def _answering(self, engines: list[EngineSession], patience: float = 1.0
+                   ) -> list[EngineSession]:
+        """Those of `engines` that answer a ping of `patience` x the liveness timeout."""
         def alive(engine: EngineSession) -> bool:
-            return engine.ping(timeout=self.config.liveness_timeout_s)
-
-        return [e for e, (ok, _) in zip(engines, each(engines, alive), strict=True) if ok]
-
-    def _late_answering(self, engines: list[EngineSession]) -> list[EngineSession]:
-        """Those of `engines` (silent to the first ping) that answer one of
-        `LATE_PING_FACTOR` times the liveness timeout: slow, not dead."""
-        def alive(engine: EngineSession) -> bool:
-            return engine.ping(timeout=LATE_PING_FACTOR * self.config.liveness_timeout_s)
+            return engine.ping(timeout=patience * self.config.liveness_timeout_s)
 
         if not engines:
             return []

@@ -54,7 +54,7 @@ from slime_like.weights.attach import (
 )
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
 from slime_like.weights.handshake import check_same_metadata
-from slime_like.weights.members import Members
+from slime_like.weights.members import LATE_PING_FACTOR, Members
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
     DEFAULT_BUFFER_BYTES,
@@ -283,8 +283,8 @@ class WeightSync(Members):
                     # A ping missed on a loaded host is not a death: a second, longer one
                     # (the answering engines already resumed, so only the trainer waits)
                     # lets a slow engine be undone and kept rather than dropped paused.
-                    late = self._late_answering([e for e in engines if e not in answering
-                                                 and e.url not in hung])
+                    late = self._answering([e for e in engines if e not in answering
+                                            and e.url not in hung], LATE_PING_FACTOR)
                     if late:  # what `_failed` did for the others: leave the group, undo
                         if self.transport is not None:
                             self.transport.abandon([e.url for e in late])
