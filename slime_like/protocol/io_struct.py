@@ -197,6 +197,10 @@ class UpdateWeightsFromTensorRequest(_Body):
     weight_version: str | None = None
     selector: Selector = "all"
     torch_empty_cache: bool = False
+    # Not sglang's (its schema ignores unknown keys; it closes every mapping after its
+    # load): the sender will send this buffer again and keeps it allocated until then, so
+    # the reference engine keeps its mapping past end_weight_update (ipc_mappings.py).
+    keep_ipc_mapping: bool = False
 
 
 class UpdateWeightsFromDiskRequest(_Body):

@@ -41,10 +41,12 @@ class ReceiveDistributed:
 
 @dataclass(frozen=True)
 class LoadTensorPayload:
-    """This rank's serialized tensors (one payload per TP rank)."""
+    """This rank's serialized tensors (one payload per TP rank); a flattened bucket's
+    buffer stays open for `mapping` (`ipc_mappings.py`: load, session or kept)."""
 
     payload: str | bytes
     load_format: str | None
+    mapping: str = "session"
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class ResumeWeights:
 
 @dataclass(frozen=True)
 class EndSession:
-    """The update session ended: let go of IPC storages it did not use."""
+    """The update session ended: close the mappings it did not ask to keep (answers how
+    many stay open)."""
 
 
 RankOp = (InitGroup | DestroyGroup | ReceiveDistributed | LoadTensorPayload | LoadFromDisk

@@ -57,6 +57,7 @@ class WeightControl:
         self._pending_copies: list[Completion] = []
         self._session_loaded = False
         self._tensor_loads = False  # tensor payloads loaded in this session (IPC storages)
+        self._mappings_held = False  # a rank kept a mapping past the last session's end
 
     # ---- fan-out ---------------------------------------------------------------------------
 
@@ -153,9 +154,10 @@ class WeightControl:
             if not self.session_open:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             failed = await self._settle_copies()
-            if self._tensor_loads:  # only then can a rank hold IPC storages to let go of
+            if self._tensor_loads or self._mappings_held:  # else no rank holds a mapping
                 self._tensor_loads = False
-                await self.fanout(op.EndSession())
+                held = await self.fanout(op.EndSession())
+                self._mappings_held = any(not ok or value for ok, value in held)
             self.session_open = False
             if failed:
                 return False, "; ".join(str(m) for _, m in failed)
@@ -218,8 +220,14 @@ class WeightControl:
         t_lock = time.perf_counter()
         async with self.frontend.model_update():
             t0 = time.perf_counter()
-            self._tensor_loads = self.session_open
-            results = await self.fanout([op.LoadTensorPayload(payloads[r], req.load_format)
+            self._tensor_loads = self._tensor_loads or self.session_open
+            # A buffer's mapping stays open for the session (a rotating pack buffer is
+            # opened once per sync), past it if the sender asks (it will send the same
+            # buffer again), or only for this load outside a session (ipc_mappings.py).
+            mapping = (("kept" if req.keep_ipc_mapping else "session") if self.session_open
+                       else "load")
+            results = await self.fanout([op.LoadTensorPayload(payloads[r], req.load_format,
+                                                              mapping)
                                           for r in range(self.tp.size)])
             ok, message = self.merge(results)
             t1 = time.perf_counter()

@@ -34,6 +34,7 @@ from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.protocol.io_struct import FLATTENED_BUCKET
 from slime_like.reference_engine import rank_ops as op
+from slime_like.reference_engine.ipc_mappings import SESSION, IpcMappings
 from slime_like.reference_engine.load_plan import (
     LoadPlan,
     ParamArena,
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
 MAX_BUCKETS_IN_FLIGHT = 2
-IPC_STORAGES_KEPT = 8  # CUDA IPC buffers kept open per rank within a session
 # A flattened bucket's signature, tensor by tensor (sglang's FlattenedTensorMetadata fields)
 _METADATA_KEY = operator.attrgetter("name", "dtype", "shape", "start_idx", "end_idx")
 
@@ -93,10 +93,10 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         # most MAX_BUCKETS_IN_FLIGHT stay outstanding (the oldest is waited for first).
         self._in_flight: collections.deque = collections.deque()
         self.plans = PlanCache()
-        # Storages opened from CUDA IPC handles, kept until the update session ends so a
-        # buffer the sender reuses bucket after bucket is opened once (torch's rebuild
-        # finds a live storage in its cache).
-        self._ipc_storages: collections.OrderedDict = collections.OrderedDict()
+        # Storages opened from tensor payloads (CUDA IPC, shared memory), kept for the
+        # session or beyond as each request asks, so a buffer the sender sends again is
+        # not opened again (torch's rebuild finds a live storage in its cache).
+        self.mappings = IpcMappings()
         self._refresh_params()
         self.arena: ParamArena | None = None
         self._rehome(copy=True)
@@ -109,7 +109,8 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
             (op.ReceiveDistributed, lambda o: self.receive_distributed(
                 list(o.names), list(o.dtypes), [list(s) for s in o.shapes], o.group_name,
                 o.load_format)),
-            (op.LoadTensorPayload, lambda o: self.load_tensor_payload(o.payload, o.load_format)),
+            (op.LoadTensorPayload, lambda o: self.load_tensor_payload(o.payload, o.load_format,
+                                                                      o.mapping)),
             (op.LoadFromDisk, lambda o: self.load_from_disk(o.model_path, o.load_format)),
             (op.Checksums, lambda o: self.checksums(
                 list(o.skip_tensor_list) if o.skip_tensor_list is not None else None)),
@@ -265,8 +266,10 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
 
     # ---- tensor (IPC) ----------------------------------------------------------------------
 
-    def load_tensor_payload(self, payload: str | bytes, load_format: str | None) -> tuple[bool, str]:
-        """Deserialize this rank's payload (allowlisting unpickler) and load it."""
+    def load_tensor_payload(self, payload: str | bytes, load_format: str | None,
+                            mapping: str = SESSION) -> tuple[bool, str]:
+        """Deserialize this rank's payload (allowlisting unpickler) and load it; a flattened
+        bucket's buffer stays open for `mapping` (`ipc_mappings.py`)."""
         from slime_like.protocol import tensor_payload
         from slime_like.protocol.tensor_payload import LocalSerializedTensor, deserialize
 
@@ -277,14 +280,17 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
                 raise ValueError("a flattened_bucket payload must be a dict with 'flattened_tensor' "
                                  f"and 'metadata', got {type(obj).__name__}")
             t1 = time.perf_counter()
-            runs, t2 = self._load_flattened(obj["flattened_tensor"], obj["metadata"])
+            flat = obj["flattened_tensor"]
+            runs, t2 = self._load_flattened(flat, obj["metadata"])
+            reused = self.mappings.hold(flat, mapping) if isinstance(flat, torch.Tensor) else False
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("flattened update on rank %d: %d bytes of payload unpickled in "
-                             "%.2f ms (opening the CUDA IPC tensor %.2f ms), plan %.2f ms, %d "
-                             "copies done in %.2f ms", self.tp_rank, len(payload),
-                             (t1 - t0) * 1e3,
+                             "%.2f ms (opening the CUDA IPC tensor %.2f ms, %s), plan %.2f ms, "
+                             "%d copies done in %.2f ms; mapping kept for: %s", self.tp_rank,
+                             len(payload), (t1 - t0) * 1e3,
                              (tensor_payload.cuda_rebuild_seconds - opened) * 1e3,
-                             (t2 - t1) * 1e3, runs, (time.perf_counter() - t2) * 1e3)
+                             "already open" if reused else "opened", (t2 - t1) * 1e3, runs,
+                             (time.perf_counter() - t2) * 1e3, mapping)
             return True, "Success"
         if load_format in (None, "direct"):
             if not isinstance(obj, list | tuple):
@@ -331,28 +337,19 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         copy_planned(plan, flat)
         if flat.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
-            self._keep_ipc_storage(flat)
         return len(plan.runs) + len(plan.converts), started
 
-    def _keep_ipc_storage(self, flat: torch.Tensor) -> None:
-        """Keep a mapped buffer open for the rest of the update session: a sender rotating
-        two pack buffers over many buckets maps each once per sync, not once per bucket."""
-        storage = flat.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        self._ipc_storages[key] = storage
-        self._ipc_storages.move_to_end(key)
-        while len(self._ipc_storages) > IPC_STORAGES_KEPT:
-            self._ipc_storages.popitem(last=False)
+    def end_session(self) -> int:
+        """At end_weight_update: close every mapping the session opened, except the buffers
+        it asked to keep (`keep_ipc_mapping`); a kept buffer it did not send again is closed
+        too (the trainer's buffer moved). Returns how many stay open.
 
-    def end_session(self) -> None:
-        """At end_weight_update: close every CUDA IPC mapping, as sglang does after each load.
-
-        Nothing mapped outlives the update, so a sender that frees a buffer it sent (an
-        offloading trainer's flat weights) frees the memory for real: torch keeps an exported
-        block until every importer let go of it. Opening a mapping again costs well under a
-        millisecond (a 12 GB buffer: 0.9 ms against 0.2 ms for one kept open, on an H200).
+        So a sender that frees a buffer it sent (an offloading trainer's flat weights, which
+        it never asks to keep) frees the memory for real: torch keeps an exported block
+        until every importer let go of it. Opening a mapping costs well under a millisecond
+        (a 12 GB buffer: 0.9 ms against 0.2 ms for one kept open, on an H200).
         """
-        self._ipc_storages.clear()
+        return self.mappings.end_session()
 
     # ---- disk ------------------------------------------------------------------------------
 

@@ -332,6 +332,18 @@ class TrainerOffload:
             self.last_onload.seconds = start.elapsed_time(end) / 1e3
         return self.last_onload
 
+    def weights_stay(self) -> bool:
+        """Whether the parameters keep their storage until after the next offload: so a
+        colocated engine may keep the buffer a sync sends in place mapped until the next
+        sync (`weights/tensor.py`). True while nothing is offloaded yet; with the weights
+        kept on the device, False before the offload that renews their buffer; when they
+        are offloaded with the rest, False (the next offload frees them)."""
+        if not self.used:
+            return True
+        if not self._weights:
+            return False
+        return (self._weight_offloads + 1) % WEIGHTS_RENEW_EVERY != 0
+
     @property
     def used(self) -> bool:
         """True once the state has been offloaded (the trainer shares its GPU)."""

@@ -85,6 +85,9 @@ class PolicyTrainer:
                                  "--train-backend fsdp is not supported with it")
             self._sync_source = Fp8Weights(self.model, served)
             self.served = ServedWeights(self.model, served)
+        # A colocated engine keeps the buffer a sync sends in place mapped until the next
+        # sync only while the offloads leave it where it is (weights/tensor.py).
+        self._sync_source.storage_stays = self.offloader.weights_stay
         self.group = group
         self.device = device
         self.steps = 0

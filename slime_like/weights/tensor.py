@@ -53,7 +53,7 @@ from slime_like.weights.packing import (
 from slime_like.weights.transport import Payload, TransferStats, Transport
 from slime_like.weights.watch import Watch
 
-RENEW_EVERY = 64  # syncs between fresh CUDA buffers (bounds torch's per-share wrapping)
+RENEW_EVERY = 64  # syncs between fresh pack buffers (bounds torch's per-share wrapping)
 
 
 class TensorTransport(Transport):
@@ -61,28 +61,33 @@ class TensorTransport(Transport):
 
     name = "tensor"
 
-    def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int):
+    def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int,
+                 renew_every: int = RENEW_EVERY):
         self.device = torch.device(device)
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
+        self.renew_every = renew_every
         self._syncs = 0
         # The same requests come back every sync: their metadata is laid out and pickled once.
         self.serialized = FlattenedPayloads()
         self.direct = DirectRequests()
+        self.kept = KeptStorages()
 
     def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
                  buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
                  ) -> Iterator[Payload]:
         packer = self.packer
         cuda = packer.stream is not None
-        if cuda:
-            self._renew_buffers()
+        keep_packs = self._renew_buffers()
         packer.begin()
         slots: list[Payload | None] = [None] * packer.slots
         posted: list[Payload] = []
-        groups = self.direct.reuse(source, buckets, self.device) if cuda else None
+        stays = _storage_stays(source)
+        self.kept.begin()
+        groups = self.direct.reuse(source, buckets, self.device)
         if groups is None:  # else: the same storages at the same places, last sync's requests
             groups = self.direct.record(source, buckets, self.device, send_groups(
-                iter(source.tensors()), buckets, self.device, merge_direct=cuda))
+                iter(source.tensors()), buckets, self.device, merge_direct=True,
+                allow_direct=None if cuda else _cpu_shared))
         t_prep = time.perf_counter()
         for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
@@ -100,17 +105,22 @@ class TensorTransport(Transport):
             buf = group.view
             if buf is not None:
                 # Already back to back in the trainer's storage: the engines copy from it.
-                torch.cuda.current_stream(self.device).synchronize()
+                if cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+                # Kept open past the session only if the last sync sent this same storage
+                # and the source says it stays until the next one.
+                keep = self.kept.sent(buf.untyped_storage()) and stays
             else:
                 buf = packer.pack(slot, group.pack_sources(), group.nbytes)
                 if cuda:
                     packer.wait_packed()  # the engine reads it from another process, off our streams
+                keep = keep_packs
             # Each request carries its own handles and layout, so requests may reach an
             # engine in any order; only the last one (it sets weight_version) waits for the
             # others.
             payload = Payload(
                 f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)",
-                "update_weights_from_tensor", self._request(buf, group), group.nbytes, last,
+                "update_weights_from_tensor", self._request(buf, group, keep), group.nbytes, last,
                 after=list(posted) if last else [])
             yield payload
             slots[slot] = payload
@@ -122,9 +132,10 @@ class TensorTransport(Transport):
         packer.finish()
         stats.pack_s += packer.pack_seconds()
 
-    def _request(self, buf: torch.Tensor, group: SendGroup):
+    def _request(self, buf: torch.Tensor, group: SendGroup, keep: bool):
         """The request builder of one flat buffer: one handle per TP rank, the layout
-        pickled once per bucket signature (the same requests come back every sync)."""
+        pickled once per bucket signature (the same requests come back every sync);
+        `keep`: the engines may keep the buffer mapped until the next sync."""
         key, metas = group.signature or tuple(group.metas), group.metas
 
         def request(engine: EngineSession, flush: bool, version: str | None):
@@ -132,21 +143,27 @@ class TensorTransport(Transport):
                 serialized_named_tensors=[
                     self.serialized.serialize(buf, key, lambda: layout(metas))
                     for _ in range(engine.tp_size)],
-                load_format=p.FLATTENED_BUCKET, flush_cache=flush, weight_version=version)
+                load_format=p.FLATTENED_BUCKET, flush_cache=flush, weight_version=version,
+                keep_ipc_mapping=keep)
         return request
 
-    def _renew_buffers(self) -> None:
-        """New CUDA buffers every RENEW_EVERY syncs, and give back those engines let go of.
+    def _renew_buffers(self) -> bool:
+        """New pack buffers every `renew_every` syncs; whether this sync's pack buffers
+        are still the same at the next sync (so the engines may keep them mapped).
 
-        torch wraps a storage in one more reference-counting layer (an interprocess event
-        and a counter slot) every time it is shared, released only with the storage; fresh
-        buffers now and then keep that chain short. The engines closed the old buffers at
-        the last end_weight_update, so torch frees them here.
+        torch wraps a CUDA storage in one more reference-counting layer (an interprocess
+        event and a counter slot) every time it is shared, released only with the storage;
+        fresh buffers now and then keep that chain short. The sync before a renewal does
+        not ask the engines to keep the old buffers, so they closed them at its
+        end_weight_update, and torch frees them here (ipc_collect gives back every block
+        the engines let go of).
         """
-        torch.cuda.ipc_collect()
+        if self.packer.is_cuda:
+            torch.cuda.ipc_collect()
         self._syncs += 1
-        if self._syncs % RENEW_EVERY == 0:
+        if self._syncs % self.renew_every == 0:
             self.packer.release()
+        return (self._syncs + 1) % self.renew_every != 0
 
     def prepare(self, buckets) -> None:
         # On GPU a one-tensor bucket goes straight from the trainer's memory; on CPU every
@@ -157,9 +174,47 @@ class TensorTransport(Transport):
 
     def close(self, engines) -> None:
         self.direct.clear()
+        self.kept.clear()
         self.packer.release()
         if self.packer.is_cuda:
             torch.cuda.ipc_collect()  # give back buffers every engine has let go of
+
+
+class KeptStorages:
+    """The storages the last sync sent in place, by identity (a weak reference each).
+
+    A trainer buffer sent in place is kept mapped by the engines only from its second sync
+    on: the first time, nothing says it outlives the sync (an offloading trainer's flat
+    buffer is new every sync and freed at the next offload, and must not stay mapped).
+    """
+
+    def __init__(self) -> None:
+        self._last: list[StorageWeakRef] = []
+        self._now: list[StorageWeakRef] = []
+
+    def begin(self) -> None:
+        self._last, self._now = self._now, []
+
+    def sent(self, storage: torch.UntypedStorage) -> bool:
+        """Record `storage` as sent in place by this sync; True if the last sync sent it."""
+        ref = StorageWeakRef(storage)
+        self._now.append(ref)
+        return any(not r.expired() and r.cdata == ref.cdata for r in self._last)
+
+    def clear(self) -> None:
+        self._last, self._now = [], []
+
+
+def _storage_stays(source: object) -> bool:
+    """The source's word that its storages outlive the next sync (True without one)."""
+    stays = getattr(source, "storage_stays", None)
+    return True if stays is None else bool(stays())
+
+
+def _cpu_shared(view: torch.Tensor) -> bool:
+    """A CPU view goes in place only out of shared memory (any other storage is packed:
+    sharing it would move the trainer's tensors into shared memory as a side effect)."""
+    return view.untyped_storage().is_shared()
 
 
 @dataclass(eq=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -101,26 +102,38 @@ def test_engine_receiver_reuses_plans_and_rebuilds_them_after_release(tiny_model
         assert torch.equal(receiver.params[n], t), n
 
 
-def test_ipc_storages_stay_open_within_a_session_and_close_at_its_end(tiny_model_dir):
-    """A rotating pack buffer is opened once per sync; nothing stays mapped after it, so a
-    sender that frees a buffer it sent gets the memory back."""
-    from slime_like.models.loading import load_pretrained
-    from slime_like.reference_engine.weight_receiver import IPC_STORAGES_KEPT, WeightReceiver
+def test_ipc_storages_stay_open_for_the_lifetime_each_load_asked_for():
+    """A rotating pack buffer is opened once per sync; a buffer sent with keep_ipc_mapping
+    stays open past the session until a session ends that did not ask to keep it again;
+    everything else is closed at the session's end (a sender that frees it gets it back)."""
+    from slime_like.reference_engine.ipc_mappings import (
+        KEPT,
+        LOAD,
+        PER_SESSION,
+        SESSION,
+        IpcMappings,
+    )
 
-    receiver = WeightReceiver(load_pretrained(tiny_model_dir), tp_rank=0, tp_size=1,
-                              device=torch.device("cpu"), model_path=str(tiny_model_dir),
-                              load_format="dummy")
-    buffers = [torch.zeros(64, dtype=torch.uint8) for _ in range(IPC_STORAGES_KEPT + 1)]
-    receiver._keep_ipc_storage(buffers[0])
-    receiver._keep_ipc_storage(buffers[1])
-    receiver._keep_ipc_storage(buffers[0])  # reused bucket after bucket: one entry
-    assert len(receiver._ipc_storages) == 2
+    m = IpcMappings()
+    buffers = [torch.zeros(64, dtype=torch.uint8) for _ in range(PER_SESSION + 1)]
+    assert not m.hold(buffers[0], SESSION)
+    assert not m.hold(buffers[1], SESSION)
+    assert m.hold(buffers[0], SESSION)  # reused bucket after bucket: one entry
+    assert m.stats()["session"] == 2
     for b in buffers[2:]:
-        receiver._keep_ipc_storage(b)
-    assert len(receiver._ipc_storages) == IPC_STORAGES_KEPT  # bounded, oldest out first
-    assert (buffers[1].data_ptr(), 64) not in receiver._ipc_storages
-    receiver.end_session()
-    assert not receiver._ipc_storages
+        m.hold(b, SESSION)
+    assert m.stats()["session"] == PER_SESSION  # bounded, oldest out first
+    assert not m.hold(buffers[1], LOAD)  # buffers[1] went out first: no longer open
+    kept = torch.zeros(64, dtype=torch.uint8)
+    m.hold(kept, KEPT)
+    assert m.end_session() == 1 and m.stats()["session"] == 0
+    assert m.hold(kept, KEPT)  # the next session finds it open, and keeps it again
+    assert m.end_session() == 1
+    assert m.hold(kept, SESSION)  # sent without keep_ipc_mapping: closed at this end
+    assert m.end_session() == 0
+    assert m.stats() == {"held": 0, "session": 0, "opened": PER_SESSION + 3, "reused": 3}
+    with pytest.raises(ValueError, match="lifetime"):
+        m.hold(kept, "forever")
 
 
 def test_a_bucket_whose_offsets_or_dtype_are_not_what_they_claim_is_refused_by_name():
