@@ -33,7 +33,8 @@ from a few numbers per request instead.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ class TensorTransport(Transport):
         self.serialized = FlattenedPayloads()
         self.direct = DirectRequests()
         self.kept = KeptStorages()
+        self._asked_keep = False  # an engine may keep a mapping of ours (closed at close())
 
     def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
                  buckets: Sequence[Bucket], version: str, watch: Watch, stats: TransferStats
@@ -145,7 +147,21 @@ class TensorTransport(Transport):
                     for _ in range(engine.tp_size)],
                 load_format=p.FLATTENED_BUCKET, flush_cache=flush, weight_version=version,
                 keep_ipc_mapping=keep)
+        self._asked_keep = self._asked_keep or keep
         return request
+
+    @staticmethod
+    def _release_mappings(engines: Sequence[EngineSession]) -> None:
+        """An empty update session on every engine: it closes whatever the engine kept
+        mapped for us (a session that does not send a kept buffer again lets go of it),
+        so buffers we free after closing are freed for real. Best effort: an engine that
+        is gone or busy has nothing of ours to keep, or lets go at its next session."""
+        for engine in engines:
+            try:
+                engine.http.begin_weight_update(timeout=5.0)
+                engine.http.end_weight_update(timeout=5.0)
+            except Exception:  # noqa: BLE001 - teardown: a failure here changes nothing
+                continue
 
     def _renew_buffers(self) -> bool:
         """New pack buffers every `renew_every` syncs; whether this sync's pack buffers
@@ -173,6 +189,8 @@ class TensorTransport(Transport):
             self.packer.reserve(max(packed), len(packed))
 
     def close(self, engines) -> None:
+        if self._asked_keep:
+            self._release_mappings(engines)
         self.direct.clear()
         self.kept.clear()
         self.packer.release()
@@ -233,7 +251,9 @@ class DirectRequests:
     """The requests of the last sync that sent everything in place, for one source."""
 
     def __init__(self) -> None:
-        self._source: object | None = None
+        # the source by weak reference: a source the caller dropped (and the buffers its
+        # tensors view) is not kept alive here
+        self._source: Callable[[], object | None] | None = None
         self._buckets: Sequence[Bucket] | None = None
         self._addresses: tuple[int, ...] | None = None
         self._requests: list[_Request] = []
@@ -247,7 +267,7 @@ class DirectRequests:
     def reuse(self, source: object, buckets: Sequence[Bucket], device: torch.device,
               ) -> list[tuple[SendGroup, bool]] | None:
         """Last sync's requests, or None when anything about the weights moved."""
-        if source is not self._source or buckets is not self._buckets:
+        if self._source is None or source is not self._source() or buckets is not self._buckets:
             return None
         tensors = _resident(source)
         if tensors is None or tuple(t.data_ptr() for t in tensors) != self._addresses:
@@ -279,13 +299,20 @@ class DirectRequests:
                         group.nbytes, list(group.metas), group.buckets, StorageWeakRef(storage)))
             yield group, last
         if requests:
-            self._source, self._buckets, self._requests = source, buckets, requests
+            self._source, self._buckets, self._requests = _ref(source), buckets, requests
             self._addresses = tuple(t.data_ptr() for t in tensors)
 
     def _name_index(self, metas: list[TensorMeta]) -> dict[str, int]:
         if self._index is None or self._index[0] is not metas:
             self._index = (metas, {m.name: i for i, m in enumerate(metas)})
         return self._index[1]
+
+
+def _ref(obj: object) -> Callable[[], object | None]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # not weakly referenceable: held
+        return lambda: obj
 
 
 def _resident(source: object) -> list[torch.Tensor] | None:
