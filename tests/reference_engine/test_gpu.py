@@ -240,3 +240,70 @@ def test_fp8_quantize_on_cuda_two_pass_makes_the_float32_bytes():
     differ = int((cpu_values.view(torch.uint8) != values.cpu().view(torch.uint8)).sum())
     print(f"e4m3 bytes that differ between the CPU's and the GPU's quantization: {differ} "
           f"of {w.numel()}")
+
+
+def test_tensor_transport_keeps_a_buffer_that_stays_mapped_and_frees_one_that_moves_or_offloads(
+        gpu_engine, trainer_state):
+    """CUDA IPC mapping reuse across syncs (`reference_engine/ipc_mappings.py`): a flat
+    buffer sent in place twice is kept mapped by the engine (dropping it then leaves it in
+    torch's IPC limbo: memory_allocated does not fall); once the buffer moved (the next sync
+    sends another), or the source said it would not stay (an offload is coming), the engine
+    lets go at end_weight_update and the trainer's memory really comes back."""
+    from slime_like.reference_engine.weight_receiver import tensor_checksum
+    from slime_like.weights import NamedTensors, WeightSync
+
+    class Source(NamedTensors):
+        stays = True
+
+        def storage_stays(self):
+            return self.stays
+
+    def flat_source(state):
+        flat = torch.cat([t.reshape(-1) for t in state.values()])
+        views, offset = [], 0
+        for n, t in state.items():
+            views.append((n, flat[offset:offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+        return Source(views), flat.untyped_storage().nbytes()
+
+    def sync_and_check(source, step):
+        torch._foreach_add_([t for _, t in source.tensors()], 0.25)
+        report = sync.update(source, f"keep-{step}").as_dict()
+        assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
+        body = gpu_engine.post("/weights_checker", {}, timeout=600).json()
+        assert body["ranks"][0]["checksums"] == {n: tensor_checksum(t) for n, t in source.tensors()}
+
+    def freed_after_drop(source) -> bool:
+        """Drop the source's buffer; True if its memory came back at once."""
+        nbytes = source.resident()[0].untyped_storage().nbytes()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        source._items = [(n, t.clone()) for n, t in source.tensors()]  # moved elsewhere
+        torch.cuda.ipc_collect()
+        clones = sum(t.untyped_storage().nbytes() for _, t in source.tensors())
+        return torch.cuda.memory_allocated() <= before + clones - nbytes // 2
+
+    base = {n: t.detach() for n, t in trainer_state.hf_state_dict().items()}
+    assert {t.dtype for t in base.values()} == {torch.bfloat16}
+    sync = WeightSync([(gpu_engine.url, 1)], transport="tensor", device="cuda:0",
+                      update_weight_buffer_size=64 << 20, master_address="127.0.0.1")
+    try:
+        source, _ = flat_source(base)
+        sync.attach(source)
+        for step in range(3):
+            sync_and_check(source, step)  # from the second sync on: kept mapped
+        kept = source
+        source, _ = flat_source({n: t for n, t in kept.tensors()})
+        assert not freed_after_drop(kept), "the engine should still map the kept buffer"
+        torch.cuda.synchronize()
+        before, nbytes = torch.cuda.memory_allocated(), source.resident()[0].untyped_storage().nbytes()
+        sync_and_check(source, 3)  # the buffer moved: the old one is let go of at the end
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() <= before - nbytes // 2, "the moved buffer leaked"
+        del kept
+        sync_and_check(source, 4)  # the new one is kept from here
+        source.stays = False  # an offload is coming
+        sync_and_check(source, 5)
+        assert freed_after_drop(source), "the offloaded buffer's memory did not come back"
+    finally:
+        sync.close()
