@@ -262,6 +262,13 @@ def direct_view(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     return storage_slice(storage, start - base, end - base, device)
 
 
+def in_shared_memory(view: torch.Tensor) -> bool:
+    """Whether a CPU view may go to a colocated engine in place: only out of shared memory
+    (any other storage is packed: sharing it would move the trainer's tensors into shared
+    memory as a side effect)."""
+    return view.untyped_storage().is_shared()
+
+
 @dataclass
 class SendGroup:
     """One update request's worth of tensors: a planned bucket, or direct buckets merged."""

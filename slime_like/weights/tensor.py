@@ -7,13 +7,28 @@ the engines load bucket k; at most two buckets are in flight. Buckets that alrea
 to back in the trainer's storage (flat parameter buffers) are not packed, and consecutive
 ones go as one request: no buffer bounds them, so splitting them would only add round trips.
 
-Two buffers rotate, across buckets and across syncs, so an engine that keeps the storages
-it opened for the rest of the update session (the reference engine does) maps each CUDA IPC
-handle once per sync, not once per bucket. The trainer's own storage goes in place whether
-or not it is the one the last sync sent: engines close every mapping when the update
-session ends (sglang closes each right after its load), so a trainer that frees its flat
-buffer between syncs (`--offload-train`) frees it for real, and its next buffer costs one
-new mapping, well under a millisecond, instead of a pack copy of every byte.
+Two buffers rotate, across buckets and across syncs, so an engine maps each CUDA IPC
+handle (or shared-memory segment) once, not once per bucket or per sync: each request says
+whether the engine may keep its buffer mapped past `end_weight_update`
+(`keep_ipc_mapping`, a field sglang's schema ignores; sglang closes each mapping right
+after its load anyway), and the reference engine keeps it until the end of the first
+session that does not ask again (`reference_engine/ipc_mappings.py`). The trainer decides,
+because only it knows what it will free:
+
+- its pack buffers: kept, except in the sync before they are renewed (every
+  `renew_every` syncs), so the engines have let go of them when they are dropped;
+- a storage of its own sent in place: kept only from its second sync on (the last sync sent
+  the same storage object) and while the source says it stays until the next sync
+  (`storage_stays()`, optional; the trainer's is `TrainerOffload.weights_stay`). An
+  offloading trainer's flat buffer is new every sync and freed at the next offload, so it
+  is never kept and is freed for real; weights kept on the GPU
+  (`--no-offload-train-weights`) stay mapped from sync to sync, but not across the offload
+  that renews their buffer.
+
+A buffer that moved without notice (another storage sent instead) is let go of at the end
+of that sync; `close()` runs an empty update session on every engine so nothing stays
+mapped after it. On CPU a storage already in shared memory goes in place too (any other is
+packed: sharing it would move the trainer's tensors), under the same rule.
 
 A buffer is rewritten only after the engines answered the bucket it held: the reference
 engine finishes its copy before answering, and sglang frees the received storage before it
@@ -48,6 +63,7 @@ from slime_like.weights.packing import (
     BucketPacker,
     SendGroup,
     WeightSource,
+    in_shared_memory,
     send_groups,
     storage_slice,
 )
@@ -89,7 +105,7 @@ class TensorTransport(Transport):
         if groups is None:  # else: the same storages at the same places, last sync's requests
             groups = self.direct.record(source, buckets, self.device, send_groups(
                 iter(source.tensors()), buckets, self.device, merge_direct=True,
-                allow_direct=None if cuda else _cpu_shared))
+                allow_direct=None if cuda else in_shared_memory))
         t_prep = time.perf_counter()
         for k, (group, last) in enumerate(groups):
             slot = k % packer.slots
@@ -227,12 +243,6 @@ def _storage_stays(source: object) -> bool:
     """The source's word that its storages outlive the next sync (True without one)."""
     stays = getattr(source, "storage_stays", None)
     return True if stays is None else bool(stays())
-
-
-def _cpu_shared(view: torch.Tensor) -> bool:
-    """A CPU view goes in place only out of shared memory (any other storage is packed:
-    sharing it would move the trainer's tensors into shared memory as a side effect)."""
-    return view.untyped_storage().is_shared()
 
 
 @dataclass(eq=False)
