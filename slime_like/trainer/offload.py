@@ -335,11 +335,11 @@ class TrainerOffload:
     def weights_stay(self) -> bool:
         """Whether the parameters keep their storage until after the next offload: so a
         colocated engine may keep the buffer a sync sends in place mapped until the next
-        sync (`weights/tensor.py`). True while nothing is offloaded yet; with the weights
-        kept on the device, False before the offload that renews their buffer; when they
-        are offloaded with the rest, False (the next offload frees them)."""
-        if not self.used:
-            return True
+        sync (`weights/tensor.py`). Only the weights kept on the device in their flat
+        buffer (`keep_weights`) are vouched for, except before the offload that renews
+        that buffer; otherwise False: offloaded with the rest, the next offload frees them,
+        and before any offload it may move them (or none may come: the engines then open
+        them again every sync, as they did before mappings were kept)."""
         if not self._weights:
             return False
         return (self._weight_offloads + 1) % WEIGHTS_RENEW_EVERY != 0

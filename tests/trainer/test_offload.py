@@ -87,10 +87,12 @@ def test_kept_weights_stay_in_one_storage_that_outlives_every_offload_and_only_a
     twin = PolicyTrainer(model_dir, seed=0)
     params = list(kept.model.parameters())
     per_copy = sum(p.numel() * p.element_size() for p in params)
-    storages = []
+    storages, stays = [], []
     for step in range(4):
         for t in (kept, twin):
             t.train_step(SAMPLES, ADVANTAGES)
+        # the sync source's word to the tensor transport (may engines keep the mapping?)
+        stays.append(kept.sync_source().storage_stays())
         before = _checksums(kept)
         out = kept.move_to("cpu", keep_weights=True)
         # AdamW's two moments moved (alignment may pad a few bytes), the weights did not
@@ -109,7 +111,12 @@ def test_kept_weights_stay_in_one_storage_that_outlives_every_offload_and_only_a
             assert mine == theirs, f"step {step}"
     # the same storage offload after offload, a fresh one at the renewal (the 3rd offload)
     assert storages[0] == storages[1] != storages[2] == storages[3]
+    # ... and the sync before the renewing offload says the weights will not stay
+    assert stays == [False, True, False, True]  # before any offload: not vouched for
     assert _checksums(kept) == _checksums(twin)
+    twin.move_to("cpu")  # offloaded with the rest: the next offload frees the weights
+    twin.move_to(twin.device)
+    assert twin.sync_source().storage_stays() is False
 
 
 def test_weights_kept_then_moved_again_come_back_intact(tmp_path):
