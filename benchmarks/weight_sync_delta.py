@@ -101,7 +101,10 @@ class Engine:
         from slime_like.cluster.process import ServerProcess, server_env
 
         port = free_port()
-        extra = {"PYTHONPATH": str(REPO), "NO_PROXY": "*", "no_proxy": "*"}
+        # the repo first, then whatever the caller's PYTHONPATH holds (packages installed
+        # with --target live only there)
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        extra = {"PYTHONPATH": pythonpath, "NO_PROXY": "*", "no_proxy": "*"}
         if ifname:
             extra["GLOO_SOCKET_IFNAME"] = ifname
         argv = [sys.executable, "-m", "slime_like.reference_engine", "--model-path",
