@@ -11,8 +11,7 @@ from ray.cluster_utils import Cluster
 
 @contextlib.contextmanager
 def simulated_nodes(ips: Sequence[str], *, cpus: int, gpus: int,
-                    node_death_s: float | None = None,
-                    dashboard: bool = True) -> Iterator[Cluster]:
+                    node_death_s: float | None = None) -> Iterator[Cluster]:
     """Nodes on `ips` (127.0.0.x) with `cpus` CPUs and `gpus` declared GPUs each, joined by
     this process; token auth stays on, with the session's token (tests/conftest.py).
 
@@ -31,8 +30,4 @@ def simulated_nodes(ips: Sequence[str], *, cpus: int, gpus: int,
         yield c
     finally:
         ray.shutdown()
-        # Worker nodes without grace: a graceful stop waits on each of their processes in
-        # turn (up to 15 s for a few nodes on two busy cores) and the cluster is thrown away.
-        for node in list(c.worker_nodes):
-            c.remove_node(node, allow_graceful=False)
         c.shutdown()

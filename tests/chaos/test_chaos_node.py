@@ -6,7 +6,7 @@ SIGKILLs the raylet of the node with engines only (every Ray process there dies,
 a host goes down); Ray declares it dead within a few seconds. The job trains on with the
 survivors, sees both engines die, places them again on the free node, brings them back at
 the fleet's version, and every step returns each sample once with the log-probability
-check passing. (tests/fleet/test_fleet_at_scale.py loses a node of the fleet in CI.)
+check passing. (tests/fleet/test_elastic.py loses a node of the fleet in CI.)
 """
 
 from __future__ import annotations

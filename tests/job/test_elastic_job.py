@@ -5,7 +5,7 @@ with one GPU more than it places; mid-run `slime-like fleet scale RUN_DIR --engi
 adds an engine there, then `--engines 1` drains two while rollouts run. Every step
 returns each requested sample once and passes the log-probability check; the added engine
 serves only at the trainer's version; the drained ones stop; nothing is left running.
-(tests/fleet/test_fleet_at_scale.py is the short form, on the fleet itself.)
+(tests/fleet/test_elastic.py is the short form, on the fleet itself.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Scale commands through the run folder: `slime-like fleet scale RUN_DIR --engines N`
 reaches the job's `ScaleWatcher`, which resizes the fleet and answers (a fake fleet here;
-tests/fleet/test_fleet_at_scale.py drives the real one)."""
+tests/fleet/test_elastic.py drives the real one)."""
 
 from __future__ import annotations
 

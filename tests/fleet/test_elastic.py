@@ -1,0 +1,318 @@
+"""Elastic membership on the real fleet: engines added and drained while requests run.
+
+Real Ray with simulated nodes (`ray.cluster_utils.Cluster`), the real sglang-router and
+reference engines whose forward steps take 40 ms (so a request runs ~2 s). One fleet for
+the module: two engines on node A, pushed version 1 by `FleetWeights`; then
+
+- a node joins and `add_engines(1)` places the new engine there (a placement group of its
+  own, waiting for that capacity), launches it after the command, resyncs it while the
+  others serve and routes it only once it is verified at the fleet's version;
+- `drain` of engine 0 with a deadline (0.3 s) far shorter than its running requests: they
+  are moved (aborted, continued elsewhere as prompt + partial output), none lost or doubled;
+  it leaves the weight group at the next push's regroup, then stops;
+- `slime-like fleet scale RUN_DIR --engines N` against a running `ScaleWatcher` adds an
+  engine on the freed bundle and drains it again;
+- node B is lost (its raylet and every process on it killed, as `Cluster.remove_node`
+  does) while requests run: its engine is seen dead, the rounds and a weight push go on
+  with the survivor, the fleet says it runs smaller while no node has room, and when node C
+  joins the engine is placed there, resynced and routed only at the fleet's version;
+- nothing is left: every engine process and port of the module is gone after shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+import torch
+from fleet_checks import routed_urls
+
+from slime_like.api import EngineSettings, EngineState, FleetWeights, Happening, launch_fleet
+from slime_like.job.scaling import ScaleWatcher
+from slime_like.models import load_pretrained
+from tests.simulated_nodes import simulated_nodes
+
+FLEET_YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
+NODE_A, NODE_B, NODE_C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+MAX_NEW = 48
+PARAMS = {"max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
+S = EngineState
+
+
+def wait_until(cond, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
+        time.sleep(0.05)
+
+
+class Rounds:
+    """Rounds of generation on a thread until stopped (partial rollout on), every round
+    kept for the checks."""
+
+    def __init__(self, fleet, prompts: int = 8, n: int = 2):
+        self.fleet, self.n = fleet, n
+        self.prompts = [[1 + i, 2 + i, 3 + i] for i in range(prompts)]
+        self.rounds: list[list] = []
+        self.gen = None
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Rounds:
+        self._thread.start()
+        wait_until(lambda: self.gen is not None, what="the generator")
+        return self
+
+    def _run(self) -> None:
+        try:
+            with self.fleet.generator(keep_mixed_versions=True, partial_rollout=True) as gen:
+                self.gen = gen
+                while not self._stop.is_set():
+                    self.rounds.append(gen.generate(self.prompts, self.n, PARAMS))
+        except BaseException as err:  # noqa: BLE001 - raised by stop()
+            self.error = err
+
+    def stop(self) -> list[list]:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive(), "a generation round never ended"
+        if self.error is not None:
+            raise self.error
+        return self.rounds
+
+
+def events_of(state, engine_id: str) -> list:
+    return [e for e in state.events if e.subject == engine_id]
+
+
+def server_pids(state) -> dict[str, int]:
+    """Every engine server of the module, by engine id and launch, from the events that
+    name one (LOADED, and STALE after a relaunch)."""
+    return {f"{e.subject}@{i}": e.details["pid"] for i, e in enumerate(state.events)
+            if e.kind in (S.LOADED, S.STALE) and "pid" in e.details}
+
+
+def running(pid: int) -> bool:
+    """A live process (a zombie waiting for its reaper is gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def refused(url: str) -> bool:
+    u = urlparse(url)
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((u.hostname, u.port)) != 0
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory, tiny_model_dir):
+    events: list = []
+    with simulated_nodes((NODE_A,), cpus=2, gpus=2, node_death_s=4) as cluster:
+        fleet = launch_fleet(FLEET_YAML, model_path=tiny_model_dir,
+                             engine=EngineSettings(program="reference", reference_min_step_ms=40),
+                             log_dir=tmp_path_factory.mktemp("elastic"), on_event=events.append)
+        state = SimpleNamespace(fleet=fleet, cluster=cluster, events=events, closed=False,
+                                urls=set())
+        try:
+            state.model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+            state.weights = FleetWeights(fleet, transport="distributed")
+            state.weights.push(state.model)
+            yield state
+        finally:
+            if not state.closed:
+                fleet.shutdown()
+
+
+def test_engines_added_and_drained_while_requests_run(elastic):
+    fleet, weights = elastic.fleet, elastic.weights
+    first = {e.engine_id for e in fleet.engines}
+    elastic.urls |= {e.url for e in fleet.engines}
+    seen: list[tuple] = []  # (event, routed at that moment) of the added engine
+
+    def watch(event) -> None:
+        if event.subject.startswith("policy/") and event.subject not in first:
+            e = next((x for x in fleet.engines if x.engine_id == event.subject), None)
+            routed = e is not None and e.url is not None and e.url in routed_urls(fleet)
+            seen.append((event, routed))
+
+    fleet.subscribe(watch)
+    rounds = Rounds(fleet).start()
+    try:
+        # The add waits for capacity (both GPUs of node A are taken) until node B joins.
+        asked = time.time()
+        added: list[str] = []
+        adding = threading.Thread(target=lambda: added.extend(fleet.add_engines(1)))
+        adding.start()
+        time.sleep(0.5)
+        assert not added and adding.is_alive()
+        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_B)
+        adding.join(timeout=180)
+        assert not adding.is_alive() and len(added) == 1
+        new = fleet.find(added[0])
+        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (NODE_B, 1)
+        assert urlparse(new.url).hostname == NODE_B
+        elastic.urls.add(new.url)
+        # Launched after the command; routed only once verified at the fleet's version.
+        loaded = next(ev for ev, _ in seen if ev.kind is S.LOADED)
+        assert psutil.Process(loaded.details["pid"]).create_time() >= asked - 0.5
+        kinds = [ev.kind for ev, _ in seen if ev.is_state_change]
+        assert kinds == [S.LAUNCHING, S.LOADED, S.STALE, S.UPDATING, S.REGISTERED], kinds
+        assert [routed for ev, routed in seen if ev.is_state_change] == [False] * 4 + [True]
+        assert seen[-1][0].details["version"] == str(fleet.version) == "1"
+        assert new.handle.weight_version() == "1"
+
+        # Drain engine 0 just after a round started: its requests run ~2 s, the deadline
+        # is 0.3 s, so they are moved.
+        e0 = fleet.find("policy/g0/e0")
+        e0_url = e0.url
+        started = len(rounds.rounds)
+        wait_until(lambda: len(rounds.rounds) > started, 120, "a round to end")
+        wait_until(lambda: (e0.handle.in_flight() or 0) > 0, 30, "requests on engine 0")
+        report = fleet.drain([e0.engine_id], deadline_s=0.3)
+        assert report.moved > 0, report
+        assert report.waiting_for_regroup == (e0.engine_id,)  # in the weight group of v1
+        assert fleet.states()[e0.engine_id] == S.DRAINING.value
+        assert e0_url not in routed_urls(fleet)
+        wait_until(lambda: len(rounds.rounds) > started + 1, 120, "the drained round to end")
+    finally:
+        results = rounds.stop()
+
+    # Every round: each requested sample back exactly once, whole.
+    for samples in results:
+        assert len(samples) == 16
+        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(8)}
+        assert all(len(s.output_ids) == MAX_NEW and s.finish_reason == "length"
+                   for s in samples)
+    moved = [s for r in results for s in r if s.partial_resubmits]
+    assert moved and rounds.gen.aborted > 0  # continued elsewhere, prompt + partial output
+
+    # The next push regroups without engine 0: it leaves the group, then stops.
+    joined = weights.sync.transport.asked[e0_url]  # its session: the groups it joined
+    assert joined.groups
+    weights.push(elastic.model)
+    wait_until(lambda: e0.engine_id not in fleet.states(), 60, "engine 0 to stop")
+    e0_events = events_of(elastic, e0.engine_id)
+    assert [ev.kind for ev in e0_events[-3:]] == [S.DRAINING, Happening.DRAINED, S.STOPPED]
+    version_2 = next(ev for ev in elastic.events if ev.kind is Happening.VERSION
+                     and ev.details["version"] == "2")
+    assert e0_events[-1].at >= version_2.at
+    # It was asked to leave the old group (on the engine pool, not waited for: an engine
+    # that left the membership may be dead) and did.
+    wait_until(lambda: not joined.groups, 30, "engine 0 to leave the old group")
+    pid = next(ev.details["pid"] for ev in e0_events if ev.kind is S.LOADED)
+    wait_until(lambda: not running(pid), 30, "engine 0's server to exit")
+    assert refused(e0_url)
+    assert set(fleet.states().values()) == {S.REGISTERED.value}
+    assert {e.handle.weight_version() for e in fleet.engines} == {"2"}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+
+
+def _scale(run_dir: Path, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "slime_like.cli", "fleet", "scale",
+                          str(run_dir), *args, "--wait", "120"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_scale_command_resizes_the_running_fleet(elastic, tmp_path):
+    fleet = elastic.fleet
+    watcher = ScaleWatcher(fleet, tmp_path, poll_s=0.1).start()
+    try:
+        grown = _scale(tmp_path, "--engines", "3")
+        assert grown["ok"] and grown["before"] == 2 and len(grown["added"]) == 1, grown
+        new = fleet.find(grown["added"][0])
+        elastic.urls.add(new.url)
+        # the bundle engine 0 gave back, in the job's own placement group
+        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (NODE_A, 0)
+        assert new.handle.weight_version() == str(fleet.version)
+        shrunk = _scale(tmp_path, "--engines", "2", "--drain-deadline", "5")
+        # the newest engine; resynced over its own group, it is in no group to leave
+        assert [d["engine"] for d in shrunk["drained"]] == [new.engine_id], shrunk
+        assert shrunk["waiting_for_regroup"] == []
+        assert new.engine_id not in fleet.states()
+    finally:
+        watcher.stop()
+    assert not (tmp_path / "scale" / "job.json").exists()
+    elastic.weights.push(elastic.model)
+    assert set(fleet.states().values()) == {S.REGISTERED.value}
+    assert {e.handle.weight_version() for e in fleet.engines} == {str(fleet.version)}
+
+
+def test_a_lost_node_s_engine_is_placed_again_when_a_node_joins(elastic):
+    fleet, weights = elastic.fleet, elastic.weights
+    lost = next(e for e in fleet.engines if e.placements[0].node_ip == NODE_B)
+    survivor = next(e for e in fleet.engines if e is not lost)
+    old_pid = next(ev.details["pid"] for ev in reversed(events_of(elastic, lost.engine_id))
+                   if ev.kind is S.LOADED)
+    seen: list[tuple] = []  # (event, routed at that moment) of the lost node's engine
+
+    def watch(event) -> None:
+        if event.subject in (lost.engine_id, f"node/{NODE_B}"):
+            routed = lost.url is not None and lost.url in routed_urls(fleet)
+            seen.append((event, routed))
+
+    fleet.subscribe(watch)
+    rounds = Rounds(fleet).start()
+    try:
+        node_b = next(n for n in elastic.cluster.worker_nodes if n.node_ip_address == NODE_B)
+        elastic.cluster.remove_node(node_b, allow_graceful=False)
+        wait_until(lambda: any(ev.kind is Happening.WAITING_FOR_CAPACITY for ev, _ in seen),
+                   60, "the fleet to say it runs smaller")
+        node_lost = next(ev for ev, _ in seen if ev.kind is Happening.NODE_LOST)
+        assert node_lost.details["engines"] == [lost.engine_id]
+        assert not running(old_pid)
+        # The run goes on with the survivor: a round ends, a push lands on it alone.
+        done = len(rounds.rounds)
+        wait_until(lambda: len(rounds.rounds) > done, 120, "a round on the survivor")
+        weights.push(elastic.model)
+        assert survivor.handle.weight_version() == str(fleet.version)
+        assert fleet.states()[lost.engine_id] == S.RELAUNCHING.value
+        # A node joins: the engine is placed there and brought to the fleet's version.
+        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_C)
+        wait_until(lambda: fleet.states()[lost.engine_id] == S.REGISTERED.value, 120,
+                   "the engine back on node C")
+        done = len(rounds.rounds)
+        wait_until(lambda: len(rounds.rounds) > done, 120, "a round with both engines")
+    finally:
+        results = rounds.stop()
+
+    assert (lost.placements[0].node_ip, urlparse(lost.url).hostname) == (NODE_C, NODE_C)
+    elastic.urls.add(lost.url)
+    kinds = [ev.kind for ev, _ in seen]
+    assert kinds[:4] == [S.DEAD, Happening.NODE_LOST, S.RELAUNCHING,
+                         Happening.WAITING_FOR_CAPACITY], kinds
+    assert kinds[4:] == [S.STALE, S.UPDATING, S.REGISTERED, Happening.RECOVERED], kinds
+    # Routed only once verified at the fleet's version (never at the one it died with).
+    assert [routed for ev, routed in seen if ev.is_state_change] == [False] * 4 + [True]
+    assert seen[-2][0].details["version"] == str(fleet.version)
+    for samples in results:
+        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(8)}
+        assert all(len(s.output_ids) == MAX_NEW for s in samples)
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+
+
+def test_nothing_is_left_behind(elastic):
+    elastic.weights.close()
+    elastic.fleet.shutdown()
+    elastic.closed = True
+    pids = server_pids(elastic)
+    assert len(pids) == 5  # two at launch, one added per scenario, one relaunched
+    wait_until(lambda: not any(running(p) for p in pids.values()), 30,
+               "every engine server to exit")
+    assert all(refused(url) for url in elastic.urls), elastic.urls
+    assert not elastic.fleet.placement.added and elastic.fleet.placement.pg is None

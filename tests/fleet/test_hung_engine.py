@@ -1,0 +1,275 @@
+"""A hung engine costs the others nothing: a sync lands on them, a rollout's requests go
+elsewhere, each once the hung engine missed its deadline, not the health monitor's budget;
+and a sync's "hung" is a suspicion, not a death: an engine that answers again is resynced
+in place, one the health monitor calls dead is relaunched.
+
+Real Ray, the real sglang-router, two reference-engine processes; the fault is a real
+SIGSTOP of one engine's server. One fleet for the module, its health monitor on with a
+budget for a death (2 failed probes of up to 5 s, 1 s apart) far above the deadlines (a
+sync's calls: 0.2 s floor; probes: 1 s floor; or 10x what each took lately), so the tests
+can tell which of the two found the engine: they assert the order of the fleet's events,
+never a time. Every stopped process is continued (or is already gone) before its test
+ends; after the fleet's shutdown no engine process is left and every engine's port is
+free again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+import ray
+import torch
+from fleet_checks import routed_urls, wait_all_registered
+
+from slime_like.api import (
+    EngineSettings,
+    EngineState,
+    FleetWeights,
+    Happening,
+    HealthSettings,
+    RouterSettings,
+    launch_fleet,
+)
+from slime_like.models import load_pretrained
+
+FLEET_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "own_trainer",
+                          "fleet.yaml")
+HEALTH = HealthSettings(enabled=True, interval_s=1.0, timeout_s=5.0, first_wait_s=3.0,
+                        failure_threshold=2)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model_dir, fleet_ray):
+    """Two engines (each decode step at least 10 ms, as on a GPU) behind a round-robin
+    router, probed every second; after its shutdown, no process or port of it is left."""
+    f = launch_fleet(FLEET_YAML, model_path=tiny_model_dir, log_dir=tmp_path_factory.mktemp("hung"),
+                     engine=EngineSettings(program="reference", reference_min_step_ms=10.0),
+                     router=RouterSettings(flags={"policy": "round_robin"}), health=HEALTH)
+    seen: dict[int, int] = {}  # every engine server pid the tests saw -> its port
+    f.seen_servers = seen
+    router_port = urlparse(f.router_url()).port
+    try:
+        yield f
+    finally:
+        for e in f.engines:
+            with contextlib.suppress(Exception):
+                seen[server_pid(e)] = urlparse(e.url).port
+        f.shutdown()
+    assert_gone(seen, [router_port])
+
+
+def server_pid(e) -> int:
+    return ray.get(e.actors[0].server_pid.remote())
+
+
+def assert_gone(servers: dict[int, int], ports: list[int], timeout: float = 30.0) -> None:
+    """No engine server process alive, and each one's port (and the router's) free to
+    bind again."""
+    deadline = time.monotonic() + timeout
+    while any(_running(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in servers if _running(pid)], "engine processes left behind"
+    for port in [*servers.values(), *ports]:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))  # raises if something still listens there
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """The process SIGSTOPped for the body; continued after it, whatever happened (a no-op
+    when its recovery killed it meanwhile)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def probes_have_a_deadline(fleet, timeout: float = 30.0) -> None:
+    """Wait until enough probes answered for their deadline to be derived (below the
+    probe timeout): before that, only the timeout finds a hang."""
+    clock = fleet.health.monitor.clock
+    deadline = time.monotonic() + timeout
+    while "health_generate" not in clock.snapshot() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "health_generate" in clock.snapshot(), clock.basis("health_generate")
+
+
+def recorder(fleet) -> list:
+    events: list = []
+    fleet.subscribe(events.append)
+    return events
+
+
+def first(events: list, start: int = 0, **match) -> int | None:
+    """Index of the first event from `start` whose attributes match (None if none)."""
+    for i in range(start, len(events)):
+        ev = events[i]
+        if all(getattr(ev, k) == v if k != "kind" else ev.kind is v for k, v in match.items()):
+            return i
+    return None
+
+
+def test_requests_on_an_engine_hung_during_rollout_go_elsewhere_at_its_deadline(
+        fleet, tiny_model_dir):
+    """First in the module: its probes' deadline is derived from a quiet fleet's probes,
+    not from those a relaunch elsewhere on two cores slowed down."""
+    weights = FleetWeights(fleet, transport="distributed")
+    weights.push(load_pretrained(tiny_model_dir, dtype=torch.float32))  # both routed
+    weights.close()
+    probes_have_a_deadline(fleet)
+    victim = fleet.engines[1]
+    pid = server_pid(victim)
+    fleet.seen_servers[pid] = urlparse(victim.url).port
+    events = recorder(fleet)
+    hung_at: list[int] = []
+    running = threading.Event()
+
+    def stop_once_it_runs_requests() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not running.is_set():
+            loads = victim.handle.loads().get("loads") or [{}]
+            if sum(int(x.get("num_running_reqs", 0)) for x in loads) >= 2:
+                os.kill(pid, signal.SIGSTOP)
+                hung_at.append(len(events))
+                running.set()
+                return
+            time.sleep(0.01)
+
+    prompts, n = [[1, 72 + i, 105] for i in range(8)], 4
+    params = {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True}
+    stopper = threading.Thread(target=stop_once_it_runs_requests, daemon=True)
+    stopper.start()
+    try:
+        samples = fleet.generate(prompts, n, params)
+        done_at = len(events)
+    finally:
+        running.set()
+        stopper.join(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert hung_at, "the victim never ran requests"
+    # every sample back exactly once, some of them resubmitted away from the victim
+    assert len(samples) == len(prompts) * n
+    assert Counter(s.prompt_index for s in samples) == {i: n for i in range(len(prompts))}
+    assert all(len(s.output_ids) == 48 for s in samples)
+    assert fleet.generation.last["resubmitted"] > 0
+    # the order: stopped, then out of the router at its probe's deadline (SUSPECT), then
+    # the rollout ended; not declared dead (the monitor's budget) before it ended
+    suspect = first(events, hung_at[0], subject=victim.engine_id, kind=EngineState.SUSPECT)
+    assert suspect is not None and suspect < done_at, events
+    assert "deadline" in str(events[suspect].details.get("reason")), events[suspect]
+    dead = first(events, subject=victim.engine_id, kind=EngineState.DEAD)
+    assert dead is None or dead > done_at, events
+    # continued, it serves again (or, had the monitor given it up meanwhile, its replacement)
+    wait_all_registered(fleet)
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+
+
+def synced_steps(weights: FleetWeights, model, n: int = 3) -> list[float]:
+    """`n` pushes to the whole fleet (every call type answered by both engines: the
+    sync's deadlines have a basis); each one's seconds."""
+    steps = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        weights.push(model)
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def check_landed_while_suspect(fleet, events: list, hung, other, report: dict,
+                               expected: str) -> int:
+    """The sync landed on the other engine at the next version, after the hung one was
+    out of it and the router as SUSPECT for its pause past the deadline (not DEAD: the
+    monitor's verdict never came first); the index of the fleet's VERSION event."""
+    assert report["engines"] == [other.url]
+    assert fleet.version.wire == expected == other.handle.weight_version()
+    suspect = first(events, subject=hung.engine_id, kind=EngineState.SUSPECT)
+    landed = first(events, subject="fleet", kind=Happening.VERSION)
+    assert suspect is not None and landed is not None and suspect < landed, events
+    reason = str(events[suspect].details.get("reason"))
+    assert "hung during a weight sync" in reason and "pause_generation" in reason, reason
+    assert "deadline" in reason and hung.url in reason, reason
+    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
+    assert dead is None or dead > landed, events
+    return landed
+
+
+def test_an_engine_continued_after_it_hung_in_a_sync_is_resynced_not_relaunched(
+        fleet, tiny_model_dir):
+    """Stopped across a sync and continued at once (a debugger, a wedged host that comes
+    back, a deadline too short for a loaded machine): the same server serves again at the
+    fleet's version, resynced; never DEAD, never relaunched."""
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
+    steps = synced_steps(weights, model)
+    hung, other = fleet.engines
+    fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
+    expected = fleet.version.next().wire
+    events = recorder(fleet)
+    with stopped(pid):  # just before the sync, as a wedged host or a debugger would
+        t0 = time.perf_counter()
+        report = weights.push(model)
+        step_after = time.perf_counter() - t0
+    check_landed_while_suspect(fleet, events, hung, other, report, expected)
+    print(f"\nstep after SIGSTOP {step_after:.3f}s against a median step of "
+          f"{statistics.median(steps):.3f}s ({step_after / statistics.median(steps):.1f}x)")
+    wait_all_registered(fleet)
+    # the same server, resynced in place: SUSPECT, then STALE once it answered, then
+    # synced alone and routed at the fleet's version; never DEAD
+    mine = [ev.kind for ev in events if ev.subject == hung.engine_id]
+    assert EngineState.DEAD not in mine and Happening.RECOVERED not in mine, events
+    assert mine[mine.index(EngineState.SUSPECT):][:4] == [
+        EngineState.SUSPECT, EngineState.STALE, EngineState.UPDATING,
+        EngineState.REGISTERED], events
+    assert server_pid(hung) == pid and hung.restarts == 0
+    assert {e.handle.weight_version() for e in fleet.engines} == {expected}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    weights.close()
+
+
+def test_a_sync_lands_on_the_others_before_the_monitor_calls_the_hung_engine_dead(
+        fleet, tiny_model_dir):
+    """Stopped across a sync and left stopped: the sync lands on the other engine at
+    once; the hung one is relaunched only once the health monitor calls it dead."""
+    model = load_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
+    synced_steps(weights, model)
+    hung, other = fleet.engines
+    fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
+    expected = fleet.version.next().wire
+    events = recorder(fleet)
+    with stopped(pid):
+        report = weights.push(model)
+        landed = check_landed_while_suspect(fleet, events, hung, other, report, expected)
+        # recovered: the monitor's verdict (2 failed probes), then a new server that
+        # serves the fleet's version, routed; the stopped one is gone
+        wait_all_registered(fleet)
+    dead = first(events, subject=hung.engine_id, kind=EngineState.DEAD)
+    assert dead is not None and dead > landed, events
+    assert "consecutive failed probes" in str(events[dead].details.get("reason")), events[dead]
+    assert first(events, dead, subject=hung.engine_id, kind=Happening.RECOVERED) is not None
+    assert not _running(pid)
+    assert {e.handle.weight_version() for e in fleet.engines} == {expected}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+    weights.close()
