@@ -27,6 +27,7 @@ from slime_like.protocol import paths
 from slime_like.protocol.weight_delta import XOR_ZSTD
 from slime_like.reference_engine import rank_ops as op
 from slime_like.reference_engine.frontend import Frontend
+from slime_like.reference_engine.ipc_mappings import KEPT, LOAD, SESSION
 from slime_like.reference_engine.rank_ops import RankOp
 from slime_like.reference_engine.scheduler import Scheduler
 from slime_like.reference_engine.tp import TPGroup
@@ -224,8 +225,7 @@ class WeightControl:
             # A buffer's mapping stays open for the session (a rotating pack buffer is
             # opened once per sync), past it if the sender asks (it will send the same
             # buffer again), or only for this load outside a session (ipc_mappings.py).
-            mapping = (("kept" if req.keep_ipc_mapping else "session") if self.session_open
-                       else "load")
+            mapping = (KEPT if req.keep_ipc_mapping else SESSION) if self.session_open else LOAD
             results = await self.fanout([op.LoadTensorPayload(payloads[r], req.load_format,
                                                               mapping)
                                           for r in range(self.tp.size)])
