@@ -184,3 +184,20 @@ def test_health_answers_at_once_while_every_slot_is_busy(resumed, pool):
         assert time.monotonic() - t0 < 1.5
         engine.post("/abort_request", {"abort_all": True})
         assert all(f.result(timeout=30).status_code == 200 for f in futs)
+
+
+def test_a_continue_answered_is_seen_by_the_next_loads_read(resumed, pool):
+    """Whoever continued an engine and then reads /v1/loads (the trainer's check that it
+    left no engine paused) sees it serving: in sglang the read queues behind the resume at
+    the scheduler, so the answer to continue must not come before the resume applied.
+    Requests are in flight, so the scheduler is between steps when the resume arrives."""
+    engine = resumed
+    futs = _launch(engine, pool, 2, prefix="continue-seen")
+    for round_ in range(40):
+        engine.post("/pause_generation", {"mode": "retract" if round_ % 2 else "in_place"})
+        assert _loads(engine)["paused"], round_
+        engine.post("/continue_generation", {})
+        assert not _loads(engine)["paused"], f"round {round_}: still paused after continue"
+    engine.post("/abort_request", {"abort_all": True})
+    for f in futs:
+        assert f.result(timeout=20).status_code == 200
