@@ -342,17 +342,10 @@ class Frontend:
                 await asyncio.wrap_future(self.scheduler.pause(mode))
 
     async def continue_generation(self) -> None:
-        """/continue_generation: resume the scheduler (forwarded, as in sglang), open the gate.
-
-        Awaited, as the pause is: in sglang a /v1/loads sent after the answer queues behind
-        the resume at the scheduler; here it reads the scheduler's state from another
-        thread, so an answer before the resume applied would let it still read paused."""
+        """/continue_generation: resume the scheduler (forwarded, as in sglang), open the gate."""
         async with self._pause_cond:
             self.paused = False
-            try:
-                await asyncio.wrap_future(self.scheduler.resume())
-            except Exception as e:  # noqa: BLE001 - the gate still opens; sglang does not wait
-                logger.error("scheduler resume failed: %s", e)
+            _report_failure(self.scheduler.resume(), "resume")
             self._pause_cond.notify_all()
 
     async def abort_request(self, rid: str, abort_all: bool) -> None:
@@ -405,3 +398,10 @@ class Frontend:
         """Frontend state for diagnostics."""
         return {"paused": self.paused, "live_requests": len(self.live)}
 
+
+def _report_failure(future: Any, what: str) -> None:
+    """Log a forwarded scheduler command that failed (nobody awaits its future)."""
+    def done(f: Any) -> None:
+        if f.exception() is not None:
+            logger.error("scheduler %s failed: %s", what, f.exception())
+    future.add_done_callback(done)

@@ -61,6 +61,10 @@ def load_entry(load: dict[str, Any], *, disaggregation_mode: str, weight_bytes: 
         # sglang reports 0 / null until it has some
         "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
         **{k: load[k] for k in EXTENSIONS},
+        # The gate's state, which a pause or continue sets before it answers: the
+        # scheduler applies a continue after the answer (as in sglang), and a read sent
+        # after it must not see the engine still paused (sglang's read queues behind it).
+        "paused": paused,
     }
     waiting = load["num_waiting_reqs"]
     return {
