@@ -6,7 +6,7 @@ body. Only idempotent reads are retried; a weight update or a pause is never re-
 behind the caller's back.
 
 Plain `http://` engines are spoken to over persistent connections whose answers
-`httptools` parses (`http_connection.py`): a weight sync is a chain of small control
+`httptools` parses (`protocol/http_connection.py`): a weight sync is a chain of small control
 calls, and `requests` adds about a third of a millisecond to each, `http.client` a tenth.
 Each client keeps its idle connections and a call takes the one used last, whichever
 thread it runs on: calls run on a shared pool's threads, and with a connection per thread
@@ -30,10 +30,10 @@ from httptools import HttpParserError
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from slime_like.engine.http_connection import KeepAliveConnection
 from slime_like.errors import EngineError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
+from slime_like.protocol.http_connection import KeepAliveConnection
 from slime_like.protocol.modes import PauseMode
 
 DEFAULT_TIMEOUT_S = 60.0
