@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from slime_like.engine.call_pool import all_done
 from slime_like.engine.deadlines import CallClock
 from slime_like.engine.fanout import on_all
 from slime_like.engine.session import EngineSession
@@ -325,14 +326,17 @@ class WeightSync(Members):
         # The first update waits for every engine's pause and begin, not only its own: an
         # engine that took it joins the broadcast, and one whose receive hangs on a peer
         # that never paused (gloo relays along a tree) would hold its scheduler until then.
-        every = [c.future for c in control]
+        # One gate for all of them: each lane waiting on every call would cost N^2.
+        every = [all_done(c.future for c in control)] if control else []
         own = {c.engine.url: [c.future] for c in control}
         posted: list[EngineCall] = []
         try:
             for payload in payloads:
+                earlier = None if payload.after is None else all_done(
+                    c.future for p in payload.after for c in p.calls)
                 payload.calls = [self._post(e, payload, version, e.url in folded,
                                             own.get(e.url, []) if posted else every,
-                                            not posted, watch, stats)
+                                            not posted, watch, stats, earlier)
                                  for e in engines]
                 updates += payload.calls
                 if not posted:
@@ -358,15 +362,16 @@ class WeightSync(Members):
 
     def _post(self, engine: EngineSession, payload: Payload, version: str, folded: bool,
               before: list[Future], first: bool, watch: Watch,
-              stats: TransferStats) -> EngineCall:
+              stats: TransferStats, earlier: Future | None) -> EngineCall:
         """One payload into one engine's lane; the last one carries the version (and the
         flush, where it is folded into the update). `before`: the control calls it comes
-        after (the first payload: every engine's; the others: the engine's own)."""
+        after (the first payload: every engine's; the others: the engine's own);
+        `earlier`: done once the calls of the payloads it waits for (`payload.after`) are."""
         last = payload.last
         req = payload.request(engine, last and folded, version if last else None)
         after = list(before) if first and before else None
-        if payload.after is not None:  # not the lane's strict order: still after pause/begin
-            after = [c.future for p in payload.after for c in p.calls] + list(before)
+        if earlier is not None:  # not the lane's strict order: still after pause/begin
+            after = [earlier, *before]
         future = engine.submit(getattr(engine, payload.verb), req, self.config.http_timeout_s,
                                after=after)
         return watch.add(EngineCall(engine, payload.step, future))

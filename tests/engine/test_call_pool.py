@@ -1,0 +1,51 @@
+"""`all_done`: the one gate many engine lanes wait on instead of every call's future."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from slime_like.engine.call_pool import all_done, engine_pool
+from slime_like.engine.session import CallCancelled
+
+
+def test_the_gate_opens_only_once_every_call_is_done_whatever_its_outcome():
+    calls = [Future() for _ in range(3)]
+    gate = all_done(calls)
+    calls[0].set_result({"success": True})
+    calls[1].set_exception(CallCancelled("not sent"))
+    assert not gate.done()
+    calls[2].cancel()
+    assert gate.done() and gate.result() is None
+
+
+def test_calls_already_done_and_no_calls_open_it_at_once():
+    done = Future()
+    done.set_result(None)
+    assert all_done([done]).done()
+    assert all_done([]).done()
+
+
+def test_lanes_on_the_pool_wait_on_one_gate_for_calls_answered_on_other_threads():
+    """As a sync's first update: every lane waits for every engine's pause and begin."""
+    calls = [Future() for _ in range(32)]
+    gate = all_done(calls)
+    released = []
+    lock = threading.Lock()
+
+    def lane(i: int) -> None:
+        gate.result(timeout=30)
+        with lock:
+            released.append(i)
+
+    lanes = [engine_pool().submit(lane, i) for i in range(16)]
+    answerers = [threading.Thread(target=f.set_result, args=(None,)) for f in calls[:-1]]
+    for t in answerers:
+        t.start()
+    for t in answerers:
+        t.join()
+    assert released == []  # one call still unanswered holds every lane
+    calls[-1].set_result(None)
+    for f in lanes:
+        f.result(timeout=30)
+    assert sorted(released) == list(range(16))
