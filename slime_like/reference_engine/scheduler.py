@@ -51,6 +51,9 @@ class Scheduler:
         self.model = model
         # What was served at which version (served_log.py); None: not kept.
         self.served_log = served_log
+        # Finished requests' answers held until their served lines are written: a client
+        # (or the chaos check) that reads the log after its answer finds its line.
+        self._after_log: list[Callable[[], None]] = []
         # A floor on each forward step's length, waited off the CPU: the step time of a
         # GPU engine, whose decode does not compete with a trainer for CPU cores.
         self.min_step_s = min_step_s
@@ -313,6 +316,9 @@ class Scheduler:
                     self._check_pending_flush()
                 if self.served_log is not None:
                     self.served_log.flush()
+                    answers, self._after_log = self._after_log, []
+                    for answer in answers:
+                        answer()
                 self.metrics.set_queue(len(self.running), len(self.waiting),
                                        len(self.waiting) if self.paused_mode else 0,
                                        (self.pool.num_slots - self.pool.num_free) / self.pool.num_slots)
@@ -438,4 +444,7 @@ class Scheduler:
             if self.served_log is not None:
                 self.served_log.record(r.rid, self.weight_version, reason["type"], r.num_output)
         if r.sink is not None:
-            r.sink(r, r.num_output, True)
+            if self.served_log is not None and r.log_metrics:  # answered once it is logged
+                self._after_log.append(functools.partial(r.sink, r, r.num_output, True))
+            else:
+                r.sink(r, r.num_output, True)

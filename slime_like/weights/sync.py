@@ -327,13 +327,13 @@ class WeightSync(Members):
         # engine that took it joins the broadcast, and one whose receive hangs on a peer
         # that never paused (gloo relays along a tree) would hold its scheduler until then.
         # One gate for all of them: each lane waiting on every call would cost N^2.
-        every = [all_done(c.future for c in control)] if control else []
+        every = [all_done([c.future for c in control])] if control else []
         own = {c.engine.url: [c.future] for c in control}
         posted: list[EngineCall] = []
         try:
             for payload in payloads:
                 earlier = None if payload.after is None else all_done(
-                    c.future for p in payload.after for c in p.calls)
+                    [c.future for p in payload.after for c in p.calls])
                 payload.calls = [self._post(e, payload, version, e.url in folded,
                                             own.get(e.url, []) if posted else every,
                                             not posted, watch, stats, earlier)
