@@ -46,6 +46,7 @@ from slime_like.weights.group_setup import (
     backend_hint,
     close_group,
     engine_ranks,
+    free_group,
     host_port,
     join_pending,
     master_address_for,
@@ -97,6 +98,7 @@ class DistributedTransport(Transport):
         self.group_timeout_s = group_timeout_s
         self.packer = BucketPacker(self.device, bucket_bytes)
         self._closing: threading.Thread | None = None  # a failed group, closing
+        self._freeing: list[threading.Thread] = []  # replaced groups, being freed
         self.pg: dist.ProcessGroup | None = None
         self.group_name: str | None = None
         self.members: tuple[tuple[str, int], ...] = ()
@@ -217,7 +219,15 @@ class DistributedTransport(Transport):
         joined (those of `aside` on the engine pool, not waited for; a name not left stays
         for the next teardown)."""
         if self.pg is not None:
+            # Out of torch's registry here (fast); freed on a thread, while the engines
+            # leave: the close takes about 10 ms a peer (group_setup.free_group).
             destroy_process_group(self.pg)
+            held, self.pg = [self.pg], None
+            freeing = threading.Thread(target=free_group, args=(held,), daemon=True,
+                                       name="weight-group-free")
+            del held  # the thread's list is the last reference: it empties it
+            freeing.start()
+            self._freeing = [t for t in self._freeing if t.is_alive()] + [freeing]
         self.pg, self.group_name, self.members, self._store = None, None, (), None
         # The sessions that joined (keys and all: the destroy is an admin call) leave every
         # group they joined; one that cannot reach its engine keeps the names, and leaves
@@ -270,6 +280,9 @@ class DistributedTransport(Transport):
 
     def close(self, engines: Sequence[EngineSession]) -> None:
         self._teardown()
+        for thread in self._freeing:  # nothing of ours outlives the close
+            thread.join(self.group_timeout_s)
+        self._freeing = []
         self.packer.release()
 
     # ---- the payloads ------------------------------------------------------------------------

@@ -141,12 +141,19 @@ def backend_hint(backend: str) -> str:
 
 
 def close_group(held: list[dist.ProcessGroup]) -> None:
-    """Destroy the one group in `held` and drop the last reference to it: gloo closes its
-    connections when the group is freed. Freed at once unless something still refers to
-    it (a cycle): only then a full collection, which holds the GIL for a tenth of a second
-    or more in a trainer's heap (the step after a hang waits for it)."""
+    """Destroy the one group in `held` and drop the last reference to it (`free_group`)."""
+    destroy_process_group(held[0])
+    free_group(held)
+
+
+def free_group(held: list[dist.ProcessGroup]) -> None:
+    """Drop the last reference to the one group in `held` (already out of torch's
+    registry): gloo closes its connections when the group is freed, about 10 ms a peer
+    (each close waits for its transport loop's next tick, every 10 ms when idle), so a
+    caller frees it on a thread of its own; the destructor runs without the GIL. Freed at
+    once unless something still refers to it (a cycle): only then a full collection,
+    which holds the GIL for a tenth of a second or more in a trainer's heap."""
     pg = held.pop()
-    destroy_process_group(pg)
     gone = weakref.ref(pg)
     del pg
     if gone() is not None:

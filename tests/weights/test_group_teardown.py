@@ -9,6 +9,9 @@ exist", as sglang answers too.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import requests
 from weight_sync_helpers import start_engine, trainer_model
 
@@ -36,6 +39,7 @@ def test_a_regroup_and_a_close_destroy_every_left_group_on_keyed_engines(tiny_mo
     try:
         sync.update(policy)
         first = sync.transport.group_name
+        first_pg = weakref.ref(sync.transport.pg)  # the trainer's end of it
         sync.add_engine(handle(b))  # a membership change: the next update regroups
         sync.update(policy)
         second = sync.transport.group_name
@@ -44,6 +48,10 @@ def test_a_regroup_and_a_close_destroy_every_left_group_on_keyed_engines(tiny_mo
         sync.close()
         for engine in (a, b):
             _left_group_is_gone(engine.url, second)
+        # The trainer's ends are freed too (a replaced group on a thread of its own, which
+        # the close waits for): no group object and no freeing thread outlives the close.
+        assert first_pg() is None
+        assert not [t for t in threading.enumerate() if t.name == "weight-group-free"]
         assert requests.get(f"{a.url}/model_info", timeout=30).status_code == 401  # keys on
     finally:
         sync.close()
