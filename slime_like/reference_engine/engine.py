@@ -176,9 +176,8 @@ class ReferenceEngine:
         """The per-DP scheduler state dict of /server_info's internal_states."""
         load = self.scheduler.load()
         return {"dp_rank": 0, "tp_size": self.args.tp_size, "weight_version": self.scheduler.weight_version,
-                "forward_steps": self.scheduler.forward_steps,
-                "last_gen_throughput": load["gen_throughput"], **load,
-                "paused": self.frontend.paused}  # the gate's, as in /v1/loads (loads.py)
+                "paused": self.frontend.paused, "forward_steps": self.scheduler.forward_steps,
+                "last_gen_throughput": load["gen_throughput"], **load}
 
     def load_entry(self) -> dict:
         """One entry of /v1/loads' `loads`, every section (this engine is dp_rank 0)."""

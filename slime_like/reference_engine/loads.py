@@ -23,7 +23,9 @@ from typing import Any
 SECTIONS = {"memory": "memory", "spec": "speculative", "lora": "lora",
             "disagg": "disaggregation", "queues": "queues"}
 VALID_INCLUDE = frozenset({"core", "all", *SECTIONS})
-EXTENSIONS = ("num_cached_tokens", "paused", "num_retracted_reqs")
+#: ours from the scheduler's counters; `paused` is the pause gate's (the frontend's)
+SCHEDULER_EXTENSIONS = ("num_cached_tokens", "num_retracted_reqs")
+EXTENSIONS = (*SCHEDULER_EXTENSIONS, "paused")
 MEMORY_EXTENSIONS = ("kv_cache_bytes",)
 
 
@@ -60,7 +62,7 @@ def load_entry(load: dict[str, Any], *, disaggregation_mode: str, weight_bytes: 
         # cumulative prefill counters and decode step-time moments: not measured here;
         # sglang reports 0 / null until it has some
         "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
-        **{k: load[k] for k in EXTENSIONS},
+        **{k: load[k] for k in SCHEDULER_EXTENSIONS},
         # The gate's state, which a pause or continue sets before it answers: the
         # scheduler applies a continue after the answer (as in sglang), and a read sent
         # after it must not see the engine still paused (sglang's read queues behind it).

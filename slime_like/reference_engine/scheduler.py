@@ -177,7 +177,6 @@ class Scheduler:
             "gen_throughput": self.last_step_tokens_per_s,
             "cache_hit_rate": self.cache.hits / self.cache.queries if self.cache.queries else 0.0,
             "num_cached_tokens": self.cache.num_tokens,
-            "paused": self.paused_mode is not None,
             "num_retracted_reqs": sum(1 for r in waiting if r.num_retractions),
         }
 
