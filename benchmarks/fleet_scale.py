@@ -210,6 +210,19 @@ def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
     return row
 
 
+def _launch_spread(timeline: Timeline, t0: float) -> dict:
+    """When the first, the median and the last engine was LOADED after the launch began:
+    a launch bound by the cores rises evenly, one bound by a serial step has a tail."""
+    with timeline.lock:
+        loaded = sorted({subject: t for t, subject, kind, _ in reversed(timeline.events)
+                         if kind == "LOADED" and t >= t0}.values())
+    if not loaded:
+        return {}
+    return {"launch_first_loaded_s": loaded[0] - t0,
+            "launch_median_loaded_s": statistics.median(loaded) - t0,
+            "launch_last_loaded_s": loaded[-1] - t0}
+
+
 def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     """Every figure of one fleet of `n` engines, on a fresh cluster."""
     from ray.cluster_utils import Cluster
@@ -239,6 +252,7 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     load = None
     try:
         row["launch_s"] = time.time() - t0
+        row.update(_launch_spread(timeline, t0))
         model = load_pretrained(args.model, dtype=torch.float32)
         weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20)
         t1 = time.time()

@@ -10,9 +10,12 @@ outside the default group (neither side needs `init_process_group` to have run).
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import ipaddress
 import socket
+import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -134,6 +137,34 @@ def destroy_process_group(pg: dist.ProcessGroup | None) -> None:
         return
     with contextlib.suppress(ValueError, RuntimeError, KeyError):
         dist.destroy_process_group(pg)
+
+
+def free_group(held: list[dist.ProcessGroup]) -> None:
+    """Drop the last reference to the one group in `held` (already out of torch's
+    registry): gloo closes its connections when the group is freed, about 10 ms a peer
+    (each close waits for its transport loop's next tick, every 10 ms when idle), so a
+    caller frees it on a thread of its own (`free_in_background`); the destructor runs
+    without the GIL. Freed at once unless something still refers to it (a cycle): only
+    then a full collection, which holds the GIL for a tenth of a second or more in a
+    trainer's heap."""
+    pg = held.pop()
+    gone = weakref.ref(pg)
+    del pg
+    if gone() is not None:
+        gc.collect()
+
+
+FREE_THREAD_NAME = "weight-group-free"
+
+
+def free_in_background(held: list[dist.ProcessGroup]) -> threading.Thread:
+    """Free the group in `held` (destroyed already: out of torch's registry) on a daemon
+    thread, so whoever leaves a group of N peers does not wait about N x 10 ms for gloo to
+    close it. `held` must be the only reference: the thread empties it."""
+    thread = threading.Thread(target=free_group, args=(held,), daemon=True,
+                              name=FREE_THREAD_NAME)
+    thread.start()
+    return thread
 
 
 def check_store_listening(host: str, port: int, timeout_s: float = 2.0) -> None:

@@ -9,6 +9,7 @@ scheduler thread reports progress through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -134,6 +135,8 @@ class Frontend:
             else None
         self._closing = False
         self.paused = False
+        # The last retract/in_place pause forwarded to the scheduler (answered at once).
+        self._forwarded: concurrent.futures.Future | None = None
         self.ready = False  # warm-up done (sglang's server_status == Up)
         self.live: dict[str, _Live] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -337,9 +340,20 @@ class Frontend:
                         break
                     await asyncio.sleep(0.005)
             else:
-                # Awaited (sglang forwards it and answers at once): readers that do not queue
-                # behind the scheduler here, such as /v1/loads, must already see it paused.
-                await asyncio.wrap_future(self.scheduler.pause(mode))
+                # Forwarded and answered at once, as sglang does: the scheduler applies it
+                # before any later control message (its calls run in order), and readers
+                # that do not queue behind it (/v1/loads, internal_states) read the gate.
+                self._forwarded = self.scheduler.pause(mode)
+                _report_failure(self._forwarded, "pause")
+
+    async def settled(self) -> None:
+        """Wait for the last forwarded pause to be applied: a read of the scheduler's state
+        (/v1/loads) queues behind it in sglang (both go through the scheduler in order);
+        no wait when it already was, the common case."""
+        forwarded = self._forwarded
+        if forwarded is not None and not forwarded.done():
+            with contextlib.suppress(Exception):  # its failure is logged where it is sent
+                await asyncio.wrap_future(forwarded)
 
     async def continue_generation(self) -> None:
         """/continue_generation: resume the scheduler (forwarded, as in sglang), open the gate."""

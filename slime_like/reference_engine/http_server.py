@@ -229,6 +229,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     @app.get(paths.SERVER_INFO)
     @app.get(paths.GET_SERVER_INFO)
     async def server_info():
+        await frontend.settled()  # its internal_states, as /v1/loads
         return engine.server_info()
 
     @app.get(paths.V1_LOADS)
@@ -240,6 +241,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise HTTPException(400, str(e)) from e
         if dp_rank not in (None, 0):
             raise HTTPException(400, f"dp_rank {dp_rank} out of range [0, 1)")
+        await frontend.settled()  # queued behind a pause, as sglang's read is
         entry = load_shape.select(engine.load_entry(), wanted)
         if format == "prometheus":
             return Response(load_shape.prometheus_text([entry]),

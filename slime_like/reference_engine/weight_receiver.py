@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -85,6 +86,7 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         self.seed = seed
         self.cpu_backup = cpu_backup
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.freeing: list[threading.Thread] = []  # groups left, being freed
         self.released: Released | None = None
         self._backup: list[torch.Tensor] = []  # pinned host segments, reused every release
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

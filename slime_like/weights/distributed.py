@@ -35,6 +35,7 @@ from slime_like.protocol.socket_ifname import InterfaceError, check_reachable
 from slime_like.protocol.weight_group import (
     abort_process_group,
     destroy_process_group,
+    free_in_background,
     host_store,
     init_custom_process_group,
     join_store,
@@ -46,7 +47,6 @@ from slime_like.weights.group_setup import (
     backend_hint,
     close_group,
     engine_ranks,
-    free_group,
     host_port,
     join_pending,
     master_address_for,
@@ -220,13 +220,11 @@ class DistributedTransport(Transport):
         for the next teardown)."""
         if self.pg is not None:
             # Out of torch's registry here (fast); freed on a thread, while the engines
-            # leave: the close takes about 10 ms a peer (group_setup.free_group).
+            # leave: the close takes about 10 ms a peer (weight_group.free_group).
             destroy_process_group(self.pg)
             held, self.pg = [self.pg], None
-            freeing = threading.Thread(target=free_group, args=(held,), daemon=True,
-                                       name="weight-group-free")
+            freeing = free_in_background(held)
             del held  # the thread's list is the last reference: it empties it
-            freeing.start()
             self._freeing = [t for t in self._freeing if t.is_alive()] + [freeing]
         self.pg, self.group_name, self.members, self._store = None, None, (), None
         # The sessions that joined (keys and all: the destroy is an admin call) leave every

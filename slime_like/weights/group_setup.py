@@ -5,12 +5,10 @@ whose control loop is stuck is named, not waited on), and a failed group's close
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import os
 import socket
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from urllib.parse import urlparse
@@ -21,7 +19,7 @@ from slime_like.engine.deadlines import CallClock
 from slime_like.engine.fanout import each
 from slime_like.engine.session import EngineSession
 from slime_like.errors import WeightSyncError
-from slime_like.protocol.weight_group import destroy_process_group
+from slime_like.protocol.weight_group import destroy_process_group, free_group
 from slime_like.weights.watch import EngineCall, Watch, no_answer
 
 
@@ -144,17 +142,3 @@ def close_group(held: list[dist.ProcessGroup]) -> None:
     """Destroy the one group in `held` and drop the last reference to it (`free_group`)."""
     destroy_process_group(held[0])
     free_group(held)
-
-
-def free_group(held: list[dist.ProcessGroup]) -> None:
-    """Drop the last reference to the one group in `held` (already out of torch's
-    registry): gloo closes its connections when the group is freed, about 10 ms a peer
-    (each close waits for its transport loop's next tick, every 10 ms when idle), so a
-    caller frees it on a thread of its own; the destructor runs without the GIL. Freed at
-    once unless something still refers to it (a cycle): only then a full collection,
-    which holds the GIL for a tenth of a second or more in a trainer's heap."""
-    pg = held.pop()
-    gone = weakref.ref(pg)
-    del pg
-    if gone() is not None:
-        gc.collect()
