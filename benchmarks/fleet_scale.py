@@ -129,12 +129,19 @@ class Load:
             t.join(timeout=70)
 
 
-def _engine_processes(log_dir: Path) -> list[psutil.Process]:
+def _server_pids(fleet) -> set[int]:
+    """Every engine server process of the fleet now (each actor's child)."""
+    return set(ray.get([a.server_pid.remote() for e in fleet.engines for a in e.actors]))
+
+
+def _engine_processes(pids: set[int]) -> list[psutil.Process]:
+    """The engine servers among `pids` still running (a zombie has exited)."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "slime_like.reference_engine" in cmd and str(log_dir) in cmd:
-            out.append(p)
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
     return out
 
 
@@ -210,6 +217,13 @@ def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
     return row
 
 
+def _busy_cpu_s() -> float:
+    """The machine's CPU seconds not idle so far (every core)."""
+    t = psutil.cpu_times()
+    return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) \
+        + getattr(t, "softirq", 0.0)
+
+
 def _launch_spread(timeline: Timeline, t0: float) -> dict:
     """When the first, the median and the last engine was LOADED after the launch began:
     a launch bound by the cores rises evenly, one bound by a serial step has a tail."""
@@ -240,6 +254,7 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     row: dict = {"engines": n, "nodes": nodes, "router": args.router,
                  "rl_plane": bool(args.rl_plane)}
     psutil.cpu_percent()  # the machine's busy share from here on
+    busy0 = _busy_cpu_s()
     t0 = time.time()
     fleet = launch_fleet(None, model_path=args.model, engine="reference", log_dir=log_dir,
                          on_event=timeline, layout=FleetLayout(num_gpus=n),
@@ -250,9 +265,16 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
                                                timeout_s=args.probe_timeout, first_wait_s=0.0,
                                                failure_threshold=2))
     load = None
+    pids: set[int] = set()  # every engine server seen: none may outlive the shutdown
     try:
         row["launch_s"] = time.time() - t0
         row.update(_launch_spread(timeline, t0))
+        # Where a launch bound by the cores spends them: the machine's CPU seconds per
+        # engine, and the part the engine processes themselves used.
+        row["launch_cpu_s_per_engine"] = (_busy_cpu_s() - busy0) / n
+        pids = _server_pids(fleet)
+        row["engine_process_cpu_s"] = sum(
+            sum(p.cpu_times()[:2]) for p in _engine_processes(pids)) / n
         model = load_pretrained(args.model, dtype=torch.float32)
         weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 20)
         t1 = time.time()
@@ -321,13 +343,15 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
     finally:
         if load is not None:
             load.close()
+        with contextlib.suppress(Exception):  # every server the fleet has now (relaunches too)
+            pids |= _server_pids(fleet)
         t2 = time.time()
         fleet.shutdown()
         deadline = time.time() + 120
-        while _engine_processes(log_dir) and time.time() < deadline:
+        while _engine_processes(pids) and time.time() < deadline:
             time.sleep(0.05)
         row["shutdown_s"] = time.time() - t2
-        row["leftover_engines"] = len(_engine_processes(log_dir))
+        row["leftover_engines"] = len(_engine_processes(pids))
         row["cpu_busy"] = psutil.cpu_percent() / 100
         ray.shutdown()
         cluster.shutdown()

@@ -18,17 +18,17 @@ monitor's budget for a death (`--rollout-health-check-failures` probes of
 engine before.
 
 Two floors, because a wrong verdict costs differently:
-- A sync's call (`SYNC_CALLS`, 0.2 s). An engine found hung is only SUSPECT: out of the
+- A sync's call (`SYNC_CALLS`, 0.1 s). An engine found hung is only SUSPECT: out of the
   router and the sync, resynced in place when it answers again, relaunched only when the
   health monitor calls it dead. A wrong verdict costs one resync of one engine; a right
   one is paid by every engine of the step, which waits the deadline out. A control call
   takes a few milliseconds, so 10x its 0.99 quantile is usually below the floor and the
-  floor is the deadline. The step after a SIGSTOP pays it (0.26 s to find the hang),
-  the failed attempt's clean-up (0.05-0.2 s) and the retry: with a 16-engine fleet's
-  median step of 0.16 s, a floor much above 0.2 s alone would break the target of at most
-  3x the median step, and one much below it would be within reach of a scheduling hiccup
-  on a loaded machine. A loaded machine answers slower, and its deadline grows with what its engines
-  took (one 41 ms pause made it 0.41 s on a busy two-core machine).
+  floor is the deadline. The step after a SIGSTOP pays it, the failed attempt's clean-up
+  and the retry: a 16-engine fleet's median step is 0.06-0.1 s, so the 0.2 s floor this
+  had before alone broke the target of at most 3x the median step. Lower still would be
+  within reach of a scheduling hiccup. A loaded machine answers slower, and its deadline
+  grows with what its engines took (one 41 ms pause made it 0.41 s on a busy two-core
+  machine), so the floor matters only where the answers are fast.
 - A standalone sync's call (`DeadlinePolicy()`, 1 s): nothing holds its hung engine out
   and brings it back; the verdict fails the sync, the caller retries.
 - A probe (`DeadlinePolicy()`, 1 s): a `/health_generate` past it makes a serving engine
@@ -86,4 +86,4 @@ class DeadlinePolicy:
 
 
 # A weight sync the fleet settles: a wrong "hung" costs one engine a resync (see above).
-SYNC_CALLS = DeadlinePolicy(floor_s=0.2)
+SYNC_CALLS = DeadlinePolicy(floor_s=0.1)

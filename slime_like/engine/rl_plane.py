@@ -20,7 +20,9 @@ engine no session records.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 import requests
 
 from slime_like.engine.call_pool import engine_pool
+from slime_like.router.client import poll_intervals
 
 
 class PlaneMember(Protocol):
@@ -75,6 +78,20 @@ class RlPlane:
         resp.raise_for_status()
         return {_norm(w["url"]) for w in resp.json().get("workers") or []
                 if _matches(w, self.selector)}
+
+    def wait_listed(self, url: str, timeout: float) -> bool:
+        """Whether the selector reaches `url` within `timeout`: smg lists a worker under
+        `/workers` at once, but learns its engine (the selector's label) from the worker
+        afterwards, so a step sent right after a registration could miss it."""
+        deadline = time.monotonic() + timeout
+        waits = poll_intervals()
+        while True:
+            with contextlib.suppress(requests.RequestException, ValueError):
+                if _norm(url) in self.worker_urls(timeout):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(next(waits))
 
     def fan_out(self, path: str, body: dict, timeout: float | None = None
                 ) -> tuple[dict[str, Any], dict[str, str]]:

@@ -30,6 +30,10 @@ from slime_like.router.router import Router
 
 logger = logging.getLogger(__name__)
 
+# How long a routed engine's registration waits for smg's RL plane to list it (smg learns
+# the worker's engine label just after listing it under /workers).
+RL_LISTED_TIMEOUT_S = 5.0
+
 
 def subject(model: str) -> str:
     """How a router is named on the run's timeline."""
@@ -167,7 +171,12 @@ class Routers(Mapping[str, Router]):
             api_key=h.api_key or h.admin_api_key, timeout=wait)
         e.router_worker_id = info.id
         if router.rl_plane is not None and h.api_key is None:
-            h.rl_plane = router.rl_plane
+            # Through the plane once it reaches the engine (else each step calls it directly).
+            if router.rl_plane.wait_listed(h.url, min(wait, RL_LISTED_TIMEOUT_S)):
+                h.rl_plane = router.rl_plane
+            else:
+                logger.warning("%s: routed, but smg's RL plane does not list it after %.0fs; "
+                               "its syncs call it directly", e.engine_id, RL_LISTED_TIMEOUT_S)
         slots = self.slots.get(e.model_name)
         if slots is not None:
             known = slots.knows(e.engine_id, h.url)

@@ -73,7 +73,9 @@ class WeightGroups:
         if pg is None:
             return False, "The group to be destroyed does not exist."
         destroy_process_group(pg)
-        self._free([pg])
+        held = [pg]
+        del pg  # the list is the last reference: the thread frees the group, not this call
+        self._free(held)
         return True, "Succeeded to destroy custom process group."
 
     def _free(self, held: list[dist.ProcessGroup]) -> None:

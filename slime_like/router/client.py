@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,19 @@ import requests
 
 from slime_like.errors import RouterError
 from slime_like.protocol.modes import ROUTED_WORKER_TYPES, WorkerType
+
+# Waits for a worker's add or removal to show in `GET /workers` look again after 5 ms,
+# then twice as long each time, up to this: a removal lands within milliseconds, and a
+# fixed 0.2 s poll made each one (a hung engine taken out mid-sync) cost 0.2 s.
+MAX_POLL_S = 0.2
+
+
+def poll_intervals(first_s: float = 0.005) -> Iterator[float]:
+    """5 ms, 10 ms, 20 ms ... then MAX_POLL_S, forever."""
+    wait = first_s
+    while True:
+        yield wait
+        wait = min(MAX_POLL_S, 2 * wait)
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,7 @@ class RouterClient:
                 time.sleep(0.5 * (attempt + 1))
         deadline = time.monotonic() + timeout
         job: Any = None
+        waits = poll_intervals()
         while time.monotonic() < deadline:
             found = self.find_worker(url)
             if found is not None and found.is_healthy:
@@ -149,7 +163,7 @@ class RouterClient:
             job = self._job_status(worker_id) or job
             if isinstance(job, dict) and job.get("status") == "failed":
                 raise RouterError(f"router {self.url} could not add worker {url}: {job.get('message')}")
-            time.sleep(0.2)
+            time.sleep(next(waits))
         self._withdraw(worker_id)
         raise RouterError(f"router {self.url}: worker {url} ({worker_type}) not listed healthy "
                           f"after {timeout:.0f}s; removal requested (it may still land when the worker "
@@ -177,10 +191,11 @@ class RouterClient:
         if resp.status_code == 404:
             return False
         deadline = time.monotonic() + timeout
+        waits = poll_intervals()
         while time.monotonic() < deadline:
             if all(w.id != worker_id for w in self.list_workers()):
                 return True
-            time.sleep(0.2)
+            time.sleep(next(waits))
         raise RouterError(f"router {self.url}: worker {worker_id} still listed {timeout:.0f}s "
                           "after DELETE /workers")
 

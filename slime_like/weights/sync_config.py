@@ -57,7 +57,7 @@ class WeightSyncConfig:
     # call past it while other engines answered (a join: unanswered, and no /ping either)
     # fails the sync naming that engine as hung (`WeightSyncError.hung`); a retry goes on
     # without it. By default (None) a sync the fleet settles (`resume_on_failure=False`)
-    # has a 0.2 s floor (`SYNC_CALLS`): the fleet holds a hung engine SUSPECT until it
+    # has a 0.1 s floor (`SYNC_CALLS`): the fleet holds a hung engine SUSPECT until it
     # answers again, then resyncs it, so a wrong verdict costs a resync; a standalone sync
     # keeps 1 s (`DeadlinePolicy()`): there a wrong verdict fails the sync
     # (config/deadlines.py says why).

@@ -23,8 +23,9 @@ from slime_like.engine.session import CallCancelled, EngineSession
 from slime_like.errors import EngineError, WeightSyncError
 
 # A call found past its deadline gets this long to show its answer is in already (its pool
-# thread may not have run yet, e.g. while the trainer's own thread held the GIL).
-LAST_CHANCE_S = 0.05
+# thread may not have run yet, e.g. while the trainer's own thread held the GIL; this wait
+# lets go of the GIL, and a waiting thread gets it within the 5 ms switch interval).
+LAST_CHANCE_S = 0.02
 # How often a spinning wait looks for calls past their deadline (deadlines are >= the
 # policy's floor, 0.2 s for a sync's calls: no need to look at every poll).
 LATE_CHECK_S = 0.005

@@ -55,7 +55,7 @@ def test_a_bad_policy_is_refused_naming_its_field(fields):
 def test_the_sync_and_the_health_settings_take_a_policy_or_its_fields():
     # a wrong verdict costs a resync in a sync the fleet settles; it fails a standalone
     # sync, and a probe's moves a busy engine's requests
-    assert WeightSyncConfig(resume_on_failure=False).deadlines == DeadlinePolicy(floor_s=0.2)
+    assert WeightSyncConfig(resume_on_failure=False).deadlines == DeadlinePolicy(floor_s=0.1)
     assert WeightSyncConfig().deadlines == DeadlinePolicy(floor_s=1.0)
     assert HealthSettings().deadlines == DeadlinePolicy(floor_s=1.0)
     config = WeightSyncConfig(deadlines={"floor_s": 0.5})

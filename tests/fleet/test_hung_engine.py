@@ -6,7 +6,7 @@ in place, one the health monitor calls dead is relaunched.
 Real Ray, the real sglang-router, two reference-engine processes; the fault is a real
 SIGSTOP of one engine's server. One fleet for the module, its health monitor on with a
 budget for a death (2 failed probes of up to 5 s, 1 s apart) far above the deadlines (a
-sync's calls: 0.2 s floor; probes: 1 s floor; or 10x what each took lately), so the tests
+sync's calls: 0.1 s floor; probes: 1 s floor; or 10x what each took lately), so the tests
 can tell which of the two found the engine: they assert the order of the fleet's events,
 never a time. Every stopped process is continued (or is already gone) before its test
 ends; after the fleet's shutdown no engine process is left and every engine's port is
