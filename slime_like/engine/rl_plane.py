@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 import requests
 
+from slime_like.cluster.polling import poll_intervals
 from slime_like.engine.call_pool import engine_pool
-from slime_like.router.client import poll_intervals
 
 
 class PlaneMember(Protocol):

@@ -253,6 +253,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     @app.get("/get_load")
     async def get_load():
         # Removed in sglang 0.5.21, kept because sglang-router 0.3.2 polls it (power_of_two).
+        await frontend.settled()
         load = scheduler.load()
         return [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
                  "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_active_tokens"],
@@ -261,6 +262,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     if engine.metrics.enabled:
         @app.get("/metrics")
         async def metrics():
+            await frontend.settled()  # the counters after a pause, as /v1/loads
             return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- cache, pause, abort, profile ------------------------------------------------------

@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 
+from slime_like.cluster.polling import poll_intervals
 from slime_like.errors import RouterError
 from slime_like.protocol.modes import ROUTED_WORKER_TYPES, WorkerType
-
-# Waits for a worker's add or removal to show in `GET /workers` look again after 5 ms,
-# then twice as long each time, up to this: a removal lands within milliseconds, and a
-# fixed 0.2 s poll made each one (a hung engine taken out mid-sync) cost 0.2 s.
-MAX_POLL_S = 0.2
-
-
-def poll_intervals(first_s: float = 0.005) -> Iterator[float]:
-    """5 ms, 10 ms, 20 ms ... then MAX_POLL_S, forever."""
-    wait = first_s
-    while True:
-        yield wait
-        wait = min(MAX_POLL_S, 2 * wait)
 
 
 @dataclass(frozen=True)
