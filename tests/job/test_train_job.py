@@ -68,11 +68,15 @@ def test_quickstart_job_survives_an_engine_crash_and_keeps_logprobs_exact(tmp_pa
     assert "DEAD" in states, states
     after_death = states[states.index("DEAD"):]
     assert after_death[:3] == ["DEAD", "RELAUNCHING", "STALE"], after_death
-    # the replacement joined the router only at the version the other engine served then
+    # the replacement joined the router only at the fleet's version of that moment, one
+    # the other engine was routed at too (a full sync that takes the replacement along
+    # routes both in the same settle, in either order)
     registered = next(e for e in crashed[states.index("STALE"):] if e["state"] == "REGISTERED")
-    other = [e for e in events if e["engine"] == "default/g0/e1" and e["state"] == "REGISTERED"
-             and e["time_s"] <= registered["time_s"]]
-    assert registered["version"] == other[-1]["version"]
+    fleet_version = [e["version"] for e in events if e["engine"] == "fleet"
+                     and e["state"] == "VERSION" and e["time_s"] <= registered["time_s"]][-1]
+    assert registered["version"] == fleet_version
+    assert any(e["engine"] == "default/g0/e1" and e["state"] == "REGISTERED"
+               and e["version"] == fleet_version for e in events)
     # the healthy engine kept serving through the recovery
     assert all(s["engines"]["default/g0/e1"] in ("REGISTERED", "UPDATING") for s in steps)
 
