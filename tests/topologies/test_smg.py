@@ -80,15 +80,19 @@ def test_quickstart_through_smg_survives_a_router_kill_and_an_engine_crash(tmp_p
             assert any(e["engine"] == engine and e["state"] == "REGISTERED"
                        and e["time_s"] >= router[2]["time_s"] for e in events), engine
 
-    # the engine crash: the replacement joined smg only at the version the other served then
+    # the engine crash: the replacement joined smg only at the fleet's version of that
+    # moment, one the other engine was routed at too (a full sync that takes it along
+    # routes both in one settle, in either order)
     crashed = [e for e in events if e["engine"] == "default/g0/e0"]
     states = [e["state"] for e in crashed]
     after = states[states.index("DEAD"):]
     assert after[:3] == ["DEAD", "RELAUNCHING", "STALE"], after
     registered = next(e for e in crashed[states.index("STALE"):] if e["state"] == "REGISTERED")
-    other = [e for e in events if e["engine"] == "default/g0/e1" and e["state"] == "REGISTERED"
-             and e["time_s"] <= registered["time_s"]]
-    assert registered["version"] == other[-1]["version"]
+    fleet_version = [e["version"] for e in events if e["engine"] == "fleet"
+                     and e["state"] == "VERSION" and e["time_s"] <= registered["time_s"]][-1]
+    assert registered["version"] == fleet_version
+    assert any(e["engine"] == "default/g0/e1" and e["state"] == "REGISTERED"
+               and e["version"] == fleet_version for e in events)
     assert "recovery of default/g0/e0" in (tmp_path / "report.md").read_text()
     no_process_outlives(tmp_path)
     _no_pid_outlives(tmp_path)
