@@ -39,6 +39,9 @@ SGLANG_TENSOR_BUCKET = "sglang.srt.weight_sync.tensor_bucket"
 SGLANG_WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 SGLANG_MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 SGLANG_PATCH_TORCH = "sglang.srt.utils.patch_torch"
+#: ours, in /server_info: the engine keeps a plain payload sent with `keep_ipc_mapping` and
+#: recognizes the same bytes sent again (reference_engine/ipc_mappings.py)
+KEPT_PAYLOADS_KEY = "kept_tensor_payloads"
 
 
 @dataclass

@@ -20,11 +20,19 @@ so the engine has let go of it by the time the trainer's memory is given back (t
 an exported CUDA block alive while any importer holds it; a shared-memory segment is
 unlinked when its last mapping closes). A buffer that moved unannounced (the trainer sent a
 different one) is let go of at the end of the session that did not send it.
+
+A plain payload of (name, tensor) handles sent with `keep_ipc_mapping` (the trainer's
+separate parameters sent in place, `weights/shared_params.py`) is kept whole, by its
+serialized bytes: the trainer sends exactly the same bytes again while its parameters stay
+where they are and this engine holds them, and the engine then copies from the tensors it
+kept, without unpickling or opening anything. Equal bytes are the same handles (the same
+share of the same storages), so reusing them is what opening them again would give.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import torch
 
@@ -44,8 +52,9 @@ class IpcMappings:
         self.per_session = per_session
         # opened in this session: kept until it ends (oldest dropped past per_session)
         self._session: collections.OrderedDict = collections.OrderedDict()
-        self._keep: dict[tuple[int, int], torch.UntypedStorage] = {}  # to keep past this session
-        self._held: dict[tuple[int, int], torch.UntypedStorage] = {}  # kept from earlier sessions
+        # storages by (address, size), and kept plain payloads by ("payload", their bytes)
+        self._keep: dict[tuple, Any] = {}  # to keep past this session
+        self._held: dict[tuple, Any] = {}  # kept from earlier sessions
         self.opened = 0  # loads whose buffer was not open here before (a fresh mapping)
         self.reused = 0  # loads whose buffer was still open (kept or earlier in the session)
 
@@ -68,6 +77,25 @@ class IpcMappings:
             while len(self._session) > self.per_session:
                 self._session.popitem(last=False)
         return known
+
+    def kept_payload(self, payload: str | bytes) -> list[tuple[str, torch.Tensor]] | None:
+        """The (name, tensor) list a kept plain payload of exactly these bytes opened, or
+        None. Found, it is kept past this session again (the session sent it with
+        `keep_ipc_mapping`: only those are looked up) and counted as reused."""
+        key = ("payload", payload)
+        named = self._keep.get(key) or self._held.get(key)
+        if named is not None:
+            self.reused += 1
+            self._keep[key] = named
+        return named
+
+    def keep_payload(self, payload: str | bytes, named: list[tuple[str, torch.Tensor]],
+                     opened: bool) -> None:
+        """Keep a plain payload's tensors (and with them its mappings) past this session,
+        until the end of the first session that does not send the same bytes again."""
+        if opened:
+            self.opened += 1
+        self._keep[("payload", payload)] = named
 
     def end_session(self) -> int:
         """The update session ended: keep what it asked to keep, close everything else

@@ -35,7 +35,7 @@ from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.protocol.io_struct import FLATTENED_BUCKET
 from slime_like.reference_engine import rank_ops as op
-from slime_like.reference_engine.ipc_mappings import SESSION, IpcMappings
+from slime_like.reference_engine.ipc_mappings import KEPT, SESSION, IpcMappings
 from slime_like.reference_engine.load_plan import (
     LoadPlan,
     ParamArena,
@@ -49,6 +49,7 @@ from slime_like.reference_engine.weight_delta import WeightDeltas
 from slime_like.reference_engine.weight_groups import WeightGroups
 from slime_like.reference_engine.weight_memory import Released, WeightMemory
 
+_MEMCPY_MIN_AVG_BYTES = 1 << 20  # tensors this large on average: one memcpy each
 logger = logging.getLogger(__name__)
 
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
@@ -276,6 +277,11 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         from slime_like.protocol.tensor_payload import LocalSerializedTensor, deserialize
 
         t0, opened = time.perf_counter(), tensor_payload.cuda_rebuild_seconds
+        if mapping == KEPT and load_format in (None, "direct"):
+            named = self.mappings.kept_payload(payload)
+            if named is not None:  # the same share again: its tensors are open here
+                self._copy_kept(named)
+                return True, "Success"
         obj = deserialize(payload)
         if load_format == FLATTENED_BUCKET:
             if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
@@ -310,8 +316,31 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         else:
             raise ValueError(f"unknown load_format {load_format!r}; expected null, 'direct' or "
                              "'flattened_bucket' (custom loaders are not supported)")
-        self.load_named(named)
+        if mapping != KEPT:
+            self.load_named(named)
+            return True, "Success"
+        problems = self.check_loadable((n, t.shape) for n, t in named)
+        if problems:
+            raise ValueError("; ".join(problems[:5]))
+        self._copy_kept(named)
+        self.mappings.keep_payload(payload, named, opened=True)
         return True, "Success"
+
+    def _copy_kept(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy a kept payload's tensors (the trainer's own parameters, mapped here) into
+        ours; done when this returns, since the trainer writes them again once we answer.
+        Large tensors a memcpy each (about twice a foreach copy's rate on an H200)."""
+        pairs = [(self.params[n].data, t) for n, t in named
+                 if not (self.tied and n == "lm_head.weight")]
+        if not pairs:
+            return
+        if sum(t.numel() * t.element_size() for _, t in pairs) >= _MEMCPY_MIN_AVG_BYTES * len(pairs):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        else:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _load_flattened(self, flat: torch.Tensor, metadata: list) -> tuple[int, float]:
         """A flattened payload through the cached plan; done when this returns. Returns
@@ -392,6 +421,7 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         return {
             "checksums": sums,
             "per_gpu_checksum": overall_checksum(sums),
+            "ipc_mappings": self.mappings.stats(),  # ours: what this rank keeps mapped
             "parallelism_info": [{"role": "target", "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                                   "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
                                   "rank": self.tp_rank, "size": self.tp_size}],

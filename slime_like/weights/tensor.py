@@ -67,6 +67,7 @@ from slime_like.weights.packing import (
     send_groups,
     storage_slice,
 )
+from slime_like.weights.shared_params import SharedParams
 from slime_like.weights.transport import Payload, TransferStats, Transport
 from slime_like.weights.watch import Watch
 
@@ -88,6 +89,7 @@ class TensorTransport(Transport):
         self.serialized = FlattenedPayloads()
         self.direct = DirectRequests()
         self.kept = KeptStorages()
+        self.shared = SharedParams()  # separate parameters sent in place, shared once
         self._asked_keep = False  # an engine may keep a mapping of ours (closed at close())
 
     def payloads(self, engines: Sequence[EngineSession], source: WeightSource,
@@ -102,6 +104,10 @@ class TensorTransport(Transport):
         stays = _storage_stays(source)
         self.kept.begin()
         groups = self.direct.reuse(source, buckets, self.device)
+        if groups is None and self._in_place(engines, source, stays):
+            yield from self._shared_payload(source, stats)
+            packer.finish()
+            return
         if groups is None:  # else: the same storages at the same places, last sync's requests
             groups = self.direct.record(source, buckets, self.device, send_groups(
                 iter(source.tensors()), buckets, self.device, merge_direct=True,
@@ -149,6 +155,38 @@ class TensorTransport(Transport):
         stats.prep_s += time.perf_counter() - t_prep
         packer.finish()
         stats.pack_s += packer.pack_seconds()
+
+    def _in_place(self, engines: Sequence[EngineSession], source: WeightSource,
+                  stays: bool) -> bool:
+        """Whether every parameter goes in place as one kept request (`shared_params.py`):
+        separate storages, the same as last sync's, staying, on engines that keep them."""
+        tensors = _resident(source)
+        if tensors is not None and _one_storage(tensors):
+            tensors = None  # one flat buffer: sent in place as views of it (DirectRequests)
+        return self.shared.usable(engines, tensors, self.device, stays)
+
+    def _shared_payload(self, source: WeightSource, stats: TransferStats) -> Iterator[Payload]:
+        """The one request of a sync that sends every parameter in place."""
+        t0 = time.perf_counter()
+        tensors, metas = _resident(source), source.metadata()
+        if self.packer.stream is not None:  # the engines read them from another process
+            torch.cuda.current_stream(self.device).synchronize()
+        nbytes = sum(m.nbytes for m in metas)
+        payload = Payload(f"update_weights_from_tensor (every parameter in place, {len(metas)} "
+                          "tensors)", "update_weights_from_tensor",
+                          self.shared.request(metas, tensors), nbytes, True, after=[])
+        stats.prep_s += time.perf_counter() - t0
+        yield payload  # the sync builds every engine's request before it resumes us
+        self.shared.landed()
+        self._asked_keep = True
+        stats.bytes += nbytes
+        stats.buckets += 1
+
+    def failed(self) -> None:
+        self.shared.failed()
+
+    def forget(self, urls: Sequence[str]) -> None:
+        self.shared.forget(urls)
 
     def _request(self, buf: torch.Tensor, group: SendGroup, keep: bool):
         """The request builder of one flat buffer: one handle per TP rank, the layout
@@ -209,6 +247,7 @@ class TensorTransport(Transport):
             self._release_mappings(engines)
         self.direct.clear()
         self.kept.clear()
+        self.shared.clear()
         self.packer.release()
         if self.packer.is_cuda:
             torch.cuda.ipc_collect()  # give back buffers every engine has let go of
@@ -323,6 +362,11 @@ def _ref(obj: object) -> Callable[[], object | None]:
         return weakref.ref(obj)
     except TypeError:  # not weakly referenceable: held
         return lambda: obj
+
+
+def _one_storage(tensors: list[torch.Tensor]) -> bool:
+    first = tensors[0].untyped_storage()._cdata if tensors else None
+    return all(t.untyped_storage()._cdata == first for t in tensors)
 
 
 def _resident(source: object) -> list[torch.Tensor] | None:

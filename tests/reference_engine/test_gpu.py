@@ -169,9 +169,11 @@ def test_cuda_ipc_tensor_payload_loads_flattened_buckets(gpu_engine, trainer_sta
 def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
         gpu_engine, trainer_state, params):
     """WeightSync's `tensor` transport (CUDA IPC) from plain parameters (packed, memcpy per
-    tensor) and from one flat buffer (no pack; the planned buckets merge into one request),
-    also when the flat buffer is a new one every sync (an offloading trainer): it still goes
-    in place, and the engine lets go of the old one when its update session ends."""
+    tensor, at the first sync; from the second on every parameter in place, one request,
+    the engine copying from its kept mappings: `weights/shared_params.py`) and from one flat
+    buffer (no pack; the planned buckets merge into one request), also when the flat buffer
+    is a new one every sync (an offloading trainer): it still goes in place, and the engine
+    lets go of the old one when its update session ends."""
     from slime_like.reference_engine.weight_receiver import tensor_checksum
     from slime_like.weights import NamedTensors, WeightSync
 
@@ -195,7 +197,7 @@ def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
                       update_weight_buffer_size=64 << 20, master_address="127.0.0.1")
     try:
         sync.attach(source)
-        for _ in range(3):
+        for step in range(3):
             if params == "flat, new every sync":
                 old = next(iter(state.values())).untyped_storage()
                 state = flat_views(state)
@@ -207,8 +209,11 @@ def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
             if params.startswith("flat"):
                 assert report["transfer"]["buckets"] == 1
                 assert report["transfer"]["pack_s"] == 0.0
-            else:
+            elif step == 0:
                 assert report["transfer"]["buckets"] >= planned
+            else:  # the same parameters again: in place, shared once, kept by the engine
+                assert report["transfer"]["buckets"] == 1
+                assert report["transfer"]["pack_s"] == 0.0
             body = gpu_engine.post("/weights_checker", {}, timeout=600).json()
             assert body["ranks"][0]["checksums"] == {n: tensor_checksum(t) for n, t in state.items()}
             if params == "flat, new every sync":
@@ -305,5 +310,60 @@ def test_tensor_transport_keeps_a_buffer_that_stays_mapped_and_frees_one_that_mo
         source.stays = False  # an offload is coming
         sync_and_check(source, 5)
         assert freed_after_drop(source), "the offloaded buffer's memory did not come back"
+    finally:
+        sync.close()
+
+
+def test_separate_parameters_in_place_are_shared_once_and_freed_after_the_engine_lets_go(
+        gpu_engine, trainer_state):
+    """Separate CUDA parameters (`weights/shared_params.py`): the first sync packs; the
+    second shares every parameter once and the engine keeps them mapped; the later syncs
+    send the same share, which the engine reuses (nothing opened), and every sync lands
+    byte for byte. When the source says its storages will not stay (an offload), the
+    engine lets go at that sync's end and the trainer's memory comes back when dropped."""
+    from slime_like.reference_engine.weight_receiver import tensor_checksum
+    from slime_like.weights import NamedTensors, WeightSync
+
+    class Source(NamedTensors):
+        stays = True
+
+        def storage_stays(self):
+            return self.stays
+
+    state = {n: t.detach().clone() for n, t in trainer_state.hf_state_dict().items()}
+    source = Source(list(state.items()))
+    sync = WeightSync([(gpu_engine.url, 1)], transport="tensor", device="cuda:0",
+                      update_weight_buffer_size=256 << 20, master_address="127.0.0.1")
+
+    def sync_and_check(step):
+        torch._foreach_add_(list(state.values()), 0.25)
+        report = sync.update(source, f"shared-{step}").as_dict()
+        body = gpu_engine.post("/weights_checker", {}, timeout=600).json()
+        assert body["ranks"][0]["checksums"] == {n: tensor_checksum(t) for n, t in state.items()}
+        return report, body["ranks"][0]["ipc_mappings"]
+
+    try:
+        report, _ = sync_and_check(0)
+        assert report["transfer"]["buckets"] > 1 and report["transfer"]["pack_s"] > 0
+        times = []
+        for step in range(1, 6):
+            report, stats = sync_and_check(step)
+            assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
+            times.append(report["total_s"])
+            if step == 1:
+                first = stats
+        assert stats["reused"] - first["reused"] == 4 and stats["opened"] == first["opened"]
+        print(f"separate parameters in place: share + open {times[0] * 1e3:.1f} ms, then "
+              f"{[round(t * 1e3, 1) for t in times[1:]]} ms")
+        source.stays = False  # an offload is coming: packed, and let go of at its end
+        report, _ = sync_and_check(6)
+        assert report["transfer"]["buckets"] > 1
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        nbytes = sum(t.untyped_storage().nbytes() for t in state.values())
+        state.clear()
+        source = None
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() <= before - nbytes // 2, "the parameters leaked"
     finally:
         sync.close()

@@ -162,3 +162,71 @@ def test_pack_buffers_stay_mapped_across_syncs_until_the_trainer_renews_them(
         sync.close()
     # closing asks the engine to let go of what it kept for us: nothing left behind
     assert not set(_mapped(engine)) & s6 and not any(_exists(s) for s in s6)
+
+
+def _mapping_stats(engine: Engine) -> dict[str, int]:
+    body = engine.post("/weights_checker", {"action": "checksum"}).json()
+    return body["ranks"][0]["ipc_mappings"]
+
+
+def test_separate_parameters_in_shared_memory_go_in_place_shared_once_while_they_stay(
+        engine, tiny_model_dir):
+    """Separate parameters (not one flat buffer) in shared memory: the first sync packs
+    them (nothing says they stay); from the second on they go in place, one request, each
+    parameter mapped once by the engine, and the later syncs send the same share again,
+    which the engine reuses without opening anything. A parameter that moves, or a source
+    that says its storages will not stay, sends them packed again and the engine lets go
+    of every mapping; the moved storage is then freed for real."""
+    named = _weights(tiny_model_dir)
+    for _, t in named:
+        _segment(t.untyped_storage())  # each parameter its own named segment
+    source = _Source(named)
+    segments = {n: _segment(t.untyped_storage()) for n, t in named}
+    sync = WeightSync([(engine.url, 1)], transport="tensor", update_weight_buffer_size=64 << 10,
+                      http_timeout_s=60)
+
+    def params_mapped() -> dict[str, int]:
+        maps = _mapped(engine)
+        return {n: maps.get(s, 0) for n, s in segments.items()}
+
+    try:
+        report = _sync(sync, engine, source, 1)
+        assert report["transfer"]["buckets"] > 2 and report["transfer"]["pack_s"] > 0
+        assert set(params_mapped().values()) == {0}
+        report = _sync(sync, engine, source, 2)
+        assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
+        assert set(params_mapped().values()) == {1}, "every parameter mapped once, and kept"
+        before = _mapping_stats(engine)
+        for step in (3, 4):
+            report = _sync(sync, engine, source, step)  # new values, same storages
+            assert report["transfer"]["buckets"] == 1
+            assert set(params_mapped().values()) == {1}
+        after = _mapping_stats(engine)
+        assert after["reused"] - before["reused"] == 2 and after["opened"] == before["opened"]
+
+        # One parameter moves (a new storage): that sync packs, and the engine lets go of
+        # every mapping at its end; the old storage is then freed for real.
+        moved_name, moved = named[0][0], named[0][1]
+        named[0] = (moved_name, moved.clone())
+        _segment(named[0][1].untyped_storage())
+        old_segment, segments[moved_name] = segments[moved_name], _segment(
+            named[0][1].untyped_storage())
+        source = _Source(named)
+        del moved
+        report = _sync(sync, engine, source, 5)
+        assert report["transfer"]["buckets"] > 2
+        assert set(params_mapped().values()) == {0}
+        assert not _exists(old_segment), "the moved parameter's old storage leaked"
+        report = _sync(sync, engine, source, 6)  # in place again: a fresh share
+        assert report["transfer"]["buckets"] == 1 and set(params_mapped().values()) == {1}
+
+        source.stays = False  # an offload is coming: packed, and nothing kept past it
+        report = _sync(sync, engine, source, 7)
+        assert report["transfer"]["buckets"] > 2 and set(params_mapped().values()) == {0}
+        source.stays = True  # back after the offload: packed once more, then in place
+        assert _sync(sync, engine, source, 8)["transfer"]["buckets"] > 2
+        assert _sync(sync, engine, source, 9)["transfer"]["buckets"] == 1
+        assert set(params_mapped().values()) == {1}
+    finally:
+        sync.close()
+    assert set(params_mapped().values()) == {0}, "close() left parameters mapped"
