@@ -96,17 +96,24 @@ class Watch:
 
     def check(self) -> None:
         """Raise the engine call that failed first (naming engine and step)."""
-        failed = [c for c in self.calls if c.error is not None]
-        if failed:
-            first = min(failed, key=lambda c: c.done_at or 0.0)
-            raise call_error(first, first.error)
-        pending = []
+        # One pass, each future looked at once: at 64 engines this runs over every call
+        # in flight at each wake.
+        first: EngineCall | None = None
+        pending, answered = [], []
         for c in self.calls:
-            if not c.future.done():
+            future = c.future
+            if not future.done():
                 pending.append(c)
-                continue
+            elif future.exception() is not None:
+                if first is None or (c.done_at or 0.0) < (first.done_at or 0.0):
+                    first = c
+            else:
+                answered.append(c)
+        if first is not None:
+            raise call_error(first, first.error)
+        for c in answered:
             self._answered.add(c.step)
-            self.answered.append(c)
+        self.answered += answered
         self.calls = pending
         if self.per_call and (now := time.monotonic()) >= self._late_check_at:
             self._late_check_at = now + LATE_CHECK_S
