@@ -7,6 +7,10 @@ the engines load bucket k; at most two buckets are in flight. Buckets that alrea
 to back in the trainer's storage (flat parameter buffers) are not packed, and consecutive
 ones go as one request: no buffer bounds them, so splitting them would only add round trips.
 
+Separate parameters that stay where they are go in place from their second sync on, one
+request of (name, tensor) handles that each engine keeps mapped (`shared_params.py`), to
+engines that advertise it; the rest of this docstring is the packed and flat paths.
+
 Two buffers rotate, across buckets and across syncs, so an engine maps each CUDA IPC
 handle (or shared-memory segment) once, not once per bucket or per sync: each request says
 whether the engine may keep its buffer mapped past `end_weight_update`
