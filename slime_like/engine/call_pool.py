@@ -16,8 +16,8 @@ _POOL_LOCK = threading.Lock()
 
 def engine_pool() -> ThreadPoolExecutor:
     """The process's one pool for engine calls. Threads start lazily, so its size is only a
-    ceiling: a session's call is submitted only once its gate opened (`lane.py`), so no
-    thread of the pool waits on another call."""
+    ceiling: a waiting call holds a thread, and calls start in submission order, so the
+    call a waiter waits for has always started before it."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:

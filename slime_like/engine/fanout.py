@@ -1,6 +1,6 @@
 """One call fanned out to many engines' sessions at once, every engine's outcome kept.
 
-The calls run on the process's engine-call pool (`call_pool.engine_pool`); a failure is
+The calls run on the process's engine-call pool (`session.engine_pool`); a failure is
 named by engine and step (`WeightSyncError`), after every call ended, so no engine is left
 with a half-issued call while the caller cleans up.
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from slime_like.engine.call_pool import engine_pool
-from slime_like.engine.session import EngineSession
+from slime_like.engine.session import EngineSession, engine_pool
 from slime_like.errors import EngineError, WeightSyncError
 
 T = TypeVar("T")

@@ -21,11 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from slime_like.engine.address import EngineAddress
+from slime_like.engine.call_pool import engine_pool
 from slime_like.engine.client import DEFAULT_TIMEOUT_S, EngineClient
-from slime_like.engine.lane import LaneCall
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.compat import (
@@ -73,9 +74,8 @@ class EngineSession:
         self.in_update = False
         self.groups: list[str] = []
         self._lock = threading.Lock()
-        self._last: LaneCall | None = None
+        self._last: _Queued | None = None
         self._generation = 0
-        self._gated: set[LaneCall] = set()  # calls waiting at their gate (cancel fails them)
 
     def __reduce__(self) -> tuple:
         return (EngineSession, (self.address, self.http.timeout, self.rl_plane))
@@ -384,13 +384,12 @@ class EngineSession:
         The futures are data, not callbacks: nothing of the caller's runs on the lane.
         """
         with self._lock:
-            prev = self._last
+            prev, generation = self._last, self._generation
             if after is None:
                 after = () if prev is None else (prev.future,)
-            queued = LaneCall(Future(), self._generation)
+            queued = _Queued(Future())
             self._last = queued
-            self._gated.add(queued)
-        queued.arm(prev, tuple(after), lambda call: self._run(call, prev, fn, args))
+        engine_pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
         return queued.future
 
     def tail(self) -> Future | None:
@@ -415,19 +414,19 @@ class EngineSession:
         with self._lock:
             self._generation += 1
             self._last = None
-            gated, self._gated = self._gated, set()
-        for call in gated:
-            if call.release_now():  # else released meanwhile: _run sees the generation
-                call.mark_left()
-                _fail(call.future, CallCancelled("not sent: the update had already failed"))
 
-    def _run(self, queued: LaneCall, prev: LaneCall | None, fn: Callable, args: tuple) -> None:
-        """Send a call its gate released (on a pool thread)."""
-        with self._lock:
-            self._gated.discard(queued)
-        queued.mark_left()
+    def _run(self, queued: _Queued, prev: _Queued | None, generation: int,
+             after: tuple[Future, ...], fn: Callable, args: tuple) -> None:
+        if prev is not None:
+            prev.sent.wait()
+        # Blocked, not spinning: at 64 engines, 64 lanes polling their gates held the GIL
+        # from the threads that had an answer to read. A cancel is seen within 50 ms.
+        while generation == self._generation and after:
+            if not wait_futures(after, timeout=0.05).not_done:
+                break
+        queued.sent.set()
         future = queued.future
-        if queued.generation != self._generation:
+        if generation != self._generation:
             _fail(future, CallCancelled("not sent: the update had already failed"))
             return
         if prev is not None and prev.future.done() and prev.future.exception() is not None:
@@ -453,3 +452,13 @@ class EngineSession:
 def _fail(future: Future, error: BaseException) -> None:
     future.answered_at = time.monotonic()  # type: ignore[attr-defined]
     future.set_exception(error)
+
+
+class _Queued:
+    """A call in a session's lane: its future, and whether it left the lane (sent or not)."""
+
+    __slots__ = ("future", "sent")
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.sent = threading.Event()

@@ -26,9 +26,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from slime_like.engine.call_pool import engine_pool
 from slime_like.engine.fanout import on_all
-from slime_like.engine.session import EngineSession
+from slime_like.engine.session import EngineSession, engine_pool
 from slime_like.errors import WeightSyncError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import Bucket
