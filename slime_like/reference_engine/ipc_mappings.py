@@ -89,12 +89,11 @@ class IpcMappings:
             self._keep[key] = named
         return named
 
-    def keep_payload(self, payload: str | bytes, named: list[tuple[str, torch.Tensor]],
-                     opened: bool) -> None:
-        """Keep a plain payload's tensors (and with them its mappings) past this session,
-        until the end of the first session that does not send the same bytes again."""
-        if opened:
-            self.opened += 1
+    def keep_payload(self, payload: str | bytes, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Keep a plain payload's tensors, just opened (and with them their mappings), past
+        this session, until the end of the first session that does not send the same bytes
+        again."""
+        self.opened += 1
         self._keep[("payload", payload)] = named
 
     def end_session(self) -> int:

@@ -23,6 +23,7 @@ ALIGN = 256  # arena offsets: kernels reading a weight want aligned pointers
 DEFAULT_SEGMENT_BYTES = 2 << 30  # re-homing peaks at model + one segment of memory
 MAX_PLANS = 4096
 MANY_RUNS = 32  # above this, one foreach launch rather than a copy per run
+MEMCPY_MIN_AVG_BYTES = 1 << 20  # separate tensors this large on average: one memcpy each
 
 
 def _round_up(n: int, to: int) -> int:
@@ -226,3 +227,15 @@ def copy_planned(plan: LoadPlan, buffer: torch.Tensor) -> None:
                              [buffer[s:e] for _, s, e in plan.runs], non_blocking=True)
     for param, start, end, dtype, shape in plan.converts:
         param.copy_(buffer[start:end].view(dtype).view(shape), non_blocking=True)
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy separate tensors into the parameters: a `copy_` (a device memcpy) each when they
+    are large on average, as for a plan's runs; many small ones in one foreach launch."""
+    if not dsts:
+        return
+    if sum(t.numel() * t.element_size() for t in srcs) >= MEMCPY_MIN_AVG_BYTES * len(srcs):
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=True)
+    else:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)

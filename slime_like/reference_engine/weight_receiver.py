@@ -42,6 +42,7 @@ from slime_like.reference_engine.load_plan import (
     PlanCache,
     build_plan,
     copy_planned,
+    copy_tensors,
     distributed_entries,
     request_key,
 )
@@ -49,7 +50,6 @@ from slime_like.reference_engine.weight_delta import WeightDeltas
 from slime_like.reference_engine.weight_groups import WeightGroups
 from slime_like.reference_engine.weight_memory import Released, WeightMemory
 
-_MEMCPY_MIN_AVG_BYTES = 1 << 20  # tensors this large on average: one memcpy each
 logger = logging.getLogger(__name__)
 
 _SKIP_CHECK_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis")
@@ -171,10 +171,13 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
 
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Check every name and shape, then copy all tensors in."""
+        self._check_named(named)
+        self._copy_in(named)
+
+    def _check_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
         problems = self.check_loadable((n, t.shape) for n, t in named)
         if problems:
             raise ValueError("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
-        self._copy_in(named)
 
     # ---- distributed -----------------------------------------------------------------------
 
@@ -319,26 +322,18 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         if mapping != KEPT:
             self.load_named(named)
             return True, "Success"
-        problems = self.check_loadable((n, t.shape) for n, t in named)
-        if problems:
-            raise ValueError("; ".join(problems[:5]))
+        self._check_named(named)
         self._copy_kept(named)
-        self.mappings.keep_payload(payload, named, opened=True)
+        self.mappings.keep_payload(payload, named)
         return True, "Success"
 
     def _copy_kept(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy a kept payload's tensors (the trainer's own parameters, mapped here) into
         ours; done when this returns, since the trainer writes them again once we answer.
-        Large tensors a memcpy each (about twice a foreach copy's rate on an H200)."""
+        (`load_plan.copy_tensors`)."""
         pairs = [(self.params[n].data, t) for n, t in named
                  if not (self.tied and n == "lm_head.weight")]
-        if not pairs:
-            return
-        if sum(t.numel() * t.element_size() for _, t in pairs) >= _MEMCPY_MIN_AVG_BYTES * len(pairs):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        else:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        copy_tensors([d for d, _ in pairs], [t for _, t in pairs])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -61,10 +61,11 @@ class SharedParams:
         if tensors is None or not tensors or not stays:
             self._record(None)
             return False
-        if not all(_in_place(t, device) for t in tensors):
-            self._record(None)
-            return False
-        if not same:
+        if not same:  # checked once per storage set: a set seen again passed them
+            if _one_storage(tensors) or not all(_in_place(t, device) for t in tensors):
+                # one flat buffer goes in place as views of it (tensor.DirectRequests)
+                self._record(None)
+                return False
             self._record(tensors)
         self._seen = True
         return seen and all(e.server_info.get(KEPT_PAYLOADS_KEY) for e in engines)
@@ -123,9 +124,14 @@ class SharedParams:
         self._sent = {}
 
 
+def _one_storage(tensors: list[torch.Tensor]) -> bool:
+    first = tensors[0].untyped_storage()._cdata
+    return all(t.untyped_storage()._cdata == first for t in tensors)
+
+
 def _in_place(t: torch.Tensor, device: torch.device) -> bool:
     """A tensor an engine may map: on the sync's GPU, or in CPU shared memory (sharing
     any other CPU storage would move the trainer's tensor into shared memory)."""
     if device.type == "cuda":
-        return t.is_cuda and t.device == device
+        return t.is_cuda and (device.index is None or t.device.index == device.index)
     return t.device.type == "cpu" and t.untyped_storage().is_shared()

@@ -108,10 +108,12 @@ class TensorTransport(Transport):
         stays = _storage_stays(source)
         self.kept.begin()
         groups = self.direct.reuse(source, buckets, self.device)
-        if groups is None and self._in_place(engines, source, stays):
-            yield from self._shared_payload(source, stats)
-            packer.finish()
-            return
+        if groups is None:
+            resident = _resident(source)
+            if self.shared.usable(engines, resident, self.device, stays):
+                yield from self._shared_payload(source, resident, stats)
+                packer.finish()
+                return
         if groups is None:  # else: the same storages at the same places, last sync's requests
             groups = self.direct.record(source, buckets, self.device, send_groups(
                 iter(source.tensors()), buckets, self.device, merge_direct=True,
@@ -160,19 +162,11 @@ class TensorTransport(Transport):
         packer.finish()
         stats.pack_s += packer.pack_seconds()
 
-    def _in_place(self, engines: Sequence[EngineSession], source: WeightSource,
-                  stays: bool) -> bool:
-        """Whether every parameter goes in place as one kept request (`shared_params.py`):
-        separate storages, the same as last sync's, staying, on engines that keep them."""
-        tensors = _resident(source)
-        if tensors is not None and _one_storage(tensors):
-            tensors = None  # one flat buffer: sent in place as views of it (DirectRequests)
-        return self.shared.usable(engines, tensors, self.device, stays)
-
-    def _shared_payload(self, source: WeightSource, stats: TransferStats) -> Iterator[Payload]:
+    def _shared_payload(self, source: WeightSource, tensors: list[torch.Tensor],
+                        stats: TransferStats) -> Iterator[Payload]:
         """The one request of a sync that sends every parameter in place."""
         t0 = time.perf_counter()
-        tensors, metas = _resident(source), source.metadata()
+        metas = source.metadata()
         if self.packer.stream is not None:  # the engines read them from another process
             torch.cuda.current_stream(self.device).synchronize()
         nbytes = sum(m.nbytes for m in metas)
@@ -366,11 +360,6 @@ def _ref(obj: object) -> Callable[[], object | None]:
         return weakref.ref(obj)
     except TypeError:  # not weakly referenceable: held
         return lambda: obj
-
-
-def _one_storage(tensors: list[torch.Tensor]) -> bool:
-    first = tensors[0].untyped_storage()._cdata if tensors else None
-    return all(t.untyped_storage()._cdata == first for t in tensors)
 
 
 def _resident(source: object) -> list[torch.Tensor] | None:
