@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 
+from slime_like.protocol import delta_codec
 from slime_like.protocol import weight_delta as wd
 from slime_like.protocol.buckets import dtype_from_name
 from slime_like.reference_engine import rank_ops as op
@@ -127,40 +127,18 @@ class WeightDeltas:
 
     @staticmethod
     def _decode_onto(params: list[torch.Tensor], size: int, blob: np.ndarray,
-                     frames: list[int]) -> tuple[np.ndarray, str, str | None, str]:
-        """The bucket's bytes after the delta, in a new host buffer (the parameters are not
-        touched). Every frame is decoded into that buffer at once on the codec threads;
-        meanwhile, in order, each piece of the current bytes is hashed as the base, XORed
-        into its decoded piece once that is there, and the result hashed. Returns (result,
-        the base's digest, why the blob did not decode or None, the result's digest)."""
+                     frames: list[int]) -> tuple[np.ndarray, str, str | None, str | None]:
+        """The bucket's bytes after the delta, in a new host buffer (the parameters are only
+        read). Each frame is decoded, its current bytes hashed as the base, XORed in and the
+        result hashed on a codec thread of its own (`delta_codec.decode_onto`). Returns
+        (result, the base's digest, why the blob did not decode or None, the result's
+        digest). From a GPU the current bytes are copied to the host first, piece by piece."""
         result = np.empty(size, dtype=np.uint8)
-        base, after = xxhash.xxh3_64(), xxhash.xxh3_64()
-        error: str | None = None
-        try:
-            decoder = wd.DeltaDecoder(blob, frames, result)
-        except ValueError as e:
-            decoder, error = None, str(e)
-        offset = 0
-        try:
-            for p in params:
-                flat = p.reshape(-1).view(torch.uint8)
-                for start in range(0, flat.numel(), wd.CHUNK_BYTES):
-                    piece = flat[start:start + wd.CHUNK_BYTES].cpu().numpy()
-                    base.update(memoryview(piece))
-                    out = result[offset:offset + piece.size]
-                    offset += piece.size
-                    if error is None:
-                        try:
-                            decoder.wait_through(offset)
-                        except Exception as e:  # noqa: BLE001 - a corrupt blob is a refusal
-                            error = str(e) or type(e).__name__
-                            continue
-                        wd.xor_into(out, piece, out)
-                        after.update(memoryview(out))
-        finally:
-            if decoder is not None:
-                decoder.close()
-        return result, base.hexdigest(), error, after.hexdigest()
+        pieces = (flat[start:start + wd.CHUNK_BYTES].cpu().numpy()
+                  for flat in (p.reshape(-1).view(torch.uint8) for p in params)
+                  for start in range(0, flat.numel(), wd.CHUNK_BYTES))
+        decoded = delta_codec.decode_onto(pieces, blob, frames, result)
+        return result, decoded.base_checksum, decoded.error, decoded.checksum
 
     def _bucket_params(self, names: list[str], dtypes: list[str],
                        shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -201,5 +179,5 @@ class WeightDeltas:
         """Apply a bucket's XOR without checks (the undo of one that was checked)."""
         params = self._bucket_params(names, dtypes, shapes)
         current = self._gather(params)
-        wd.apply(current, blob, frames)
+        delta_codec.apply(current, blob, frames)
         self._scatter(names, params, current)

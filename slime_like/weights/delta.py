@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from slime_like.engine.session import EngineSession
+from slime_like.protocol import delta_codec
 from slime_like.protocol import weight_delta as wd
 from slime_like.protocol.buckets import Bucket
 from slime_like.weights.packing import flat_bytes
@@ -54,7 +55,8 @@ def host_bytes(tensors: Sequence[torch.Tensor]) -> np.ndarray:
 def host_pieces(tensors: Sequence[torch.Tensor], chunk: int = wd.CHUNK_BYTES
                 ) -> Iterator[np.ndarray]:
     """A bucket's bytes in wire layout as host pieces of at most `chunk` bytes: views of
-    CPU tensors (no copy), one small copy each from a GPU."""
+    CPU tensors (no copy), one small fresh copy each from a GPU (the encoder reads them on
+    its codec threads after they are given)."""
     for t in tensors:
         flat = flat_bytes(t.detach())
         for start in range(0, flat.numel(), chunk):
@@ -129,7 +131,7 @@ class DeltaBase:
     def record(self, k: int, new: np.ndarray) -> None:
         """A full sync's bucket k becomes the base."""
         self.buckets[k] = new
-        self.checksums[k] = wd.digest(new)
+        self.checksums[k] = wd.bucket_digest(new)
         self.outcome.raw_bytes += new.nbytes
         self.outcome.sent_bytes += new.nbytes
 
@@ -138,7 +140,7 @@ class DeltaBase:
         streamed into `sink`; the base becomes the new bytes in place. A failure midway
         leaves that bucket half new: the base is then forgotten (the next sync is full)."""
         base = self.buckets[k]
-        encoder = wd.DeltaEncoder(base, sink, self._buffers)
+        encoder = delta_codec.DeltaEncoder(base, sink, self._buffers)
         try:
             for piece in pieces:
                 encoder.write(piece)
