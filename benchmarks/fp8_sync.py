@@ -22,7 +22,8 @@ new weights before every round (a small step on every value):
     python benchmarks/fp8_sync.py --device cuda --layout dense7b --bucket-mb 1024
         # 3 GPUs: trainer GPU 0, engine bf16 GPU 1, engine fp8 GPU 2 (NCCL)
     python benchmarks/fp8_sync.py --device cuda --layout dense7b --transport tensor
-        # 1 GPU: both engines beside the trainer on GPU 0 (CUDA IPC)
+        # 1 GPU: both engines beside the trainer on GPU 0 (CUDA IPC); the FP8 copy is kept
+        # between syncs (--fp8-keep auto), so from the second sync both go in place
 
 Prints one JSON line per part on stdout (`--json-out` appends them to a file too).
 """
@@ -139,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None,
                     help="the trainer's torch threads (CPU; default torch's own)")
+    ap.add_argument("--fp8-keep", default="auto", choices=["auto", "on", "off"],
+                    help="quantize into a copy kept between syncs (Fp8Weights(keep=True)), "
+                         "which the tensor transport then sends in place; auto: with "
+                         "--transport tensor, as the job does")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                         Path(work), extra)
         quant = Engines(model_dir, [EngineSpec("fp8", 1, 0 if colocated else 2)], cuda,
                         Path(work), (*extra, "--quantization", "fp8"))
-        sources = {"bf16": ModelWeights(model), "fp8": Fp8Weights(model, dtype)}
+        keep = args.fp8_keep == "on" or (args.fp8_keep == "auto" and colocated)
+        sources = {"bf16": ModelWeights(model), "fp8": Fp8Weights(model, dtype, keep=keep)}
         syncs = {name: WeightSync([(e.urls[0], 1)], transport=args.transport,
                                   update_weight_buffer_size=args.bucket_mb << 20,
                                   http_timeout_s=1800, group_timeout_s=1800)
@@ -192,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trainer_threads": torch.get_num_threads(),
                 "layout": args.layout or f"{args.layers}x{args.hidden}/{args.intermediate}",
                 "dtype": args.dtype, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
+                "fp8_kept_copy": keep,
                 "bf16_s": round(bf16_s, 4), "fp8_s": round(fp8_s, 4),
                 "ratio": round(fp8_s / bf16_s, 3), "target": TARGET,
                 "met": fp8_s / bf16_s <= TARGET,

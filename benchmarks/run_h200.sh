@@ -8,7 +8,8 @@
 #   colocated, with the trainer's weights kept on the GPU, with the engines' weights backup,
 #   and nothing moving (JOB_VARIANTS picks some; JOB_MODEL="--tiny-model-layers 28
 #   --tiny-model-hidden 3072" runs a 3B-shaped model instead of the 0.75B one).
-#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|receiver|control|colocate|colocatejob|gputests ...]
+# `fp8` runs the FP8 sync against the unquantized one on one GPU, both colocated (tensor).
+#   bash benchmarks/run_h200.sh [dense7b|moe30b|tensor|fp8|receiver|control|colocate|colocatejob|gputests ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench-out}"
@@ -30,6 +31,9 @@ for step in ${steps[*]}; do
                   --repeats "${TENSOR_REPEATS:-5}" --json-out "$out/weight_sync.jsonl" 2>&1 \
                   | tee -a "$out/tensor.log"
               done ;;
+    fp8)      timeout -k 10 "${FP8_LIMIT:-240}" python3 benchmarks/fp8_sync.py --device cuda \
+                --layout dense7b --transport tensor --bucket-mb 1024 --warmup 2 \
+                --json-out "$out/fp8_sync.jsonl" 2>&1 | tee "$out/fp8.log" ;;
     control)  timeout -k 10 "${CONTROL_LIMIT:-120}" python3 benchmarks/control_plane.py --device cuda \
                 --json-out "$out/control_plane.jsonl" 2>&1 | tee "$out/control.log" ;;
     receiver) timeout -k 10 "${RECEIVER_LIMIT:-200}" python3 benchmarks/receiver_load.py \

@@ -61,16 +61,29 @@ def check_quantization(value: str | None, where: str) -> str | None:
 
 @torch.no_grad()
 def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] floating weight -> (e4m3 values [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]),
-    computed on the weight's device. scale = block amax / 448; value = w / scale, saturated."""
+    computed on the weight's device. scale = block amax / 448; value = w / scale, saturated.
+    `out`: tensors of those shapes to write into (a kept quantized copy), returned."""
     if weight.dim() != 2:
         raise ValueError(f"FP8 block quantization needs a 2-D weight, got shape {list(weight.shape)}")
     n, k = weight.shape
     bn, bk = block
+    if out is not None and (tuple(out[0].shape) != (n, k) or out[0].dtype != FP8_DTYPE
+                            or tuple(out[1].shape) != scale_shape((n, k), block)
+                            or out[1].dtype != SCALE_DTYPE):
+        raise ValueError(f"quantize(out=...) needs e4m3 {[n, k]} and float32 "
+                         f"{list(scale_shape((n, k), block))}, got {out[0].dtype}"
+                         f"{list(out[0].shape)} and {out[1].dtype}{list(out[1].shape)}")
     if weight.is_cuda and not (n % bn or k % bk):
-        return _quantize_whole_blocks(weight, block)
-    return _quantize_float32(weight, block)
+        return _quantize_whole_blocks(weight, block, out)
+    values, scale = _quantize_float32(weight, block)
+    if out is None:
+        return values, scale
+    out[0].copy_(values)
+    out[1].copy_(scale)
+    return out
 
 
 def _quantize_float32(weight: torch.Tensor, block: tuple[int, int],
@@ -94,6 +107,7 @@ def _quantize_float32(weight: torch.Tensor, block: tuple[int, int],
 
 
 def _quantize_whole_blocks(weight: torch.Tensor, block: tuple[int, int],
+                           out: tuple[torch.Tensor, torch.Tensor] | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize` in two passes over the weight and no float32 copy (a GPU's way): the block
     amax is one reduction (the inf-norm, in float32), and the division reads the weight in
@@ -103,9 +117,11 @@ def _quantize_whole_blocks(weight: torch.Tensor, block: tuple[int, int],
     n, k = weight.shape
     bn, bk = block
     tiles = weight.view(n // bn, bn, k // bk, bk)
-    amax = torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(1, 3), dtype=torch.float32)
+    amax = torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(1, 3), dtype=torch.float32,
+                                    out=None if out is None else out[1])
     scale = amax.clamp_(min=_MIN_AMAX).div_(FP8_MAX)
-    values = torch.empty((n, k), dtype=FP8_DTYPE, device=weight.device)
+    values = torch.empty((n, k), dtype=FP8_DTYPE, device=weight.device) if out is None \
+        else out[0]
     torch.div(tiles, scale[:, None, :, None], out=values.view(n // bn, bn, k // bk, bk))
     return values, scale
 

@@ -101,7 +101,8 @@ class TrainerRank:
                                     seed=self.seed, group=self.group,
                                     use_transformers=self.use_transformers,
                                     engine_dtype=self.engine_dtype, backend=self.backend,
-                                    quantization=self.engine_quantization)
+                                    quantization=self.engine_quantization,
+                                    keep_quantized=self.sync.transport == Transport.TENSOR)
 
     # ---- training ------------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ class PolicyTrainer:
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  use_transformers: bool = False, engine_dtype: str | None = None,
                  backend: str = "ddp", load_format: str = "auto",
-                 dtype: torch.dtype = torch.float32, quantization: str | None = None):
+                 dtype: torch.dtype = torch.float32, quantization: str | None = None,
+                 keep_quantized: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"train backend must be one of {BACKENDS}, got {backend!r}")
         torch.manual_seed(seed)
@@ -83,7 +84,9 @@ class PolicyTrainer:
             if self.sharded:
                 raise ValueError("--sglang-quantization fp8 syncs from a full replica; "
                                  "--train-backend fsdp is not supported with it")
-            self._sync_source = Fp8Weights(self.model, served)
+            # keep_quantized (the colocated `tensor` transport): a quantized copy kept on
+            # the trainer's device between syncs, which then go in place
+            self._sync_source = Fp8Weights(self.model, served, keep=keep_quantized)
             self.served = ServedWeights(self.model, served)
         # A colocated engine keeps the buffer a sync sends in place mapped until the next
         # sync only while the offloads leave it where it is (weights/tensor.py).
@@ -190,6 +193,8 @@ class PolicyTrainer:
         caller's next work. Gradients are freed, not moved; `keep_weights` leaves the
         weights on the device. See trainer/offload.py."""
         if device == "cpu":
+            if not keep_weights and isinstance(self._sync_source, Fp8Weights):
+                self._sync_source.release()  # its kept copy gives the device back too
             return self.offloader.offload(wait=wait, keep_weights=keep_weights)
         return self.offloader.onload(wait=wait)
 

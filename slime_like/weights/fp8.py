@@ -8,6 +8,17 @@ as sglang's two tensors, `<name>` (e4m3) and `<name>_scale_inv` (float32); the o
 tensors go in the engines' dtype, as `CastWeights` sends them. No second copy of the model
 is made for the send.
 
+With `keep=True` (the job's choice for the colocated `tensor` transport) the quantized
+tensors are instead written into a copy kept between syncs (values, scales, and the casts
+of tensors whose dtype differs): about half the trainer's bf16 bytes more on its device.
+The sent tensors then stay where they are, so from the second sync on the `tensor`
+transport sends them all in place, one request whose handles each engine keeps mapped
+(`shared_params.py`), as it does an unquantized model's parameters; the quantizing is then
+one pass before that request rather than overlapped with the packs. `begin_sync` (called by
+`WeightSync` at the start of every sync) marks the copy stale; the first read of the
+sync rewrites it, once. An offload of the trainer's weights (`--offload-train`) frees the
+copy (`release`): the next sync makes it anew and shares it afresh.
+
 `ServedWeights` is what the trainer checks the engines against: a frozen copy of the model
 holding exactly what the engines hold after the sync, dequantized (values x block scale,
 in the trainer's dtype, as the engine's matmul does) and the unquantized tensors cast to the
@@ -34,30 +45,80 @@ class Fp8Weights:
     """A model's weights in sglang's FP8 block layout: a `WeightSource`."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype,
-                 block: tuple[int, int] = fp8.BLOCK):
+                 block: tuple[int, int] = fp8.BLOCK, keep: bool = False):
         self.inner = ModelWeights(model)
         if self.inner.resident() is None:
             raise ValueError("FP8 syncs of a LoRA model are not supported: merge the adapters "
                              "first (the quantized weight must be the merged one)")
         self.dtype = dtype
         self.block = block
+        self.keep = keep
         self._metas = fp8.quantized_metadata(self.inner.metadata(), dtype, block)
         self.quantize_s = 0.0  # the last sync's time spent quantizing (trainer's clock)
+        self._kept: list[torch.Tensor] | None = None  # keep: what is sent, in send order
+        self._current = False  # keep: the copy holds the trainer's weights of this sync
 
     def metadata(self) -> list[TensorMeta]:
         return self._metas
 
+    def begin_sync(self) -> None:
+        """A sync starts: the trainer's weights may have changed since the kept copy."""
+        self._current = False
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.keep and self._current:
+            yield from zip((m.name for m in self._metas), self._kept, strict=True)
+            return
         self.quantize_s = 0.0
+        kept = self._kept if self.keep else None
+        fill: list[torch.Tensor] = []
         for name, t in self.inner.tensors():
             if fp8.is_quantized(name) and t.dim() == 2:
                 started = time.perf_counter()
-                values, scale = fp8.quantize(t, self.block)
+                out = None
+                if self.keep:
+                    out = (kept[len(fill)], kept[len(fill) + 1]) if kept is not None else (
+                        _like(t, fp8.FP8_DTYPE, tuple(t.shape)),
+                        _like(t, fp8.SCALE_DTYPE, fp8.scale_shape(tuple(t.shape), self.block)))
+                values, scale = fp8.quantize(t, self.block, out=out)
                 self.quantize_s += time.perf_counter() - started
+                fill += [values, scale]
                 yield name, values
                 yield fp8.scale_name(name), scale
             else:
-                yield name, t.to(self.dtype) if t.is_floating_point() else t
+                sent = t.to(self.dtype) if t.is_floating_point() else t
+                if self.keep and sent is not t:  # a cast: kept too, so it stays where it is
+                    sent = (kept[len(fill)] if kept is not None else _like(
+                        t, sent.dtype, tuple(t.shape))).copy_(sent)
+                fill.append(sent)
+                yield name, sent
+        if self.keep:
+            self._kept, self._current = fill, True
+
+    def release(self) -> None:
+        """Free the kept copy (the trainer offloads: the device's memory goes to the
+        engines); the next sync makes it again, at new places, so it is shared afresh."""
+        self._kept, self._current = None, False
+
+    def resident(self) -> list[torch.Tensor] | None:
+        """keep: the kept tensors (rewritten first if stale), in send order, which stay
+        where they are across syncs; else None (each sync's tensors are new)."""
+        if not self.keep:
+            return None
+        if not self._current:
+            for _ in self.tensors():
+                pass
+        return self._kept
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A kept tensor beside `t`: on its device, and in named shared memory where `t` is in
+    shared memory (so a colocated engine on CPU maps it as it maps the model's own shared
+    tensors; named now, as the `tensor` transport shares it, so sharing never moves it)."""
+    out = torch.empty(shape, dtype=dtype, device=t.device)
+    if t.device.type == "cpu" and t.untyped_storage().is_shared():
+        out.untyped_storage()._share_filename_cpu_()
+    return out
 
 
 class ServedWeights:

@@ -28,7 +28,12 @@ from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_name
 
 @runtime_checkable
 class WeightSource(Protocol):
-    """Tensors to sync, by HF name; `tensors()` yields them in `metadata()` order."""
+    """Tensors to sync, by HF name; `tensors()` yields them in `metadata()` order.
+
+    Optional, read with getattr by the sync and its transports: `resident()` (the tensors
+    themselves, when their bytes are what is sent), `storage_stays()` (they outlive the next
+    sync), `begin_sync()` (called once at the start of every `WeightSync.update`: a source
+    keeping a derived copy, like `Fp8Weights(keep=True)`, marks it stale there)."""
 
     def metadata(self) -> list[TensorMeta]: ...
 

@@ -198,6 +198,9 @@ class WeightSync(Members):
         steps = StepClock(report, self.on_step)
         start = time.perf_counter()
         source = as_source(weights)
+        begin = getattr(source, "begin_sync", None)  # a source keeping a copy: now stale
+        if begin is not None:
+            begin()
         with steps("check_metadata"):
             metas = source.metadata()
             if not metas:

@@ -100,3 +100,51 @@ def test_a_tp_size_that_splits_a_block_is_refused_naming_it(tmp_path):
     quantize_model(load_pretrained(path), tp_size=1)  # 384 rows: whole blocks on one rank
     with pytest.raises(ConfigError, match=r"--tp-size.*gate_proj.weight: 192 output rows"):
         quantize_model(load_pretrained(path), tp_size=2)
+
+
+def test_a_kept_quantized_copy_goes_in_place_and_is_rewritten_every_sync(
+        fp8_tp2_engine, fp8_model_dir):
+    """`Fp8Weights(keep=True)` over the colocated `tensor` transport (CPU form: the model in
+    shared memory): the first sync packs; from the second on every tensor goes in place in
+    one request, the engine reusing its mappings; each sync sends the trainer's weights of
+    that sync (the copy is re-quantized, never stale), and after `release` (an offload) the
+    copy is made anew and shared afresh."""
+    engine = fp8_tp2_engine
+    model = trainer_model(fp8_model_dir, seed=21)
+    for param in model.parameters():  # named shared memory, as the transport shares it
+        param.untyped_storage()._share_filename_cpu_()
+    source = Fp8Weights(model, torch.float32, keep=True)
+    sync = WeightSync([(engine.url, engine.tp_size)], transport="tensor",
+                      update_weight_buffer_size=4 << 20, http_timeout_s=60)  # several tensors a bucket: packed
+
+    def step_and_sync(seed: int) -> dict:
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+        report = sync.update(source).as_dict()
+        expected = _checksum(Fp8Weights(model, torch.float32).tensors())
+        assert engine.rank_checksums() == [expected] * 2, f"step {seed}: stale or partial"
+        return report["transfer"]
+
+    def reused() -> int:
+        body = engine.post("/weights_checker", {"action": "checksum"}).json()
+        return sum(rank["ipc_mappings"]["reused"] for rank in body["ranks"])
+
+    def in_place(transfer: dict) -> bool:
+        return transfer["buckets"] == 1 and transfer["pack_s"] == 0.0
+
+    try:
+        assert step_and_sync(1)["pack_s"] > 0  # nothing yet says the copy stays
+        assert in_place(step_and_sync(2))  # one request, nothing packed: a fresh share
+        before = reused()
+        for seed in (3, 4):
+            assert in_place(step_and_sync(seed))
+        assert reused() - before == 2 * 2, "a rank reopened what it holds mapped"
+        kept = source.resident()
+        assert all(t.untyped_storage().is_shared() for t in kept)
+        source.release()  # an offload: the copy is freed, made anew at the next sync
+        assert step_and_sync(5)["pack_s"] > 0
+        assert in_place(step_and_sync(6))
+    finally:
+        sync.close()
