@@ -367,3 +367,56 @@ def test_separate_parameters_in_place_are_shared_once_and_freed_after_the_engine
         assert torch.cuda.memory_allocated() <= before - nbytes // 2, "the parameters leaked"
     finally:
         sync.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_gpu_engine(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("llama1b-fp8")
+    (model_dir / "config.json").write_text(json.dumps(CONFIG.to_hf_dict()))
+    e = start_engine(model_dir, tmp_path_factory.mktemp("logs-fp8"), "--device", "cuda",
+                     "--load-format", "dummy", "--base-gpu-id", "0", "--context-length", "2048",
+                     "--quantization", "fp8", env={"NCCL_NVLS_ENABLE": "0"}, timeout=300)
+    yield e
+    print(e.log_tail(20))
+    stop_engine(e)
+
+
+def test_a_kept_fp8_copy_goes_in_place_and_every_sync_lands_the_trainers_new_weights(
+        fp8_gpu_engine, trainer_state):
+    """FP8 rollout from a bf16 trainer, colocated (`Fp8Weights(keep=True)`): the first sync
+    packs; from the second every e4m3 value, scale and unquantized tensor goes in one
+    in-place request that the engine reuses (nothing opened again); each sync carries the
+    trainer's weights of that sync, quantized on its GPU, byte for byte."""
+    from slime_like.reference_engine.weight_receiver import tensor_checksum
+    from slime_like.weights import WeightSync
+    from slime_like.weights.fp8 import Fp8Weights
+
+    source = Fp8Weights(trainer_state, torch.bfloat16, keep=True)
+    sync = WeightSync([(fp8_gpu_engine.url, 1)], transport="tensor", device="cuda:0",
+                      update_weight_buffer_size=256 << 20, master_address="127.0.0.1")
+
+    def sync_and_check(step):
+        with torch.no_grad():
+            torch._foreach_mul_(list(trainer_state.parameters()), 1.0 + 2.0 ** -6)
+        report = sync.update(source, f"fp8-kept-{step}").as_dict()
+        body = fp8_gpu_engine.post("/weights_checker", {}, timeout=600).json()
+        want = {n: tensor_checksum(t) for n, t in Fp8Weights(trainer_state, torch.bfloat16)
+                .tensors()}
+        assert body["ranks"][0]["checksums"] == want, f"sync {step}: stale or partial"
+        return report, body["ranks"][0]["ipc_mappings"]
+
+    try:
+        report, _ = sync_and_check(0)
+        assert report["transfer"]["pack_s"] > 0
+        times = []
+        for step in range(1, 6):
+            report, stats = sync_and_check(step)
+            assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
+            times.append(report["total_s"])
+            if step == 1:
+                first = stats
+        assert stats["reused"] - first["reused"] == 4 and stats["opened"] == first["opened"]
+        print(f"FP8 kept copy in place: share + open {times[0] * 1e3:.1f} ms, then "
+              f"{[round(t * 1e3, 1) for t in times[1:]]} ms")
+    finally:
+        sync.close()
