@@ -16,8 +16,10 @@ transport sends them all in place, one request whose handles each engine keeps m
 (`shared_params.py`), as it does an unquantized model's parameters; the quantizing is then
 one pass before that request rather than overlapped with the packs. `begin_sync` (called by
 `WeightSync` at the start of every sync) marks the copy stale; the first read of the
-sync rewrites it, once. An offload of the trainer's weights (`--offload-train`) frees the
-copy (`release`): the next sync makes it anew and shares it afresh.
+sync rewrites it, once. The copy is kept only while the source says what it sends stays
+until the next sync (`storage_stays`: the trainer's offloader vouches for its weights only
+with `--no-offload-train-weights`); otherwise it could not go in place, so it is not held
+and each sync quantizes afresh. An offload of the trainer's weights frees it (`release`).
 
 `ServedWeights` is what the trainer checks the engines against: a frozen copy of the model
 holding exactly what the engines hold after the sync, dequantized (values x block scale,
@@ -65,18 +67,28 @@ class Fp8Weights:
         """A sync starts: the trainer's weights may have changed since the kept copy."""
         self._current = False
 
+    def keeping(self) -> bool:
+        """Whether this sync keeps the copy: `keep`, and the source's word (`storage_stays`,
+        set by the trainer to its offloader's) that what is sent stays until the next sync;
+        without it the copy could not go in place and would only hold memory."""
+        stays = getattr(self, "storage_stays", None)
+        return self.keep and (stays is None or bool(stays()))
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.keep and self._current:
+        keep = self.keeping()
+        if not keep:
+            self._kept, self._current = None, False  # nothing held that cannot go in place
+        elif self._current:
             yield from zip((m.name for m in self._metas), self._kept, strict=True)
             return
         self.quantize_s = 0.0
-        kept = self._kept if self.keep else None
+        kept = self._kept if keep else None
         fill: list[torch.Tensor] = []
         for name, t in self.inner.tensors():
             if fp8.is_quantized(name) and t.dim() == 2:
                 started = time.perf_counter()
                 out = None
-                if self.keep:
+                if keep:
                     out = (kept[len(fill)], kept[len(fill) + 1]) if kept is not None else (
                         _like(t, fp8.FP8_DTYPE, tuple(t.shape)),
                         _like(t, fp8.SCALE_DTYPE, fp8.scale_shape(tuple(t.shape), self.block)))
@@ -87,12 +99,12 @@ class Fp8Weights:
                 yield fp8.scale_name(name), scale
             else:
                 sent = t.to(self.dtype) if t.is_floating_point() else t
-                if self.keep and sent is not t:  # a cast: kept too, so it stays where it is
+                if keep and sent is not t:  # a cast: kept too, so it stays where it is
                     sent = (kept[len(fill)] if kept is not None else _like(
                         t, sent.dtype, tuple(t.shape))).copy_(sent)
                 fill.append(sent)
                 yield name, sent
-        if self.keep:
+        if keep:
             self._kept, self._current = fill, True
 
     def release(self) -> None:
@@ -101,9 +113,9 @@ class Fp8Weights:
         self._kept, self._current = None, False
 
     def resident(self) -> list[torch.Tensor] | None:
-        """keep: the kept tensors (rewritten first if stale), in send order, which stay
-        where they are across syncs; else None (each sync's tensors are new)."""
-        if not self.keep:
+        """While `keeping`: the kept tensors (rewritten first if stale), in send order, which
+        stay where they are across syncs; else None (each sync's tensors are new)."""
+        if not self.keeping():
             return None
         if not self._current:
             for _ in self.tensors():

@@ -108,7 +108,8 @@ def test_a_kept_quantized_copy_goes_in_place_and_is_rewritten_every_sync(
     shared memory): the first sync packs; from the second on every tensor goes in place in
     one request, the engine reusing its mappings; each sync sends the trainer's weights of
     that sync (the copy is re-quantized, never stale), and after `release` (an offload) the
-    copy is made anew and shared afresh."""
+    copy is made anew and shared afresh; while the source says its tensors will not stay, no
+    copy is held at all."""
     engine = fp8_tp2_engine
     model = trainer_model(fp8_model_dir, seed=21)
     for param in model.parameters():  # named shared memory, as the transport shares it
@@ -146,5 +147,11 @@ def test_a_kept_quantized_copy_goes_in_place_and_is_rewritten_every_sync(
         source.release()  # an offload: the copy is freed, made anew at the next sync
         assert step_and_sync(5)["pack_s"] > 0
         assert in_place(step_and_sync(6))
+        # What is sent will not stay (the trainer's offloader says so): no copy is held,
+        # each sync quantizes afresh and packs, still the weights of that sync.
+        source.storage_stays = lambda: False
+        assert step_and_sync(7)["pack_s"] > 0 and source.resident() is None
+        source.storage_stays = lambda: True
+        assert step_and_sync(8)["pack_s"] > 0 and in_place(step_and_sync(9))
     finally:
         sync.close()
