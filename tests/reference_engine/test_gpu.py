@@ -314,6 +314,21 @@ def test_tensor_transport_keeps_a_buffer_that_stays_mapped_and_frees_one_that_mo
         sync.close()
 
 
+def _in_place_syncs(sync_and_check, label: str) -> None:
+    """Syncs 1..5 after a packed first one: each one request, nothing packed; the first
+    shares (the engine opens), the next four reuse what the engine holds mapped."""
+    times = []
+    for step in range(1, 6):
+        report, stats = sync_and_check(step)
+        assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
+        times.append(report["total_s"])
+        if step == 1:
+            first = stats
+    assert stats["reused"] - first["reused"] == 4 and stats["opened"] == first["opened"]
+    print(f"{label}: share + open {times[0] * 1e3:.1f} ms, then "
+          f"{[round(t * 1e3, 1) for t in times[1:]]} ms")
+
+
 def test_separate_parameters_in_place_are_shared_once_and_freed_after_the_engine_lets_go(
         gpu_engine, trainer_state):
     """Separate CUDA parameters (`weights/shared_params.py`): the first sync packs; the
@@ -345,16 +360,7 @@ def test_separate_parameters_in_place_are_shared_once_and_freed_after_the_engine
     try:
         report, _ = sync_and_check(0)
         assert report["transfer"]["buckets"] > 1 and report["transfer"]["pack_s"] > 0
-        times = []
-        for step in range(1, 6):
-            report, stats = sync_and_check(step)
-            assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
-            times.append(report["total_s"])
-            if step == 1:
-                first = stats
-        assert stats["reused"] - first["reused"] == 4 and stats["opened"] == first["opened"]
-        print(f"separate parameters in place: share + open {times[0] * 1e3:.1f} ms, then "
-              f"{[round(t * 1e3, 1) for t in times[1:]]} ms")
+        _in_place_syncs(sync_and_check, "separate parameters in place")
         source.stays = False  # an offload is coming: packed, and let go of at its end
         report, _ = sync_and_check(6)
         assert report["transfer"]["buckets"] > 1
@@ -408,15 +414,6 @@ def test_a_kept_fp8_copy_goes_in_place_and_every_sync_lands_the_trainers_new_wei
     try:
         report, _ = sync_and_check(0)
         assert report["transfer"]["pack_s"] > 0
-        times = []
-        for step in range(1, 6):
-            report, stats = sync_and_check(step)
-            assert report["transfer"]["buckets"] == 1 and report["transfer"]["pack_s"] == 0.0
-            times.append(report["total_s"])
-            if step == 1:
-                first = stats
-        assert stats["reused"] - first["reused"] == 4 and stats["opened"] == first["opened"]
-        print(f"FP8 kept copy in place: share + open {times[0] * 1e3:.1f} ms, then "
-              f"{[round(t * 1e3, 1) for t in times[1:]]} ms")
+        _in_place_syncs(sync_and_check, "FP8 kept copy in place")
     finally:
         sync.close()
