@@ -230,7 +230,7 @@ class TrainerRank:
                     self.version = version
                     self._dirty = False
                     if self.policy.served is not None:
-                        self._served = self.policy.served.refresh()
+                        self._served = self.policy.served.refresh(source)
                         self._raw_versions.put(version, self.policy.model)
                     self._versions.put(version, self._served or self.policy.model)
                     self._weights_lock.notify_all()

@@ -143,13 +143,29 @@ class ServedWeights:
         self._copy: nn.Module | None = None
 
     @torch.no_grad()
-    def refresh(self) -> nn.Module:
-        """The copy, set to what the engines hold for the trainer's current weights."""
+    def refresh(self, sent: Fp8Weights | None = None) -> nn.Module:
+        """The copy, set to what the engines hold for the trainer's current weights.
+
+        `sent`: the sync's source, read right after the sync: its tensors are what the
+        engines were sent, so they are dequantized as they are (a kept copy is not
+        quantized a second time)."""
         if self._copy is None:
             self._copy = copy.deepcopy(self.source.model)
             self._copy.requires_grad_(False)
             self._copy.eval()
         params = dict(self._copy.named_parameters())
+        if sent is not None and sent.dtype == self.dtype and sent.block == self.block:
+            values: tuple[str, torch.Tensor] | None = None
+            for name, t in sent.tensors():
+                if values is not None:  # the scales of the values just before them
+                    target = params[values[0]]
+                    target.copy_(fp8.dequantize(values[1], t, target.dtype, self.block))
+                    values = None
+                elif t.dtype == fp8.FP8_DTYPE:
+                    values = (name, t)
+                elif t.is_floating_point():
+                    params[name].copy_(t.to(params[name].dtype))
+            return self._copy
         for name, t in self.source.tensors():
             target = params[name]
             if fp8.is_quantized(name) and t.dim() == 2:

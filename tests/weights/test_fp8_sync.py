@@ -72,6 +72,10 @@ def test_both_ranks_load_the_quantized_sync_and_generate_as_the_served_copy(
                 assert engine.rank_checksums() == [_checksum(sent)] * 2, transport
                 served = ServedWeights(model, torch.float32).refresh()
                 assert engine.greedy(PROMPT, 8) == greedy_continuation(served, PROMPT, 8)
+                # from what the sync sent (as the trainer does): the same weights
+                from_sent = ServedWeights(model, torch.float32).refresh(source)
+                assert all(torch.equal(a, b) for a, b in zip(
+                    served.state_dict().values(), from_sent.state_dict().values(), strict=True))
         finally:
             sync.close()
 
