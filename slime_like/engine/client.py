@@ -5,41 +5,50 @@ control call), and raises `EngineError` naming the engine URL, endpoint, HTTP st
 body. Only idempotent reads are retried; a weight update or a pause is never re-sent
 behind the caller's back.
 
-Plain `http://` engines are spoken to over persistent connections whose answers
-`httptools` parses (`protocol/http_connection.py`): a weight sync is a chain of small control
-calls, and `requests` adds about a third of a millisecond to each, `http.client` a tenth.
-Each client keeps its idle connections and a call takes the one used last, whichever
-thread it runs on: calls run on a shared pool's threads, and with a connection per thread
-a thread's connection often sat idle until the engine closed it, so a call opened a new
-one (a sync of 16 engines opened about 17). `https://` goes through `requests`.
+Plain `http://` engines are spoken to over kept connections whose answers `httptools`
+parses (`engine/keepalive.py`): a weight sync is a chain of small control calls, and
+`requests` adds about a third of a millisecond to each, `http.client` a tenth. `https://`
+goes through `requests`. A call is first prepared (`HttpCall`: its bytes, timeout and what
+counts as success), then performed: here, on the calling thread, or by the engine-call
+loop (`engine/call_pool.py`), which reads its answer back through `answer`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import struct
 import threading
-import time
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 import requests
-from httptools import HttpParserError
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
+from slime_like.engine.keepalive import KeptConnections
 from slime_like.errors import EngineError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol import paths
-from slime_like.protocol.http_connection import KeepAliveConnection
 from slime_like.protocol.modes import PauseMode
 
 DEFAULT_TIMEOUT_S = 60.0
-#: idle connections a client keeps: a session's calls go one at a time, but reads (probes,
-#: /v1/loads, checks) may overlap them
-MAX_IDLE_CONNECTIONS = 8
+
+
+@dataclass(slots=True)
+class HttpCall:
+    """One prepared call to one engine: what to send, and how to read its answer."""
+
+    client: EngineClient
+    method: str
+    endpoint: str
+    path: str  # the endpoint and its query
+    data: bytes | None
+    headers: dict[str, str]
+    timeout: float
+    params: dict | None
+    expect_json: bool
+    ok_statuses: tuple[int, ...]
+    check_success: bool  # an answer {"success": false} is a failure too
 
 
 def _dump(body: Any) -> dict:
@@ -60,12 +69,13 @@ class EngineClient:
         self.admin_api_key = admin_api_key
         self.timeout = timeout
         self._local = threading.local()  # requests' sessions (https://), one per thread
-        self._idle: list[KeepAliveConnection] = []  # the last returned at the end
-        self._idle_lock = threading.Lock()
-        self.connections_opened = 0  # over the client's life: few, however many threads call
         self._read_retries = read_retries
-        self._waiting: set[socket.socket] = set()  # connections of calls awaiting an answer
-        self._waiting_lock = threading.Lock()
+        self.kept = KeptConnections(self.url, read_retries)  # plain http:// only
+
+    @property
+    def connections_opened(self) -> int:
+        """Connections opened over the client's life: few, however many threads call."""
+        return self.kept.connections_opened
 
     # ---- plumbing --------------------------------------------------------------------------
 
@@ -93,172 +103,83 @@ class EngineClient:
         key = (self.admin_api_key or self.api_key) if admin else self.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def request(self, method: str, endpoint: str, *, body: Any = None, params: dict | None = None,
-                timeout: float | None = None, admin: bool = False, expect_json: bool = True,
-                ok_statuses: tuple[int, ...] = (200,)) -> Any:
-        """One HTTP call; any status outside `ok_statuses` raises EngineError."""
-        if self._plain:
-            status, text = self._keepalive_call(method, endpoint, body, params, timeout or self.timeout,
-                                                admin)
-            if status not in ok_statuses:
-                raise EngineError(self.url, endpoint, status, text)
-            if not expect_json:
-                return text
-            if not text:
-                return None
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError:
-                return text
-        url = self.url + endpoint
-        kwargs: dict[str, Any] = {"headers": self._headers(admin), "params": params,
-                                  "timeout": timeout or self.timeout}
-        if method != "GET" or body is not None:
-            kwargs["json"] = _dump(body)
-        try:
-            resp = self.session.request(method, url, **kwargs)
-        except requests.Timeout as e:
-            raise EngineError(self.url, endpoint, None, str(e),
-                              reason=f"timed out after {kwargs['timeout']}s") from e
-        except requests.RequestException as e:
-            raise EngineError(self.url, endpoint, None, str(e), reason="connection failed") from e
-        if resp.status_code not in ok_statuses:
-            raise EngineError(self.url, endpoint, resp.status_code, resp.text)
-        if not expect_json:
-            return resp.text
-        if not resp.content:
-            return None
-        try:
-            return resp.json()
-        except json.JSONDecodeError:
-            return resp.text
-
-    # ---- keep-alive http:// -------------------------------------------------------------------
-
-    @property
-    def _plain(self) -> bool:
-        return self.url.startswith("http://")
-
-    def _connection(self, timeout: float) -> KeepAliveConnection:
-        """The idle connection used last (one the engine closed meanwhile is dropped), or a
-        new one, not yet connected. It is the caller's until `_release`d."""
-        conn = None
-        while conn is None:
-            with self._idle_lock:
-                if not self._idle:
-                    break
-                conn = self._idle.pop()
-            if conn.closed_by_peer():
-                conn.close()  # the engine dropped the idle connection (its keep-alive timeout)
-                conn = None
-        if conn is None:
-            parts = urlsplit(self.url)
-            conn = KeepAliveConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout)
-        conn.set_timeout(timeout)
-        return conn
-
-    def _release(self, conn: KeepAliveConnection) -> None:
-        """A connection whose answer was read in full goes back for the next call."""
-        if conn.sock is None:
-            return
-        with self._idle_lock:
-            if len(self._idle) < MAX_IDLE_CONNECTIONS:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _connect(self, conn: KeepAliveConnection, endpoint: str) -> None:
-        """Open the connection, retrying a refusal briefly (nothing was sent yet)."""
-        for attempt in range(3):
-            try:
-                conn.connect()
-                self.connections_opened += 1  # a race may lose a count: it is a statistic
-                return
-            except ConnectionRefusedError as e:
-                conn.close()
-                if attempt == 2:
-                    raise EngineError(self.url, endpoint, None, str(e),
-                                      reason="connection failed") from e
-                time.sleep(0.05 * (2 ** attempt))
-
-    def _keepalive_call(self, method: str, endpoint: str, body: Any, params: dict | None,
-                        timeout: float, admin: bool) -> tuple[int, str]:
-        path = endpoint + (f"?{urlencode(params)}" if params else "")
+    def prepare(self, method: str, endpoint: str, *, body: Any = None,
+                params: dict | None = None, timeout: float | None = None, admin: bool = False,
+                expect_json: bool = True, ok_statuses: tuple[int, ...] = (200,),
+                check_success: bool = False) -> HttpCall:
+        """One call, ready to be performed (here or by the engine-call loop)."""
         headers = self._headers(admin)
         data = None
         if method != "GET" or body is not None:
             data = json.dumps(_dump(body)).encode()
             headers["Content-Type"] = "application/json"
-        reads = self._read_retries if method == "GET" else 0
-        for attempt in range(reads + 1):
-            conn = self._connection(timeout)
-            reused = conn.sock is not None
-            try:
-                if not reused:
-                    self._connect(conn, endpoint)
-                with self._awaiting(conn.sock):
-                    status, text, keep_alive = conn.request(method, path, data, headers)
-            except EngineError:
-                raise
-            except TimeoutError as e:
-                conn.close()
-                raise EngineError(self.url, endpoint, None, str(e),
-                                  reason=f"timed out after {timeout}s") from e
-            except (OSError, HttpParserError) as e:
-                conn.close()
-                # A GET on a reused connection the engine had just closed is sent again.
-                if method == "GET" and reused and attempt < reads:
-                    continue
-                raise EngineError(self.url, endpoint, None, f"{type(e).__name__}: {e}",
-                                  reason="connection failed") from e
-            if keep_alive:
-                self._release(conn)
-            else:
-                conn.close()
-            if method == "GET" and status in (502, 504) and attempt < reads:
-                time.sleep(0.05 * (2 ** attempt))
-                continue
-            return status, text
-        raise AssertionError("unreachable")
+        path = endpoint + (f"?{urlencode(params)}" if params else "")
+        return HttpCall(self, method, endpoint, path, data, headers, timeout or self.timeout,
+                        params, expect_json, ok_statuses, check_success)
 
-    @contextlib.contextmanager
-    def _awaiting(self, sock: socket.socket):
-        with self._waiting_lock:
-            self._waiting.add(sock)
+    def perform(self, call: HttpCall) -> Any:
+        """Send the call on this thread and read its answer; any status outside its
+        `ok_statuses` raises EngineError."""
+        if self.plain:
+            return self.answer(call, *self.kept.call(call))
+        kwargs: dict[str, Any] = {"headers": call.headers, "params": call.params,
+                                  "timeout": call.timeout, "data": call.data}
         try:
-            yield
-        finally:
-            with self._waiting_lock:
-                self._waiting.discard(sock)
+            resp = self.session.request(call.method, self.url + call.endpoint, **kwargs)
+        except requests.Timeout as e:
+            raise EngineError(self.url, call.endpoint, None, str(e),
+                              reason=f"timed out after {call.timeout}s") from e
+        except requests.RequestException as e:
+            raise EngineError(self.url, call.endpoint, None, str(e),
+                              reason="connection failed") from e
+        return self.answer(call, resp.status_code, resp.text)
+
+    def answer(self, call: HttpCall, status: int, text: str) -> Any:
+        """What the call's answer means: its JSON (or text), or EngineError."""
+        if status not in call.ok_statuses:
+            raise EngineError(self.url, call.endpoint, status, text)
+        if not call.expect_json:
+            return text
+        if not text:
+            return None
+        try:
+            out = json.loads(text)
+        except json.JSONDecodeError:
+            return text
+        if call.check_success and isinstance(out, dict) and \
+                not p.SuccessMessage.model_validate(out).success:
+            raise EngineError(self.url, call.endpoint, 200, json.dumps(out))
+        return out
+
+    def request(self, method: str, endpoint: str, *, body: Any = None, params: dict | None = None,
+                timeout: float | None = None, admin: bool = False, expect_json: bool = True,
+                ok_statuses: tuple[int, ...] = (200,)) -> Any:
+        """One HTTP call; any status outside `ok_statuses` raises EngineError."""
+        return self.perform(self.prepare(method, endpoint, body=body, params=params,
+                                         timeout=timeout, admin=admin, expect_json=expect_json,
+                                         ok_statuses=ok_statuses))
+
+    @property
+    def plain(self) -> bool:
+        """Plain http:// (kept connections), not https:// (requests)."""
+        return self.url.startswith("http://")
 
     def abort_waiting(self) -> int:
         """Reset the connection of every call still awaiting its answer (a hung engine's),
-        and fail the call at once; how many. Reset, not closed: a request a cut-off host
-        has not received yet is dropped with the connection, where TCP would retransmit it
-        once the link returns (a pause landing after the engine's resync would leave it
-        paused while it is routed again)."""
-        with self._waiting_lock:
-            socks = list(self._waiting)
-        for sock in socks:
-            with contextlib.suppress(OSError):
-                # No linger: the close that follows purges what was not sent and resets.
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                sock.shutdown(socket.SHUT_RD)  # the waiting thread wakes, and closes it
-        return len(socks)
+        and fail the call at once; how many (`KeptConnections.abort_waiting`)."""
+        return self.kept.abort_waiting()
 
     def close(self) -> None:
         """Close the idle keep-alive connections (one in use closes when its call ends)."""
-        with self._idle_lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self.kept.close()
 
     def _success(self, endpoint: str, body: Any, timeout: float | None = None) -> dict:
         """Calls answering {"success","message"}: a 400 or success=false raises."""
-        out = self.request("POST", endpoint, body=body, timeout=timeout, admin=True)
-        if isinstance(out, dict) and not p.SuccessMessage.model_validate(out).success:
-            raise EngineError(self.url, endpoint, 200, json.dumps(out))
-        return out
+        return self.perform(self._success_call(endpoint, body, timeout))
+
+    def _success_call(self, endpoint: str, body: Any, timeout: float | None) -> HttpCall:
+        return self.prepare("POST", endpoint, body=body, timeout=timeout, admin=True,
+                            check_success=True)
 
     # ---- health and info -------------------------------------------------------------------
 
@@ -283,7 +204,10 @@ class EngineClient:
             return False
 
     def model_info(self, timeout: float | None = None) -> dict:
-        return self.request("GET", paths.MODEL_INFO, timeout=timeout)
+        return self.perform(self.model_info_call(timeout))
+
+    def model_info_call(self, timeout: float | None = None) -> HttpCall:
+        return self.prepare("GET", paths.MODEL_INFO, timeout=timeout)
 
     def server_info(self, timeout: float | None = None) -> dict:
         """GET /server_info, falling back to the pre-0.5.9 name."""
@@ -310,12 +234,20 @@ class EngineClient:
 
     def pause_generation(self, mode: PauseMode = PauseMode.RETRACT,
                          timeout: float | None = None) -> dict:
-        return self.request("POST", paths.PAUSE_GENERATION, body=p.PauseGenerationRequest(mode=mode),
-                            admin=True, timeout=timeout)
+        return self.perform(self.pause_call(mode, timeout))
+
+    def pause_call(self, mode: PauseMode = PauseMode.RETRACT,
+                   timeout: float | None = None) -> HttpCall:
+        return self.prepare("POST", paths.PAUSE_GENERATION,
+                            body=p.PauseGenerationRequest(mode=mode), admin=True, timeout=timeout)
 
     def continue_generation(self, torch_empty_cache: bool = True,
                             timeout: float | None = None) -> dict:
-        return self.request("POST", paths.CONTINUE_GENERATION,
+        return self.perform(self.continue_call(torch_empty_cache, timeout))
+
+    def continue_call(self, torch_empty_cache: bool = True,
+                      timeout: float | None = None) -> HttpCall:
+        return self.prepare("POST", paths.CONTINUE_GENERATION,
                             body=p.ContinueGenerationRequest(torch_empty_cache=torch_empty_cache),
                             admin=True, timeout=timeout)
 
@@ -327,13 +259,18 @@ class EngineClient:
     def flush_cache(self, timeout_s: float = 0.0) -> bool:
         """POST /flush_cache; True when flushed, False when the engine was not idle (400)."""
         try:
-            self.request("POST", paths.FLUSH_CACHE, params={"timeout": timeout_s} if timeout_s else None,
-                         admin=True, expect_json=False, timeout=max(self.timeout, timeout_s + 10))
+            self.perform(self.flush_call(timeout_s))
             return True
         except EngineError as e:
             if e.status == 400:
                 return False
             raise
+
+    def flush_call(self, timeout_s: float = 0.0) -> HttpCall:
+        """POST /flush_cache; its 400 (not idle) is the caller's to read as "refused"."""
+        return self.prepare("POST", paths.FLUSH_CACHE,
+                            params={"timeout": timeout_s} if timeout_s else None, admin=True,
+                            expect_json=False, timeout=max(self.timeout, timeout_s + 10))
 
     def release_memory_occupation(self, tags: list[str] | None = None,
                                   timeout: float | None = None) -> None:
@@ -365,22 +302,41 @@ class EngineClient:
                              p.DestroyWeightsUpdateGroupRequest(group_name=group_name), timeout)
 
     def begin_weight_update(self, timeout: float | None = None) -> dict:
-        return self._success(paths.BEGIN_WEIGHT_UPDATE, p.BeginWeightUpdateRequest(), timeout)
+        return self.perform(self.begin_weight_update_call(timeout))
+
+    def begin_weight_update_call(self, timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.BEGIN_WEIGHT_UPDATE, p.BeginWeightUpdateRequest(),
+                                  timeout)
 
     def end_weight_update(self, timeout: float | None = None) -> dict:
-        return self._success(paths.END_WEIGHT_UPDATE, p.EndWeightUpdateRequest(), timeout)
+        return self.perform(self.end_weight_update_call(timeout))
+
+    def end_weight_update_call(self, timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.END_WEIGHT_UPDATE, p.EndWeightUpdateRequest(), timeout)
 
     def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
                                         timeout: float | None = None) -> dict:
-        return self._success(paths.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, timeout)
+        return self.perform(self.update_weights_from_distributed_call(req, timeout))
+
+    def update_weights_from_distributed_call(self, req: p.UpdateWeightsFromDistributedRequest,
+                                             timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, timeout)
 
     def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
                                    timeout: float | None = None) -> dict:
-        return self._success(paths.UPDATE_WEIGHTS_FROM_TENSOR, req, timeout)
+        return self.perform(self.update_weights_from_tensor_call(req, timeout))
+
+    def update_weights_from_tensor_call(self, req: p.UpdateWeightsFromTensorRequest,
+                                        timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.UPDATE_WEIGHTS_FROM_TENSOR, req, timeout)
 
     def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
                                  timeout: float | None = None) -> dict:
-        return self._success(paths.UPDATE_WEIGHTS_FROM_DISK, req, timeout)
+        return self.perform(self.update_weights_from_disk_call(req, timeout))
+
+    def update_weights_from_disk_call(self, req: p.UpdateWeightsFromDiskRequest,
+                                      timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.UPDATE_WEIGHTS_FROM_DISK, req, timeout)
 
     def update_weight_version(self, req: p.UpdateWeightVersionRequest,
                               timeout: float | None = None) -> dict:

@@ -8,9 +8,10 @@ update, a regroup or a close cannot leave an engine paused, inside an update, or
 nobody will use again. A session pickles as its address: what one process did belongs to
 that process.
 
-The session's calls can also be queued in its ordered lane (`submit`): each call is sent
-once the one before it was sent and the futures it waits for are done (by default: the
-one before was answered), on one thread pool shared by every session of the process
+The session's calls can also be queued in its ordered lane (`submit`, `submit_steps`):
+each call is sent once the one before it was sent and the futures it waits for are done
+(by default: the one before was answered), by the process's engine-call loop (a call
+written as steps: the sync's pause, begin, updates, end, continue, flush) or on its pool
 (`engine/call_pool.py`); `engine/fanout.py` fans one call out to many sessions at once.
 """
 
@@ -21,12 +22,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from slime_like.engine.address import EngineAddress
-from slime_like.engine.call_pool import engine_pool
+from slime_like.engine.call_pool import CallCancelled, OrderedLane, engine_pool  # noqa: F401 - re-exported
 from slime_like.engine.client import DEFAULT_TIMEOUT_S, EngineClient
+from slime_like.engine.steps import Steps, drive
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.compat import (
@@ -47,10 +48,6 @@ I = TypeVar("I")  # noqa: E741 - an item
 RESUMABLE_PAUSE_MODES = (PauseMode.RETRACT, PauseMode.IN_PLACE)
 # sglang 0.5.23's answer when the weights landed but the flush after them was refused.
 FLUSH_REFUSED_MARK = "Weights were updated, but the cache was not flushed"
-
-
-class CallCancelled(Exception):
-    """A queued engine call that was never sent because the update had already failed."""
 
 
 class EngineSession:
@@ -74,8 +71,7 @@ class EngineSession:
         self.in_update = False
         self.groups: list[str] = []
         self._lock = threading.Lock()
-        self._last: _Queued | None = None
-        self._generation = 0
+        self._lane = OrderedLane()
 
     def __reduce__(self) -> tuple:
         return (EngineSession, (self.address, self.http.timeout, self.rl_plane))
@@ -161,6 +157,10 @@ class EngineSession:
         """The live weight version, from `/model_info` (`/get_weight_version` is gone)."""
         return self.http.weight_version(timeout)
 
+    def weight_version_steps(self, timeout: float | None = None) -> Steps[str]:
+        info = yield self.http.model_info_call(timeout)
+        return p.ModelInfo.model_validate(info).weight_version
+
     def loads(self, timeout: float | None = None) -> dict:
         return self.http.loads(timeout)
 
@@ -193,19 +193,32 @@ class EngineSession:
                          timeout: float | None = None, via: PlaneCall | None = None) -> dict:
         """Pause the engine; `via`: take its answer from that smg fan-out (`rl_plane.py`)
         when it reached the engine, else call the engine directly."""
+        return drive(self.pause_steps(mode, timeout, via))
+
+    def pause_steps(self, mode: PauseMode = PauseMode.RETRACT, timeout: float | None = None,
+                    via: PlaneCall | None = None) -> Steps[dict]:
+        """`pause_generation` as steps (`engine/steps.py`)."""
         self.paused = mode  # before the call: even one that timed out may have paused it
         if via is not None:
+            yield via.future
             answer = via.answer_for(self)
             if answer is not None:
                 return answer
-        return self.http.pause_generation(mode, timeout)
+        return (yield self.http.pause_call(mode, timeout))
 
     def continue_generation(self, timeout: float | None = None,
                             via: PlaneCall | None = None) -> dict:
         """Continue the engine (`via`: as in `pause_generation`)."""
-        out = via.answer_for(self) if via is not None else None
+        return drive(self.continue_steps(timeout, via))
+
+    def continue_steps(self, timeout: float | None = None,
+                       via: PlaneCall | None = None) -> Steps[dict]:
+        out = None
+        if via is not None:
+            yield via.future
+            out = via.answer_for(self)
         if out is None:
-            out = self.http.continue_generation(timeout=timeout)
+            out = yield self.http.continue_call(timeout=timeout)
         self.paused = None
         return out
 
@@ -228,7 +241,16 @@ class EngineSession:
 
     def try_flush_cache(self) -> bool:
         """One /flush_cache: True when flushed, False when the engine was not idle."""
-        return self.http.flush_cache()
+        return drive(self.try_flush_steps())
+
+    def try_flush_steps(self) -> Steps[bool]:
+        try:
+            yield self.http.flush_call()
+        except EngineError as e:
+            if e.status == 400:
+                return False
+            raise
+        return True
 
     def flush_cache(self, attempts: int = 20, interval: float = 0.5, abort_first: bool = True) -> bool:
         """Flush the prefix cache, retrying while the engine is busy (bounded).
@@ -290,43 +312,49 @@ class EngineSession:
     def begin_weight_update(self, timeout: float | None = None) -> dict | None:
         """Open an update session. An engine without sessions (sglang < 0.5.21, 404) is
         noted as such; one left open by an earlier failed update is closed and reopened."""
+        return drive(self.begin_steps(timeout))
+
+    def begin_steps(self, timeout: float | None = None) -> Steps[dict | None]:
         try:
-            answer = self.http.begin_weight_update(timeout)
+            answer = yield self.http.begin_weight_update_call(timeout)
         except EngineError as e:
             if e.status == 404:
                 self.version = self.version or (0, 5, 20)
                 return None
             if e.status == 400 and "already open" in e.body:
-                self.http.end_weight_update(timeout)
-                answer = self.http.begin_weight_update(timeout)
+                yield self.http.end_weight_update_call(timeout)
+                answer = yield self.http.begin_weight_update_call(timeout)
             else:
                 raise
         self.in_update = True
         return answer
 
     def end_weight_update(self, timeout: float | None = None) -> dict:
-        out = self.http.end_weight_update(timeout)
+        return drive(self.end_steps(timeout))
+
+    def end_steps(self, timeout: float | None = None) -> Steps[dict]:
+        out = yield self.http.end_weight_update_call(timeout)
         self.in_update = False
         return out
 
     def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedRequest,
                                         timeout: float | None = None) -> dict:
-        return self._update(self.http.update_weights_from_distributed, req, timeout)
+        return drive(self.update_steps("update_weights_from_distributed", req, timeout))
 
     def update_weights_from_tensor(self, req: p.UpdateWeightsFromTensorRequest,
                                    timeout: float | None = None) -> dict:
-        return self._update(self.http.update_weights_from_tensor, req, timeout)
+        return drive(self.update_steps("update_weights_from_tensor", req, timeout))
 
     def update_weights_from_disk(self, req: p.UpdateWeightsFromDiskRequest,
                                  timeout: float | None = None) -> dict:
-        return self._update(self.http.update_weights_from_disk, req, timeout)
+        return drive(self.update_steps("update_weights_from_disk", req, timeout))
 
-    @staticmethod
-    def _update(call: Callable[[Any, float | None], dict], req: Any, timeout: float | None) -> dict:
-        """An update's answer; one whose weights landed but whose folded flush was refused
-        (sglang 0.5.23 answers 400) is a success with `flush_refused` set: the weights serve."""
+    def update_steps(self, verb: str, req: Any, timeout: float | None) -> Steps[dict]:
+        """An update (`verb`: one of the three above) as steps. One whose weights landed but
+        whose folded flush was refused (sglang 0.5.23 answers 400) is a success with
+        `flush_refused` set: the weights serve."""
         try:
-            return call(req, timeout)
+            return (yield getattr(self.http, verb + "_call")(req, timeout))
         except EngineError as e:
             if getattr(req, "flush_cache", False) and e.status == 400 and \
                     FLUSH_REFUSED_MARK in e.body:
@@ -338,7 +366,10 @@ class EngineSession:
         return self.http.update_weight_version(req, timeout)
 
     def verify_version(self, version: str) -> None:
-        got = self.weight_version()
+        drive(self.verify_steps(version))
+
+    def verify_steps(self, version: str) -> Steps[None]:
+        got = yield from self.weight_version_steps()
         if got != version:
             raise WeightSyncError("verify_weight_version",
                                   f"engine reports weight_version {got!r}, expected {version!r}",
@@ -374,7 +405,7 @@ class EngineSession:
 
     def submit(self, fn: Callable[..., T], *args: Any,
                after: Sequence[Future] | None = None) -> Future[T]:
-        """Queue fn(*args) behind this session's earlier calls.
+        """Queue fn(*args) behind this session's earlier calls (`engine/call_pool.py`).
 
         Order matters: consecutive bucket updates describe consecutive broadcasts, so update
         k+1 must never reach an engine before update k. The call is sent once the previous
@@ -383,26 +414,23 @@ class EngineSession:
         the previous call was taken up, so the next travels while the engine works on it.
         The futures are data, not callbacks: nothing of the caller's runs on the lane.
         """
-        with self._lock:
-            prev, generation = self._last, self._generation
-            if after is None:
-                after = () if prev is None else (prev.future,)
-            queued = _Queued(Future())
-            self._last = queued
-        engine_pool().submit(self._run, queued, prev, generation, tuple(after), fn, args)
-        return queued.future
+        return self._lane.submit(fn, args, after)
+
+    def submit_steps(self, fn: Callable[..., Steps[T]], *args: Any,
+                     after: Sequence[Future] | None = None) -> Future[T]:
+        """As `submit`, for a call written as steps (`engine/steps.py`): the engine-call
+        loop runs it (`engine/call_pool.py`), no thread of its own."""
+        return self._lane.submit(fn, args, after, steps=True)
 
     def tail(self) -> Future | None:
         """The future of the last call queued in this session's lane (None: none queued)."""
-        with self._lock:
-            return None if self._last is None else self._last.future
+        return self._lane.tail()
 
     def new_chain(self) -> None:
         """The next call starts a chain of its own: a call that failed earlier (in another
         update, or a join of another attempt) does not stop it. What is still queued keeps
         its place and is still sent."""
-        with self._lock:
-            self._last = None
+        self._lane.new_chain()
 
     def abort_waiting(self) -> int:
         """Fail every call still awaiting this engine's answer at once, its connection
@@ -411,54 +439,4 @@ class EngineSession:
 
     def cancel_pending(self) -> None:
         """Every call still waiting for its gate fails with CallCancelled, never sent."""
-        with self._lock:
-            self._generation += 1
-            self._last = None
-
-    def _run(self, queued: _Queued, prev: _Queued | None, generation: int,
-             after: tuple[Future, ...], fn: Callable, args: tuple) -> None:
-        if prev is not None:
-            prev.sent.wait()
-        # Blocked, not spinning: at 64 engines, 64 lanes polling their gates held the GIL
-        # from the threads that had an answer to read. A cancel is seen within 50 ms.
-        while generation == self._generation and after:
-            if not wait_futures(after, timeout=0.05).not_done:
-                break
-        queued.sent.set()
-        future = queued.future
-        if generation != self._generation:
-            _fail(future, CallCancelled("not sent: the update had already failed"))
-            return
-        if prev is not None and prev.future.done() and prev.future.exception() is not None:
-            # The chain broke: update k+1 must never reach an engine that did not take k.
-            _fail(future, CallCancelled("not sent: the call before it failed"))
-            return
-        if not future.set_running_or_notify_cancel():
-            return
-        # When it was sent, answered, and how long its round trip took, for whoever times
-        # the calls or picks the first failure.
-        future.sent_at = time.perf_counter()  # type: ignore[attr-defined]
-        try:
-            result = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
-            _fail(future, e)
-            return
-        future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
-        future.answered_at = time.monotonic()  # type: ignore[attr-defined]
-        future.set_result(result)
-
-
-def _fail(future: Future, error: BaseException) -> None:
-    future.answered_at = time.monotonic()  # type: ignore[attr-defined]
-    future.set_exception(error)
-
-
-class _Queued:
-    """A call in a session's lane: its future, and whether it left the lane (sent or not)."""
-
-    __slots__ = ("future", "sent")
-
-    def __init__(self, future: Future):
-        self.future = future
-        self.sent = threading.Event()
+        self._lane.cancel_pending()

@@ -21,7 +21,7 @@ class ConnectionClosed(ConnectionError):
     """The engine closed the connection before its answer was complete."""
 
 
-class _Answer:
+class Answer:
     """httptools' callbacks: the body's pieces, whether the connection stays open (read
     once the headers are in: the parser forgets it when the message completes), and
     whether the message is complete."""
@@ -68,12 +68,8 @@ class KeepAliveConnection:
         timeout, ConnectionClosed when the engine closes first) or httptools'
         HttpParserError on an answer that is not HTTP."""
         assert self.sock is not None, "connect() first"
-        lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: " + self._host_header]
-        lines += [f"{k}: {v}".encode("latin-1") for k, v in headers.items()]
-        if body is not None or method != "GET":
-            lines.append(b"Content-Length: %d" % len(body or b""))
-        self.sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + (body or b""))
-        answer = _Answer()
+        self.sock.sendall(self.encode(method, path, body, headers))
+        answer = Answer()
         while not answer.complete:
             data = self.sock.recv(RECV_BYTES)
             if not data:
@@ -82,6 +78,15 @@ class KeepAliveConnection:
             answer.parser.feed_data(data)
         text = b"".join(answer.body).decode("utf-8", errors="replace")
         return answer.parser.get_status_code(), text, answer.keep_alive
+
+    def encode(self, method: str, path: str, body: bytes | None,
+               headers: dict[str, str]) -> bytes:
+        """The request's bytes on the wire."""
+        lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: " + self._host_header]
+        lines += [f"{k}: {v}".encode("latin-1") for k, v in headers.items()]
+        if body is not None or method != "GET":
+            lines.append(b"Content-Length: %d" % len(body or b""))
+        return b"\r\n".join(lines) + b"\r\n\r\n" + (body or b"")
 
     def closed_by_peer(self) -> bool:
         """An idle keep-alive socket that is readable has been closed (or reset) by the

@@ -17,6 +17,7 @@ per engine (each reads its in-flight count first).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -24,9 +25,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from slime_like.engine.call_pool import all_done
 from slime_like.engine.fanout import on_all
 from slime_like.engine.rl_plane import PlaneCall, plane_calls, start_all
 from slime_like.engine.session import CallCancelled, EngineSession
+from slime_like.engine.steps import Blocking, Steps, drive
 from slime_like.errors import EngineError, WeightSyncError
 from slime_like.protocol.modes import PauseMode
 from slime_like.weights.sync_config import StepClock, SyncReport, WeightSyncConfig
@@ -58,13 +61,13 @@ class Control:
         _reported(planes, report)
         start_all(planes)
 
-        def pause(engine: EngineSession) -> Any:
+        def pause(engine: EngineSession) -> Steps[Any]:
             if mode is PauseMode.ABORT:  # how many requests the pause is about to abort
-                count = engine.in_flight()
+                count = yield Blocking(engine.in_flight)
                 if count is not None:
                     report.in_flight_at_pause[engine.url] = count
-            return engine.pause_generation(mode, timeout=self.config.http_timeout_s,
-                                           via=planes.get(engine.url))
+            return (yield from engine.pause_steps(mode, timeout=self.config.http_timeout_s,
+                                                  via=planes.get(engine.url)))
 
         for engine in engines:
             engine.new_chain()  # a call that failed in the last update does not stop these
@@ -75,7 +78,7 @@ class Control:
                 call = _call(engine, "pause_generation", pause)
                 sent.append(call)
             if gated and engine.has_begin_end:
-                call = _call(engine, "begin_weight_update", lambda e: e.begin_weight_update())
+                call = _call(engine, "begin_weight_update", EngineSession.begin_steps)
                 sent.append(call)
             if call is not None:
                 out.append(call)
@@ -89,7 +92,7 @@ class Control:
 
     @staticmethod
     def submit_end(engines: list[EngineSession]) -> list[EngineCall]:
-        return [_call(e, "end_weight_update", lambda e: e.end_weight_update())
+        return [_call(e, "end_weight_update", EngineSession.end_steps)
                 for e in engines if e.in_update]
 
     def submit_continue(self, engines: list[EngineSession], ends: list[EngineCall],
@@ -98,6 +101,10 @@ class Control:
         caller keeps failed syncs paused (resume_on_failure=False)."""
         keep_paused = not self.config.resume_on_failure
         futures = [c.future for c in ends]
+        # One gate for every continue, and the ends' outcome read once: each continue
+        # waiting on (and reading) every end would cost N^2 at N engines.
+        gate = [all_done(futures)]
+        end_failed = functools.cache(lambda: any(f.exception() is not None for f in futures))
         paused = [e for e in engines if e.paused is not None]
         # Through smg: sent once every end (and every lane's last call) answered; a failure
         # there sends nothing through smg, and each lane does what it did before.
@@ -107,12 +114,12 @@ class Control:
         _reported(planes, report)
         start_all(planes, [*futures, *filter(None, (e.tail() for e in paused))])
 
-        def resume(engine: EngineSession) -> Any:
-            if keep_paused and any(f.exception() is not None for f in futures):
+        def resume(engine: EngineSession) -> Steps[Any]:
+            if keep_paused and end_failed():
                 raise CallCancelled("not sent: end_weight_update failed on an engine")
-            return engine.continue_generation(via=planes.get(engine.url))
+            return (yield from engine.continue_steps(via=planes.get(engine.url)))
 
-        return [_call(e, "continue_generation", resume, futures) for e in paused]
+        return [_call(e, "continue_generation", resume, gate) for e in paused]
 
     def flush_plan(self, engine: EngineSession, report: SyncReport) -> str | None:
         """None when the engine's cache is to be flushed, else why not (the pause-mode rule)."""
@@ -152,7 +159,7 @@ class Control:
         with steps("flush"):
             self.flush(engines, folded, answers.refused, report, watch, sent)
         with steps("verify"):
-            checks = [_call(e, "verify_weight_version", lambda e: e.verify_version(answers.version))
+            checks = [_call(e, "verify_weight_version", lambda e: e.verify_steps(answers.version))
                       for e in engines if not answers.version_set(e)]
             sent += checks
             _wait(watch, checks)
@@ -162,7 +169,7 @@ class Control:
               sent: list[EngineCall] | None = None) -> None:
         """The flush rule on every engine; with a `watch`, through the lanes (each call with
         its deadline), else at once (nothing but folded answers to read)."""
-        def flush(engine: EngineSession) -> None:
+        def flush(engine: EngineSession) -> Steps[None]:
             skip = self.flush_plan(engine, report)
             if skip is not None:
                 report.flush[engine.url] = skip
@@ -171,7 +178,8 @@ class Control:
                 ok, why = engine.url not in refused, refused.get(engine.url, "")
             else:
                 try:
-                    ok, why = engine.try_flush_cache(), "the engine was not idle"
+                    ok = yield from engine.try_flush_steps()
+                    why = "the engine was not idle"
                 except EngineError as e:
                     ok, why = False, str(e)
             if ok:
@@ -182,7 +190,7 @@ class Control:
                                        "new weights landed; its prefix cache may be stale")
 
         if watch is None:
-            on_all(engines, "flush_cache", flush)
+            on_all(engines, "flush_cache", lambda e: drive(flush(e)))
             return
         calls = [_call(e, "flush_cache", flush) for e in engines]
         if sent is not None:
@@ -249,10 +257,11 @@ def _reported(calls: dict[str, PlaneCall], report: SyncReport | None) -> None:
             step, []).extend(sorted(f.result())))
 
 
-def _call(engine: EngineSession, step: str, fn: Callable[[EngineSession], Any],
+def _call(engine: EngineSession, step: str, fn: Callable[[EngineSession], Steps[Any]],
           after: Sequence[Future] | None = None) -> EngineCall:
-    """Queue fn(engine) in the engine's ordered lane (after everything queued before it)."""
-    return EngineCall(engine, step, engine.submit(fn, engine, after=after))
+    """Queue fn(engine)'s steps in the engine's ordered lane (after everything queued before
+    it), run by the engine-call loop (`engine/call_pool.py`)."""
+    return EngineCall(engine, step, engine.submit_steps(fn, engine, after=after))
 
 
 def _wait(watch: Watch, calls: list[EngineCall]) -> None:

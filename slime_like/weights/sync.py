@@ -375,8 +375,8 @@ class WeightSync(Members):
         after = list(before) if first and before else None
         if earlier is not None:  # not the lane's strict order: still after pause/begin
             after = [earlier, *before]
-        future = engine.submit(getattr(engine, payload.verb), req, self.config.http_timeout_s,
-                               after=after)
+        future = engine.submit_steps(engine.update_steps, payload.verb, req,
+                                     self.config.http_timeout_s, after=after)
         return watch.add(EngineCall(engine, payload.step, future))
 
     def _failed(self, exc: BaseException, step: str,

@@ -11,6 +11,7 @@ instead of waiting for the health monitor to declare it dead.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future
@@ -82,7 +83,9 @@ class Watch:
         `answered`, for the owner to teach the clock (the wait itself only looks up)."""
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self.calls: list[EngineCall] = []
+        self._open: dict[int, EngineCall] = {}  # not answered yet, or failed
+        self._finished: collections.deque[EngineCall] = collections.deque()
+        self._failed: list[EngineCall] = []
         self.clock = clock
         self.limits = clock.snapshot() if clock is not None and per_call else {}
         self.per_call = bool(self.limits)
@@ -90,31 +93,32 @@ class Watch:
         self._answered: set[str] = set()  # steps at least one engine answered
         self._late_check_at = 0.0
 
+    @property
+    def calls(self) -> list[EngineCall]:
+        """The watched calls not answered yet, and those that failed."""
+        return list(self._open.values())
+
     def add(self, call: EngineCall) -> EngineCall:
-        self.calls.append(call)
+        self._open[id(call)] = call
+        # Each call tells the watch once it ends: a check reads only what ended since the
+        # last one, where looking at every call's future (a lock each) at each poll of a
+        # transfer cost the trainer's CPU in proportion to the fleet.
+        call.future.add_done_callback(lambda _f, c=call: self._finished.append(c))
         return call
 
     def check(self) -> None:
         """Raise the engine call that failed first (naming engine and step)."""
-        # One pass, each future looked at once: at 64 engines this runs over every call
-        # in flight at each wake.
-        first: EngineCall | None = None
-        pending, answered = [], []
-        for c in self.calls:
-            future = c.future
-            if not future.done():
-                pending.append(c)
-            elif future.exception() is not None:
-                if first is None or (c.done_at or 0.0) < (first.done_at or 0.0):
-                    first = c
+        while self._finished:
+            c = self._finished.popleft()
+            if c.future.exception() is not None:
+                self._failed.append(c)
             else:
-                answered.append(c)
-        if first is not None:
+                self._open.pop(id(c), None)
+                self._answered.add(c.step)
+                self.answered.append(c)
+        if self._failed:
+            first = min(self._failed, key=lambda c: c.done_at or 0.0)
             raise call_error(first, first.error)
-        for c in answered:
-            self._answered.add(c.step)
-        self.answered += answered
-        self.calls = pending
         if self.per_call and (now := time.monotonic()) >= self._late_check_at:
             self._late_check_at = now + LATE_CHECK_S
             late = self._late()
@@ -126,7 +130,7 @@ class Watch:
         step nobody answered is not one engine's hang: the trainer, or a collective).
         A type without a basis yet is left to the call's own HTTP timeout."""
         now = time.perf_counter()
-        late = [c for c in self.calls if c.step in self._answered
+        late = [c for c in self._open.values() if c.step in self._answered
                 and (sent := getattr(c.future, "sent_at", None)) is not None
                 and (limit := self.limits.get(c.kind)) is not None and now - sent > limit]
         if late:

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 import pytest
-from walk_trace import Recording, WalkTracer, parse_walk
+from walk_trace import Handoff, Recording, WalkTracer, parse_walk
 
 from tests.reference_engine.conftest import start_engine, stop_engine
 
@@ -31,6 +31,7 @@ ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
 PACKAGE = REPO / "slime_like"
 TRAINER_LIMIT = 6
 ROOT = "weights/sync.py:WeightSync._transfer"
+LOOP_HANDOFF = Handoff("engine/session.py", "EngineSession.submit_steps", "fn")
 TITLES = {"distributed": "A weight bucket's walk, trainer side, `distributed` transport",
           "tensor": "A weight bucket's walk, trainer side, `tensor` transport"}
 
@@ -103,7 +104,13 @@ def recording(tiny_model_dir, tmp_path_factory) -> dict[str, Recording]:
                 # The engine calls run on the process's one pool, whose threads start
                 # lazily: a fresh pool starts them under the tracer, which then sees them.
                 call_pool._POOL = None
-                tracer = WalkTracer({transport: ROOT})
+                if call_pool._LOOP is not None:  # the same for the engine-call loop
+                    call_pool._LOOP.stop()
+                    call_pool._LOOP = None
+                # A lane call written as steps is handed to the engine-call loop's thread
+                # where the session queues it; the loop runs its first step in the frame
+                # that holds it.
+                tracer = WalkTracer({transport: ROOT}, handoffs=[LOOP_HANDOFF])
                 with tracer:
                     report = rank.push_weights(target, version=2, full=True)
                 assert report["weight_version"] == "2" and report["transfer"]["bytes"] > 0

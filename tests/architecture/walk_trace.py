@@ -15,7 +15,8 @@ it records the `slime_like` modules on the stack, outermost first, at every even
 
 On the root's own thread a path starts at the root (the frames outside it are the process's
 machinery: a server loop, a test). Work handed to another thread carries the path of the
-code that handed it over, followed by every frame of its own thread: a thread started
+code that handed it over, followed by its own frames from the handed callable's down (the
+frames above it are the machinery of the thread that runs it: a pool's, a queue's loop): a thread started
 under a root (`threading.Thread.start`), a `concurrent.futures` work item
 (`ThreadPoolExecutor.submit`, `asyncio.to_thread`), and a callable given to a function
 named as a `Handoff` (a queue of our own, such as the reference engine's scheduler), when
@@ -226,8 +227,12 @@ class WalkTracer:
         return state
 
     def _path(self, frame: FrameType | None) -> _Carried | None:
-        """The walk and modules of `frame`'s stack, or None when no root is above it."""
+        """The walk and modules of `frame`'s stack, or None when no root is above it. Under
+        handed-over work the stack ends at the anchor (the handed callable's frame): what is
+        above it is the machinery of the thread that runs it (a pool's, a queue's loop)."""
         modules: list[str] = []
+        state = self._state()
+        stop = state.anchors[-1][0] if state.anchors else None
         f = frame
         while f is not None:
             module = self._module(f)
@@ -236,8 +241,9 @@ class WalkTracer:
                 kind = self._kinds.get(f.f_code)
                 if kind is not None and kind[0] == _ROOT:
                     return _Carried(kind[1], merge_steps(modules[::-1]))
+            if f is stop:
+                break
             f = f.f_back
-        state = self._state()
         carried = state.anchors[-1][1] if state.anchors else state.carried
         if carried is None:
             return None

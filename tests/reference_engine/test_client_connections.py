@@ -13,7 +13,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from slime_like.engine.address import EngineAddress
-from slime_like.engine.client import MAX_IDLE_CONNECTIONS, EngineClient
+from slime_like.engine.client import EngineClient
+from slime_like.engine.keepalive import MAX_IDLE_CONNECTIONS
 from slime_like.engine.session import EngineSession
 from slime_like.protocol.modes import PauseMode
 
@@ -53,7 +54,7 @@ def test_overlapping_calls_each_get_a_connection_and_return_it(resumed):
     for _ in range(20):  # the returned connections serve what follows: none is opened
         assert client.ping()
     assert client.connections_opened == opened
-    assert len(client._idle) <= MAX_IDLE_CONNECTIONS
+    assert len(client.kept._idle) <= MAX_IDLE_CONNECTIONS
 
 
 def test_a_closed_client_opens_a_new_connection_for_its_next_call(resumed):
