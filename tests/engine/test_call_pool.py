@@ -49,3 +49,47 @@ def test_lanes_on_the_pool_wait_on_one_gate_for_calls_answered_on_other_threads(
     for f in lanes:
         f.result(timeout=30)
     assert sorted(released) == list(range(16))
+
+
+# ---- OrderedLane: a queued call holds no thread, and leaves in order -------------------------
+
+def _pool_threads() -> int:
+    return sum(t.name.startswith("engine-call") for t in threading.enumerate())
+
+
+def test_a_lane_sends_in_order_each_call_after_its_gates_without_a_thread_waiting():
+    from slime_like.engine.call_pool import OrderedLane
+
+    lane, gate, sent = OrderedLane(), Future(), []
+    first = lane.submit(sent.append, ("pause",))
+    before = _pool_threads()
+    # 40 calls behind a gate nobody opened yet: none is sent, none holds a thread
+    queued = [lane.submit(sent.append, (f"update {i}",), after=[gate] if i == 0 else None)
+              for i in range(40)]
+    first.result(timeout=30)
+    assert sent == ["pause"] and not any(f.done() for f in queued)
+    assert _pool_threads() <= before + 1
+    gate.set_result(None)
+    queued[-1].result(timeout=30)
+    assert sent == ["pause", *(f"update {i}" for i in range(40))]
+
+
+def test_a_lane_cancels_what_waits_at_once_and_breaks_the_chain_behind_a_failure():
+    from slime_like.engine.call_pool import OrderedLane
+
+    lane, gate = OrderedLane(), Future()
+    waiting = [lane.submit(print, ("never",), after=[gate]) for _ in range(3)]
+    lane.cancel_pending()  # no gate needed to open for the waiting calls to fail
+    for f in waiting:
+        assert isinstance(f.exception(timeout=1), CallCancelled)
+    gate.set_result(None)  # opening it later sends none of them
+
+    def refuse() -> None:
+        raise RuntimeError("refused")
+
+    lane.new_chain()
+    failed = lane.submit(refuse, ())
+    behind = lane.submit(print, ("not sent",))
+    assert isinstance(failed.exception(timeout=30), RuntimeError)
+    err = behind.exception(timeout=30)
+    assert isinstance(err, CallCancelled) and "the call before it failed" in str(err)
