@@ -341,16 +341,16 @@ def test_a_refused_last_update_names_the_engine_and_leaves_no_engine_paused(
     sync = WeightSync([(e.url, e.tp_size) for e in engines], transport="tensor",
                       update_weight_buffer_size=64 << 10, http_timeout_s=60)
     handle = sync.engines[1]
-    real = handle.update_weights_from_tensor
+    real = handle.update_steps  # what a sync's update runs (on the engine-call loop)
 
-    def close_session_first(req, *args, **kwargs):
+    def close_session_first(verb, req, *args, **kwargs):
         # A real refusal: B's session is closed (by a real /end_weight_update) just before
         # its last update, so B answers 400 "must run between begin and end".
         if req.weight_version is not None:
             assert b.post("/end_weight_update").json()["success"]
-        return real(req, *args, **kwargs)
+        return real(verb, req, *args, **kwargs)
 
-    handle.update_weights_from_tensor = close_session_first
+    handle.update_steps = close_session_first
     model = trainer_model(tiny_model_dir, seed=next(_seeds))
     try:
         with pytest.raises(WeightSyncError, match="between begin_weight_update") as failed:
@@ -360,7 +360,7 @@ def test_a_refused_last_update_names_the_engine_and_leaves_no_engine_paused(
             assert e.get("/ready").status_code == 200, e.url  # continued after the failure
             assert e.post("/begin_weight_update").json()["success"], e.url  # session closed
             assert e.post("/end_weight_update").json()["success"], e.url
-        handle.update_weights_from_tensor = real
+        handle.update_steps = real
         report = sync.update(model)  # and the next sync lands everywhere
         for e in engines:
             assert e.rank_checksums() == [model_checksum(model)] * e.tp_size
@@ -378,14 +378,15 @@ def test_an_engine_held_out_of_the_router_is_updated_without_a_pause(engines, ti
                       update_weight_buffer_size=64 << 10, http_timeout_s=60)
     control: list[tuple[str, str]] = []
     for handle in sync.engines:  # spies that record the call and make it for real
-        for verb in ("pause_generation", "continue_generation"):
-            real = getattr(handle, verb)
+        for verb, steps in (("pause_generation", "pause_steps"),
+                            ("continue_generation", "continue_steps")):
+            real = getattr(handle, steps)  # what both the lane and the blocking verb run
 
             def spy(*args, real=real, url=handle.url, verb=verb, **kwargs):
                 control.append((url, verb))
                 return real(*args, **kwargs)
 
-            setattr(handle, verb, spy)
+            setattr(handle, steps, spy)
     model = trainer_model(tiny_model_dir, seed=next(_seeds))
     try:
         report = sync.update(model, quiet={a.url})
