@@ -29,6 +29,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -215,7 +216,7 @@ def io_loop() -> EngineIoLoop:
     """The process's one engine-call loop (its thread starts with the first call)."""
     global _LOOP
     with _POOL_LOCK:
-        if _LOOP is None:
+        if _LOOP is None or _LOOP.pid != os.getpid():  # a forked child has no loop thread
             _LOOP = EngineIoLoop()
         return _LOOP
 
@@ -242,6 +243,7 @@ class EngineIoLoop:
         self._timers: list[tuple[float, int, InFlight]] = []
         self._seq = itertools.count()
         self._running = True
+        self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="engine-io", daemon=True)
         self._thread.start()
 
@@ -383,6 +385,14 @@ class EngineIoLoop:
             return
         self._end(flight, None)
 
+    def _compact_timers(self) -> None:
+        """Drop the timers of answered calls once they are most of the heap (each stays
+        queued until its deadline otherwise: a sync's timeout may be many minutes)."""
+        live = len(self._selector.get_map())
+        if len(self._timers) > 256 and len(self._timers) > 4 * live:
+            self._timers = [t for t in self._timers if not t[2].done]
+            heapq.heapify(self._timers)
+
     def _expire(self) -> None:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
@@ -401,6 +411,9 @@ class EngineIoLoop:
         except Exception as e:  # noqa: BLE001 - the call's EngineError, into its steps
             self._step(task, None, e)
             return
+        finally:
+            flight.release()  # its timer stays queued until its deadline: nothing heavy in it
+            self._compact_timers()
         if call.method == "GET" and status in (502, 504):  # retried, with backoff, on a thread
             engine_pool().submit(self._off_loop, task, lambda: call.client.perform(call))
             return

@@ -240,6 +240,11 @@ class InFlight:
             self.conn.close()
         return answer.parser.get_status_code(), b"".join(answer.body).decode("utf-8", "replace")
 
+    def release(self) -> None:
+        """Forget the call, its answer and its owner (the flight outlives them in a timer)."""
+        self.call = self.owner = None  # type: ignore[assignment]
+        self.answer = None  # type: ignore[assignment]
+
 
 def send_nowait(kept: KeptConnections, call: Request, owner: object) -> InFlight | None:
     """Write `call` on an idle kept connection without blocking (the rest of a large request
