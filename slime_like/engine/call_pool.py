@@ -153,14 +153,19 @@ class OrderedLane:
 
     def cancel_pending(self) -> None:
         """Every call still waiting for a gate fails with CallCancelled, never sent."""
+        fail_withdrawn(self.withdraw())
+
+    def withdraw(self) -> list[_Queued]:
+        """Keep every call still waiting for a gate from being sent (none is failed yet: a
+        failure opens the gates of other lanes' calls waiting on it, so where several
+        lanes are cancelled, all are withdrawn before any call fails)."""
         with self._lock:
             self._generation += 1
             self._last = None
             waiting, self._waiting = list(self._waiting), set()
             for queued in waiting:
                 queued.sent = True
-        for queued in waiting:
-            _fail(queued.future, CallCancelled("not sent: the update had already failed"))
+        return waiting
 
     def _open(self, queued: _Queued) -> None:
         """One gate of `queued` opened; the last one sends it, and may open the next's."""
@@ -188,6 +193,19 @@ class OrderedLane:
             io_loop().start(queued.fn, queued.args, future)
         else:
             engine_pool().submit(_run_call, future, queued.fn, queued.args)
+
+
+def cancel_all(lanes: Iterable[OrderedLane]) -> None:
+    """Cancel what waits in every lane, all withdrawn before any fails (`withdraw`): a sync's
+    first update waits on every engine's begin, and one cancelled begin must not open it
+    for lanes not yet cancelled."""
+    withdrawn = [queued for lane in list(lanes) for queued in lane.withdraw()]
+    fail_withdrawn(withdrawn)
+
+
+def fail_withdrawn(withdrawn: Iterable[_Queued]) -> None:
+    for queued in withdrawn:
+        _fail(queued.future, CallCancelled("not sent: the update had already failed"))
 
 
 def _run_call(future: Future, fn: Callable, args: tuple) -> None:

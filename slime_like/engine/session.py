@@ -25,7 +25,12 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from slime_like.engine.address import EngineAddress
-from slime_like.engine.call_pool import CallCancelled, OrderedLane, engine_pool  # noqa: F401 - re-exported
+from slime_like.engine.call_pool import (  # noqa: F401 - re-exported
+    CallCancelled,
+    OrderedLane,
+    cancel_all,
+    engine_pool,
+)
 from slime_like.engine.client import DEFAULT_TIMEOUT_S, EngineClient
 from slime_like.engine.steps import Steps, drive
 from slime_like.errors import EngineError, WeightSyncError
@@ -440,3 +445,9 @@ class EngineSession:
     def cancel_pending(self) -> None:
         """Every call still waiting for its gate fails with CallCancelled, never sent."""
         self._lane.cancel_pending()
+
+    @staticmethod
+    def cancel_all_pending(sessions: Sequence[EngineSession]) -> None:
+        """`cancel_pending` on every session, every lane stopped before any call fails: a
+        failed call may be a gate other lanes' calls wait on (`call_pool.cancel_all`)."""
+        cancel_all(s._lane for s in sessions)

@@ -260,8 +260,11 @@ class WeightSync(Members):
             failure = e
             error = WeightSyncError(steps.current, f"{type(e).__name__}: {e}")  # if clean-up fails
             hung = set(getattr(e, "hung", None) or ())
+            # Every lane stopped before any queued call fails, and only then the hung
+            # engines' calls cut: a failed call opens the gates it held (the first update
+            # waits on every engine's begin), and no lane may send past them.
+            EngineSession.cancel_all_pending(engines)
             for engine in engines:
-                engine.cancel_pending()
                 if engine.url in hung:
                     # Its call still waiting is cut: a pause a cut-off host receives only
                     # once its link returns would pause it after its resync.
@@ -384,8 +387,7 @@ class WeightSync(Members):
         """Clean up after a failed step; the error names the step (and the engine, if known)."""
         if self.transport is not None:
             self.transport.failed()
-        for engine in engines:
-            engine.cancel_pending()
+        EngineSession.cancel_all_pending(engines)
         self.control.undo(engines, resume=False)  # open update sessions closed
         if self.transport is not None:
             self.transport.abandon([e.url for e in engines])
@@ -409,8 +411,7 @@ class WeightSync(Members):
             if self.transport is not None:
                 self.transport.close(self.engines)
                 self.transport = None
-            for engine in self.engines + self.dropped:
-                engine.cancel_pending()
+            EngineSession.cancel_all_pending(self.engines + self.dropped)
 
     def __enter__(self) -> WeightSync:
         return self

@@ -93,3 +93,19 @@ def test_a_lane_cancels_what_waits_at_once_and_breaks_the_chain_behind_a_failure
     assert isinstance(failed.exception(timeout=30), RuntimeError)
     err = behind.exception(timeout=30)
     assert isinstance(err, CallCancelled) and "the call before it failed" in str(err)
+
+
+def test_cancelling_many_lanes_sends_nothing_a_cancelled_call_held_back():
+    """As a failed sync: B's first update waits on A's begin (whatever its outcome); A's
+    begin is cancelled, and B's update must not go out on its way."""
+    from slime_like.engine.call_pool import OrderedLane, all_done, cancel_all
+
+    a, b, never = OrderedLane(), OrderedLane(), Future()
+    begin = a.submit(print, ("begin",), after=[never])
+    ran = []
+    update = b.submit(ran.append, ("update",), after=[all_done([begin])])
+    cancel_all([a, b])
+    for f in (begin, update):
+        assert isinstance(f.exception(timeout=5), CallCancelled)
+    engine_pool().submit(lambda: None).result(timeout=5)  # anything handed over has run
+    assert ran == []
