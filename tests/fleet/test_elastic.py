@@ -2,20 +2,27 @@
 
 Real Ray with simulated nodes (`ray.cluster_utils.Cluster`), the real sglang-router and
 reference engines whose forward steps take 40 ms (so a request runs ~2 s). One fleet for
-the module: two engines on node A, pushed version 1 by `FleetWeights`; then
+the module: eight engines over two nodes (A and B, four GPUs each), pushed version 1 by
+`FleetWeights`; then
 
 - a node joins and `add_engines(1)` places the new engine there (a placement group of its
-  own, waiting for that capacity), launches it after the command, resyncs it while the
-  others serve and routes it only once it is verified at the fleet's version;
+  own, waiting for that capacity: every GPU of A and B is taken), launches it after the
+  command, resyncs it while the others serve and routes it only once it is verified at the
+  fleet's version;
 - `drain` of engine 0 with a deadline (0.3 s) far shorter than its running requests: they
   are moved (aborted, continued elsewhere as prompt + partial output), none lost or doubled;
   it leaves the weight group at the next push's regroup, then stops;
 - `slime-like fleet scale RUN_DIR --engines N` against a running `ScaleWatcher` adds an
   engine on the freed bundle and drains it again;
+- an engine's server is SIGSTOPped just before a push and left stopped: the push lands on
+  the others before the health monitor (on: 2 failed probes of up to 5 s, 1 s apart) calls
+  it dead, which the order of the fleet's events shows, and it is relaunched at the
+  fleet's version;
 - node B is lost (its raylet and every process on it killed, as `Cluster.remove_node`
-  does) while requests run: its engine is seen dead, the rounds and a weight push go on
-  with the survivor, the fleet says it runs smaller while no node has room, and when node C
-  joins the engine is placed there, resynced and routed only at the fleet's version;
+  does) while requests run: its four engines are seen dead at once, the rounds and a
+  weight push go on with the survivors, the fleet says it runs smaller while no node has
+  room, and when node D joins the engines are placed there, resynced and routed only at
+  the fleet's version;
 - nothing is left: every engine process and port of the module is gone after shutdown.
 """
 
@@ -34,16 +41,33 @@ from urllib.parse import urlparse
 
 import psutil
 import pytest
+import ray
 import torch
-from fleet_checks import routed_urls
+from fleet_checks import (
+    check_landed_while_suspect,
+    first,
+    recorder,
+    routed_urls,
+    stopped,
+    wait_all_registered,
+)
 
-from slime_like.api import EngineSettings, EngineState, FleetWeights, Happening, launch_fleet
+from slime_like.api import (
+    EngineSettings,
+    EngineState,
+    FleetWeights,
+    Happening,
+    HealthSettings,
+    launch_fleet,
+)
 from slime_like.job.scaling import ScaleWatcher
 from slime_like.models import load_pretrained
 from tests.simulated_nodes import simulated_nodes
 
 FLEET_YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
-NODE_A, NODE_B, NODE_C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+NODE_A, NODE_B, NODE_C, NODE_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
+PER_NODE = 4  # engines (GPUs) on each of the two first nodes
+ENGINES = 2 * PER_NODE
 MAX_NEW = 48
 PARAMS = {"max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
 S = EngineState
@@ -121,12 +145,18 @@ def refused(url: str) -> bool:
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory, tiny_model_dir):
     events: list = []
-    with simulated_nodes((NODE_A,), cpus=2, gpus=2, node_death_s=4) as cluster:
-        fleet = launch_fleet(FLEET_YAML, model_path=tiny_model_dir,
+    work = tmp_path_factory.mktemp("elastic")
+    fleet_yaml = work / "fleet.yaml"  # the example's model, eight engines
+    fleet_yaml.write_text(FLEET_YAML.read_text().replace("num_gpus: 2", f"num_gpus: {ENGINES}"))
+    with simulated_nodes((NODE_A, NODE_B), cpus=PER_NODE, gpus=PER_NODE,
+                         node_death_s=4) as cluster:
+        fleet = launch_fleet(fleet_yaml, model_path=tiny_model_dir,
                              engine=EngineSettings(program="reference", reference_min_step_ms=40),
-                             log_dir=tmp_path_factory.mktemp("elastic"), on_event=events.append)
+                             health=HealthSettings(enabled=True, interval_s=1.0, timeout_s=5.0,
+                                                   first_wait_s=3.0, failure_threshold=2),
+                             log_dir=work / "logs", on_event=events.append)
         state = SimpleNamespace(fleet=fleet, cluster=cluster, events=events, closed=False,
-                                urls=set())
+                                urls=set(), relaunched=[])
         try:
             state.model = load_pretrained(tiny_model_dir, dtype=torch.float32)
             state.weights = FleetWeights(fleet, transport="distributed")
@@ -152,19 +182,21 @@ def test_engines_added_and_drained_while_requests_run(elastic):
     fleet.subscribe(watch)
     rounds = Rounds(fleet).start()
     try:
-        # The add waits for capacity (both GPUs of node A are taken) until node B joins.
+        assert Counter(e.placements[0].node_ip for e in fleet.engines) == {
+            NODE_A: PER_NODE, NODE_B: PER_NODE}
+        # The add waits for capacity (every GPU of A and B is taken) until node C joins.
         asked = time.time()
         added: list[str] = []
         adding = threading.Thread(target=lambda: added.extend(fleet.add_engines(1)))
         adding.start()
         time.sleep(0.5)
         assert not added and adding.is_alive()
-        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_B)
+        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_C)
         adding.join(timeout=180)
         assert not adding.is_alive() and len(added) == 1
         new = fleet.find(added[0])
-        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (NODE_B, 1)
-        assert urlparse(new.url).hostname == NODE_B
+        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (NODE_C, 1)
+        assert urlparse(new.url).hostname == NODE_C
         elastic.urls.add(new.url)
         # Launched after the command; routed only once verified at the fleet's version.
         loaded = next(ev for ev, _ in seen if ev.kind is S.LOADED)
@@ -233,14 +265,15 @@ def test_a_scale_command_resizes_the_running_fleet(elastic, tmp_path):
     fleet = elastic.fleet
     watcher = ScaleWatcher(fleet, tmp_path, poll_s=0.1).start()
     try:
-        grown = _scale(tmp_path, "--engines", "3")
-        assert grown["ok"] and grown["before"] == 2 and len(grown["added"]) == 1, grown
+        grown = _scale(tmp_path, "--engines", str(ENGINES + 1))
+        assert grown["ok"] and grown["before"] == ENGINES and len(grown["added"]) == 1, grown
         new = fleet.find(grown["added"][0])
         elastic.urls.add(new.url)
         # the bundle engine 0 gave back, in the job's own placement group
-        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (NODE_A, 0)
+        assert new.placements[0].placement_group == 0
+        assert new.placements[0].node_ip in (NODE_A, NODE_B)
         assert new.handle.weight_version() == str(fleet.version)
-        shrunk = _scale(tmp_path, "--engines", "2", "--drain-deadline", "5")
+        shrunk = _scale(tmp_path, "--engines", str(ENGINES), "--drain-deadline", "5")
         # the newest engine; resynced over its own group, it is in no group to leave
         assert [d["engine"] for d in shrunk["drained"]] == [new.engine_id], shrunk
         assert shrunk["waiting_for_regroup"] == []
@@ -253,53 +286,85 @@ def test_a_scale_command_resizes_the_running_fleet(elastic, tmp_path):
     assert {e.handle.weight_version() for e in fleet.engines} == {str(fleet.version)}
 
 
-def test_a_lost_node_s_engine_is_placed_again_when_a_node_joins(elastic):
+def test_a_push_lands_on_the_others_before_the_monitor_calls_a_stopped_engine_dead(elastic):
     fleet, weights = elastic.fleet, elastic.weights
-    lost = next(e for e in fleet.engines if e.placements[0].node_ip == NODE_B)
-    survivor = next(e for e in fleet.engines if e is not lost)
-    old_pid = next(ev.details["pid"] for ev in reversed(events_of(elastic, lost.engine_id))
-                   if ev.kind is S.LOADED)
-    seen: list[tuple] = []  # (event, routed at that moment) of the lost node's engine
+    for _ in range(3):  # every call type answered lately: the sync's deadlines have a basis
+        weights.push(elastic.model)
+    hung = fleet.find("policy/g0/e1")
+    others = [e for e in fleet.engines if e is not hung]
+    pid = ray.get(hung.actors[0].server_pid.remote())
+    expected = fleet.version.next().wire
+    events = recorder(fleet)
+    with stopped(pid):  # just before the push, as a wedged host or a debugger would
+        report = weights.push(elastic.model)
+        landed = check_landed_while_suspect(fleet, events, hung, others, report, expected)
+        wait_all_registered(fleet)  # the monitor's verdict, then a new server, resynced
+    dead = first(events, subject=hung.engine_id, kind=S.DEAD)
+    assert dead is not None and dead > landed, events
+    assert "consecutive failed probes" in str(events[dead].details.get("reason")), events[dead]
+    assert first(events, dead, subject=hung.engine_id, kind=Happening.RECOVERED) is not None
+    assert not running(pid)
+    elastic.relaunched.append(hung.engine_id)
+    assert {e.handle.weight_version() for e in fleet.engines} == {expected}
+    assert routed_urls(fleet) == {e.url for e in fleet.engines}
+
+
+def test_a_lost_node_s_engines_are_placed_again_when_a_node_joins(elastic):
+    fleet, weights = elastic.fleet, elastic.weights
+    lost = [e for e in fleet.engines if e.placements[0].node_ip == NODE_B]
+    survivors = [e for e in fleet.engines if e not in lost]
+    assert len(lost) >= PER_NODE - 1 and survivors  # (the scale test's engine may be on B)
+    lost_ids = {e.engine_id for e in lost}
+    elastic.relaunched += sorted(lost_ids)
+    old_pids = {e.engine_id: next(ev.details["pid"] for ev in reversed(events_of(
+        elastic, e.engine_id)) if ev.kind is S.LOADED) for e in lost}
+    seen: dict[str, list[tuple]] = {i: [] for i in lost_ids}  # (event, routed then)
+    node_events: list = []
 
     def watch(event) -> None:
-        if event.subject in (lost.engine_id, f"node/{NODE_B}"):
-            routed = lost.url is not None and lost.url in routed_urls(fleet)
-            seen.append((event, routed))
+        if event.subject == f"node/{NODE_B}":
+            node_events.append(event)
+        elif event.subject in lost_ids:
+            e = fleet.find(event.subject)
+            seen[event.subject].append((event, e.url is not None and e.url in routed_urls(fleet)))
 
     fleet.subscribe(watch)
     rounds = Rounds(fleet).start()
     try:
         node_b = next(n for n in elastic.cluster.worker_nodes if n.node_ip_address == NODE_B)
         elastic.cluster.remove_node(node_b, allow_graceful=False)
-        wait_until(lambda: any(ev.kind is Happening.WAITING_FOR_CAPACITY for ev, _ in seen),
-                   60, "the fleet to say it runs smaller")
-        node_lost = next(ev for ev, _ in seen if ev.kind is Happening.NODE_LOST)
-        assert node_lost.details["engines"] == [lost.engine_id]
-        assert not running(old_pid)
-        # The run goes on with the survivor: a round ends, a push lands on it alone.
+        wait_until(lambda: all(any(ev.kind is Happening.WAITING_FOR_CAPACITY for ev, _ in s)
+                               for s in seen.values()), 60, "the fleet to say it runs smaller")
+        node_lost = next(ev for ev in node_events if ev.kind is Happening.NODE_LOST)
+        assert sorted(node_lost.details["engines"]) == sorted(lost_ids)  # every one at once
+        assert not any(running(pid) for pid in old_pids.values())
+        # The run goes on with the survivors: a round ends, a push lands on them alone.
         done = len(rounds.rounds)
-        wait_until(lambda: len(rounds.rounds) > done, 120, "a round on the survivor")
+        wait_until(lambda: len(rounds.rounds) > done, 120, "a round on the survivors")
         weights.push(elastic.model)
-        assert survivor.handle.weight_version() == str(fleet.version)
-        assert fleet.states()[lost.engine_id] == S.RELAUNCHING.value
-        # A node joins: the engine is placed there and brought to the fleet's version.
-        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_C)
-        wait_until(lambda: fleet.states()[lost.engine_id] == S.REGISTERED.value, 120,
-                   "the engine back on node C")
+        assert {e.handle.weight_version() for e in survivors} == {str(fleet.version)}
+        assert {fleet.states()[i] for i in lost_ids} == {S.RELAUNCHING.value}
+        # A node joins: the engines are placed there and brought to the fleet's version.
+        elastic.cluster.add_node(num_cpus=PER_NODE, num_gpus=PER_NODE, node_ip_address=NODE_D)
+        wait_until(lambda: all(fleet.states()[i] == S.REGISTERED.value for i in lost_ids),
+                   180, "the engines back on node D")
         done = len(rounds.rounds)
-        wait_until(lambda: len(rounds.rounds) > done, 120, "a round with both engines")
+        wait_until(lambda: len(rounds.rounds) > done, 120, "a round with every engine")
     finally:
         results = rounds.stop()
 
-    assert (lost.placements[0].node_ip, urlparse(lost.url).hostname) == (NODE_C, NODE_C)
-    elastic.urls.add(lost.url)
-    kinds = [ev.kind for ev, _ in seen]
-    assert kinds[:4] == [S.DEAD, Happening.NODE_LOST, S.RELAUNCHING,
-                         Happening.WAITING_FOR_CAPACITY], kinds
-    assert kinds[4:] == [S.STALE, S.UPDATING, S.REGISTERED, Happening.RECOVERED], kinds
-    # Routed only once verified at the fleet's version (never at the one it died with).
-    assert [routed for ev, routed in seen if ev.is_state_change] == [False] * 4 + [True]
-    assert seen[-2][0].details["version"] == str(fleet.version)
+    for e in lost:
+        assert (e.placements[0].node_ip, urlparse(e.url).hostname) == (NODE_D, NODE_D)
+        elastic.urls.add(e.url)
+        kinds = [ev.kind for ev, _ in seen[e.engine_id]]
+        if kinds[0] is S.SUSPECT:  # a probe past its deadline may come before the death
+            kinds = kinds[1:]
+        assert kinds[:3] == [S.DEAD, S.RELAUNCHING, Happening.WAITING_FOR_CAPACITY], kinds
+        assert kinds[3:] == [S.STALE, S.UPDATING, S.REGISTERED, Happening.RECOVERED], kinds
+        # Routed only once verified at the fleet's version (never at the one it died with).
+        changes = [routed for ev, routed in seen[e.engine_id] if ev.is_state_change]
+        assert changes[-1] and not any(changes[:-1]), (e.engine_id, changes)
+        assert seen[e.engine_id][-2][0].details["version"] == str(fleet.version)
     for samples in results:
         assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(8)}
         assert all(len(s.output_ids) == MAX_NEW for s in samples)
@@ -311,7 +376,8 @@ def test_nothing_is_left_behind(elastic):
     elastic.fleet.shutdown()
     elastic.closed = True
     pids = server_pids(elastic)
-    assert len(pids) == 5  # two at launch, one added per scenario, one relaunched
+    # eight at launch, one added per scenario, the stopped one and the lost node's relaunched
+    assert len(pids) == ENGINES + 2 + len(elastic.relaunched), pids
     wait_until(lambda: not any(running(p) for p in pids.values()), 30,
                "every engine server to exit")
     assert all(refused(url) for url in elastic.urls), elastic.urls
