@@ -217,12 +217,9 @@ def _run_call(future: Future, fn: Callable, args: tuple) -> None:
     try:
         result = fn(*args)
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-        future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
-        _fail(future, e)
+        _finish(future, error=e)
         return
-    future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
-    future.answered_at = time.monotonic()  # type: ignore[attr-defined]
-    future.set_result(result)
+    _finish(future, result=result)
 
 
 def _fail(future: Future, error: BaseException) -> None:
@@ -444,6 +441,7 @@ class EngineIoLoop:
 
 
 def _finish(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """A sent call's outcome, with its round trip's seconds (on a thread or on the loop)."""
     future.seconds = time.perf_counter() - future.sent_at  # type: ignore[attr-defined]
     future.answered_at = time.monotonic()  # type: ignore[attr-defined]
     if error is not None:
