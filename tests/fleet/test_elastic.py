@@ -2,11 +2,11 @@
 
 Real Ray with simulated nodes (`ray.cluster_utils.Cluster`), the real sglang-router and
 reference engines whose forward steps take 40 ms (so a request runs ~2 s). One fleet for
-the module: eight engines over two nodes (A and B, four GPUs each), pushed version 1 by
-`FleetWeights`; then
+the module, pushed version 1 by `FleetWeights`: eight engines over two nodes (four GPUs
+each) in CI, 64 engines over eight nodes (eight each) under `-m slow`; then
 
 - a node joins and `add_engines(1)` places the new engine there (a placement group of its
-  own, waiting for that capacity: every GPU of A and B is taken), launches it after the
+  own, waiting for that capacity: every GPU of the nodes is taken), launches it after the
   command, resyncs it while the others serve and routes it only once it is verified at the
   fleet's version;
 - `drain` of engine 0 with a deadline (0.3 s) far shorter than its running requests: they
@@ -19,10 +19,10 @@ the module: eight engines over two nodes (A and B, four GPUs each), pushed versi
   it dead, which the order of the fleet's events shows, and it is relaunched at the
   fleet's version;
 - node B is lost (its raylet and every process on it killed, as `Cluster.remove_node`
-  does) while requests run: its four engines are seen dead at once, the rounds and a
-  weight push go on with the survivors, the fleet says it runs smaller while no node has
-  room, and when node D joins the engines are placed there, resynced and routed only at
-  the fleet's version;
+  does) while requests run: its engines (four, or eight) are seen dead at once, the
+  rounds and a weight push go on with the survivors, the fleet says it runs smaller while
+  no node has room, and when node D joins the engines are placed there, resynced and
+  routed only at the fleet's version;
 - nothing is left: every engine process and port of the module is gone after shutdown.
 """
 
@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import urlparse
@@ -65,12 +66,50 @@ from slime_like.models import load_pretrained
 from tests.simulated_nodes import simulated_nodes
 
 FLEET_YAML = Path(__file__).resolve().parents[2] / "examples" / "own_trainer" / "fleet.yaml"
-NODE_A, NODE_B, NODE_C, NODE_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
-PER_NODE = 4  # engines (GPUs) on each of the two first nodes
-ENGINES = 2 * PER_NODE
 MAX_NEW = 48
 PARAMS = {"max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
 S = EngineState
+
+
+@dataclass(frozen=True)
+class FleetSize:
+    """The module's fleet: `nodes` simulated nodes of `per_node` GPUs, one engine on each
+    GPU; the node that joins for the add (C) and for the lost node's engines (D) come after
+    them. Each generation round asks two samples of `prompts` prompts."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def engines(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def ips(self) -> list[str]:
+        return [f"127.0.0.{2 + i}" for i in range(self.nodes)]
+
+    @property
+    def lost(self) -> str:  # node B
+        return self.ips[1]
+
+    @property
+    def node_c(self) -> str:
+        return f"127.0.0.{2 + self.nodes}"
+
+    @property
+    def node_d(self) -> str:
+        return f"127.0.0.{3 + self.nodes}"
+
+    @property
+    def prompts(self) -> int:
+        return max(8, self.engines)
+
+
+# CI's fleet: 8 engines on two nodes. Under `-m slow`: 64 engines on eight nodes of eight,
+# a real cluster's size (about 20 GB of memory and 16 cores: the GPU machine's host).
+SIZES = [pytest.param(FleetSize(2, 4), id="8"),
+         pytest.param(FleetSize(8, 8), id="64",
+                      marks=[pytest.mark.slow, pytest.mark.timeout(900)])]
 
 
 def wait_until(cond, timeout: float = 60.0, what: str = "") -> None:
@@ -142,13 +181,15 @@ def refused(url: str) -> bool:
         return s.connect_ex((u.hostname, u.port)) != 0
 
 
-@pytest.fixture(scope="module")
-def elastic(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=SIZES)
+def elastic(request, tmp_path_factory, tiny_model_dir):
+    size: FleetSize = request.param
     events: list = []
     work = tmp_path_factory.mktemp("elastic")
-    fleet_yaml = work / "fleet.yaml"  # the example's model, eight engines
-    fleet_yaml.write_text(FLEET_YAML.read_text().replace("num_gpus: 2", f"num_gpus: {ENGINES}"))
-    with simulated_nodes((NODE_A, NODE_B), cpus=PER_NODE, gpus=PER_NODE,
+    fleet_yaml = work / "fleet.yaml"  # the example's model, one engine per GPU of the nodes
+    fleet_yaml.write_text(FLEET_YAML.read_text().replace("num_gpus: 2",
+                                                         f"num_gpus: {size.engines}"))
+    with simulated_nodes(size.ips, cpus=size.per_node, gpus=size.per_node,
                          node_death_s=4) as cluster:
         fleet = launch_fleet(fleet_yaml, model_path=tiny_model_dir,
                              engine=EngineSettings(program="reference", reference_min_step_ms=40),
@@ -156,7 +197,7 @@ def elastic(tmp_path_factory, tiny_model_dir):
                                                    first_wait_s=3.0, failure_threshold=2),
                              log_dir=work / "logs", on_event=events.append)
         state = SimpleNamespace(fleet=fleet, cluster=cluster, events=events, closed=False,
-                                urls=set(), relaunched=[])
+                                urls=set(), relaunched=[], size=size)
         try:
             state.model = load_pretrained(tiny_model_dir, dtype=torch.float32)
             state.weights = FleetWeights(fleet, transport="distributed")
@@ -168,7 +209,7 @@ def elastic(tmp_path_factory, tiny_model_dir):
 
 
 def test_engines_added_and_drained_while_requests_run(elastic):
-    fleet, weights = elastic.fleet, elastic.weights
+    fleet, weights, size = elastic.fleet, elastic.weights, elastic.size
     first = {e.engine_id for e in fleet.engines}
     elastic.urls |= {e.url for e in fleet.engines}
     seen: list[tuple] = []  # (event, routed at that moment) of the added engine
@@ -180,23 +221,23 @@ def test_engines_added_and_drained_while_requests_run(elastic):
             seen.append((event, routed))
 
     fleet.subscribe(watch)
-    rounds = Rounds(fleet).start()
+    rounds = Rounds(fleet, size.prompts).start()
     try:
         assert Counter(e.placements[0].node_ip for e in fleet.engines) == {
-            NODE_A: PER_NODE, NODE_B: PER_NODE}
-        # The add waits for capacity (every GPU of A and B is taken) until node C joins.
+            ip: size.per_node for ip in size.ips}
+        # The add waits for capacity (every GPU of the nodes is taken) until node C joins.
         asked = time.time()
         added: list[str] = []
         adding = threading.Thread(target=lambda: added.extend(fleet.add_engines(1)))
         adding.start()
         time.sleep(0.5)
         assert not added and adding.is_alive()
-        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=NODE_C)
+        elastic.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address=size.node_c)
         adding.join(timeout=180)
         assert not adding.is_alive() and len(added) == 1
         new = fleet.find(added[0])
-        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (NODE_C, 1)
-        assert urlparse(new.url).hostname == NODE_C
+        assert (new.placements[0].node_ip, new.placements[0].placement_group) == (size.node_c, 1)
+        assert urlparse(new.url).hostname == size.node_c
         elastic.urls.add(new.url)
         # Launched after the command; routed only once verified at the fleet's version.
         loaded = next(ev for ev, _ in seen if ev.kind is S.LOADED)
@@ -225,8 +266,8 @@ def test_engines_added_and_drained_while_requests_run(elastic):
 
     # Every round: each requested sample back exactly once, whole.
     for samples in results:
-        assert len(samples) == 16
-        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(8)}
+        assert len(samples) == 2 * size.prompts
+        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(size.prompts)}
         assert all(len(s.output_ids) == MAX_NEW and s.finish_reason == "length"
                    for s in samples)
     moved = [s for r in results for s in r if s.partial_resubmits]
@@ -262,18 +303,18 @@ def _scale(run_dir: Path, *args: str) -> dict:
 
 
 def test_a_scale_command_resizes_the_running_fleet(elastic, tmp_path):
-    fleet = elastic.fleet
+    fleet, size = elastic.fleet, elastic.size
     watcher = ScaleWatcher(fleet, tmp_path, poll_s=0.1).start()
     try:
-        grown = _scale(tmp_path, "--engines", str(ENGINES + 1))
-        assert grown["ok"] and grown["before"] == ENGINES and len(grown["added"]) == 1, grown
+        grown = _scale(tmp_path, "--engines", str(size.engines + 1))
+        assert grown["ok"] and grown["before"] == size.engines and len(grown["added"]) == 1, grown
         new = fleet.find(grown["added"][0])
         elastic.urls.add(new.url)
         # the bundle engine 0 gave back, in the job's own placement group
         assert new.placements[0].placement_group == 0
-        assert new.placements[0].node_ip in (NODE_A, NODE_B)
+        assert new.placements[0].node_ip in size.ips
         assert new.handle.weight_version() == str(fleet.version)
-        shrunk = _scale(tmp_path, "--engines", str(ENGINES), "--drain-deadline", "5")
+        shrunk = _scale(tmp_path, "--engines", str(size.engines), "--drain-deadline", "5")
         # the newest engine; resynced over its own group, it is in no group to leave
         assert [d["engine"] for d in shrunk["drained"]] == [new.engine_id], shrunk
         assert shrunk["waiting_for_regroup"] == []
@@ -290,6 +331,7 @@ def test_a_push_lands_on_the_others_before_the_monitor_calls_a_stopped_engine_de
     fleet, weights = elastic.fleet, elastic.weights
     for _ in range(3):  # every call type answered lately: the sync's deadlines have a basis
         weights.push(elastic.model)
+    wait_all_registered(fleet)  # an engine a warm-up push found slow is resynced first
     hung = fleet.find("policy/g0/e1")
     others = [e for e in fleet.engines if e is not hung]
     pid = ray.get(hung.actors[0].server_pid.remote())
@@ -310,10 +352,10 @@ def test_a_push_lands_on_the_others_before_the_monitor_calls_a_stopped_engine_de
 
 
 def test_a_lost_node_s_engines_are_placed_again_when_a_node_joins(elastic):
-    fleet, weights = elastic.fleet, elastic.weights
-    lost = [e for e in fleet.engines if e.placements[0].node_ip == NODE_B]
+    fleet, weights, size = elastic.fleet, elastic.weights, elastic.size
+    lost = [e for e in fleet.engines if e.placements[0].node_ip == size.lost]
     survivors = [e for e in fleet.engines if e not in lost]
-    assert len(lost) >= PER_NODE - 1 and survivors  # (the scale test's engine may be on B)
+    assert len(lost) >= size.per_node - 1 and survivors  # (the scale test's engine may be on B)
     lost_ids = {e.engine_id for e in lost}
     elastic.relaunched += sorted(lost_ids)
     old_pids = {e.engine_id: next(ev.details["pid"] for ev in reversed(events_of(
@@ -322,16 +364,16 @@ def test_a_lost_node_s_engines_are_placed_again_when_a_node_joins(elastic):
     node_events: list = []
 
     def watch(event) -> None:
-        if event.subject == f"node/{NODE_B}":
+        if event.subject == f"node/{size.lost}":
             node_events.append(event)
         elif event.subject in lost_ids:
             e = fleet.find(event.subject)
             seen[event.subject].append((event, e.url is not None and e.url in routed_urls(fleet)))
 
     fleet.subscribe(watch)
-    rounds = Rounds(fleet).start()
+    rounds = Rounds(fleet, size.prompts).start()
     try:
-        node_b = next(n for n in elastic.cluster.worker_nodes if n.node_ip_address == NODE_B)
+        node_b = next(n for n in elastic.cluster.worker_nodes if n.node_ip_address == size.lost)
         elastic.cluster.remove_node(node_b, allow_graceful=False)
         wait_until(lambda: all(any(ev.kind is Happening.WAITING_FOR_CAPACITY for ev, _ in s)
                                for s in seen.values()), 60, "the fleet to say it runs smaller")
@@ -345,7 +387,8 @@ def test_a_lost_node_s_engines_are_placed_again_when_a_node_joins(elastic):
         assert {e.handle.weight_version() for e in survivors} == {str(fleet.version)}
         assert {fleet.states()[i] for i in lost_ids} == {S.RELAUNCHING.value}
         # A node joins: the engines are placed there and brought to the fleet's version.
-        elastic.cluster.add_node(num_cpus=PER_NODE, num_gpus=PER_NODE, node_ip_address=NODE_D)
+        elastic.cluster.add_node(num_cpus=size.per_node, num_gpus=size.per_node,
+                                 node_ip_address=size.node_d)
         wait_until(lambda: all(fleet.states()[i] == S.REGISTERED.value for i in lost_ids),
                    180, "the engines back on node D")
         done = len(rounds.rounds)
@@ -354,7 +397,7 @@ def test_a_lost_node_s_engines_are_placed_again_when_a_node_joins(elastic):
         results = rounds.stop()
 
     for e in lost:
-        assert (e.placements[0].node_ip, urlparse(e.url).hostname) == (NODE_D, NODE_D)
+        assert (e.placements[0].node_ip, urlparse(e.url).hostname) == (size.node_d, size.node_d)
         elastic.urls.add(e.url)
         kinds = [ev.kind for ev, _ in seen[e.engine_id]]
         if kinds[0] is S.SUSPECT:  # a probe past its deadline may come before the death
@@ -366,7 +409,7 @@ def test_a_lost_node_s_engines_are_placed_again_when_a_node_joins(elastic):
         assert changes[-1] and not any(changes[:-1]), (e.engine_id, changes)
         assert seen[e.engine_id][-2][0].details["version"] == str(fleet.version)
     for samples in results:
-        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(8)}
+        assert Counter(s.prompt_index for s in samples) == {i: 2 for i in range(size.prompts)}
         assert all(len(s.output_ids) == MAX_NEW for s in samples)
     assert routed_urls(fleet) == {e.url for e in fleet.engines}
 
@@ -376,8 +419,8 @@ def test_nothing_is_left_behind(elastic):
     elastic.fleet.shutdown()
     elastic.closed = True
     pids = server_pids(elastic)
-    # eight at launch, one added per scenario, the stopped one and the lost node's relaunched
-    assert len(pids) == ENGINES + 2 + len(elastic.relaunched), pids
+    # those of the launch, one added per scenario, the stopped one and the lost node's
+    assert len(pids) == elastic.size.engines + 2 + len(elastic.relaunched), pids
     wait_until(lambda: not any(running(p) for p in pids.values()), 30,
                "every engine server to exit")
     assert all(refused(url) for url in elastic.urls), elastic.urls

@@ -185,6 +185,10 @@ def test_an_engine_continued_after_it_hung_in_a_sync_is_resynced_not_relaunched(
     model = load_pretrained(tiny_model_dir, dtype=torch.float32)
     weights = FleetWeights(fleet, transport="distributed", update_weight_buffer_size=1 << 16)
     steps = synced_steps(weights, model)
+    # A warm-up call past its (tight) deadline on a loaded machine makes an engine SUSPECT
+    # and resyncs it alone: both must be serving before the stop, or the push under test
+    # would leave the stopped one out without finding it hung.
+    wait_all_registered(fleet)
     hung, other = fleet.engines
     fleet.seen_servers[pid := server_pid(hung)] = urlparse(hung.url).port
     expected = fleet.version.next().wire
