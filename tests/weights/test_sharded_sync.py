@@ -8,6 +8,7 @@ sync cleanly (the engines serve on, at their old version).
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -41,8 +42,13 @@ def _run(world: int, engines, model_dir, seed: int, settings: dict, die_after: i
                 check(engines, sum(r[0] == "ok" for r in results) - 1)
                 ack.put(True)
     finally:
+        # Polled, not joined: a rank that synced over `tensor` started torch's shared-memory
+        # manager, which inherits the rank's end of the pipe `join` waits on and outlives
+        # the rank while an engine keeps the mapping (a minute here).
+        deadline = time.monotonic() + 60
         for p in procs:
-            p.join(timeout=60)
+            while p.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
             if p.is_alive():
                 p.kill()
     return results, [p.exitcode for p in procs]
