@@ -285,6 +285,8 @@ class EngineIoLoop:
                     fn(*args)
                 except Exception:  # noqa: BLE001 - the loop must outlive any one call
                     log.exception("engine-call loop: %s failed", getattr(fn, "__name__", fn))
+            if not self._running:  # stopped by a posted halt: not back into select
+                break
             timeout = None
             if self._timers:
                 timeout = max(0.0, self._timers[0][0] - time.monotonic())
