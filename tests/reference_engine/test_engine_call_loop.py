@@ -85,3 +85,22 @@ def test_a_hung_engines_waiting_call_on_the_loop_is_cut_at_once(resumed):
     assert err.value.url == resumed.url and err.value.reason == "connection failed"
     # the next call opens a fresh connection and is answered
     assert session.continue_generation(timeout=30) is not None
+
+
+def test_a_stopped_loop_ends_its_thread_with_answered_calls_timers_still_queued(resumed):
+    """`stop` (how tests get a fresh loop) ends the thread even while an answered call's
+    timer (here 60 s) is the next thing the loop would wait for."""
+    from slime_like.engine import call_pool
+
+    session = EngineSession(EngineAddress(resumed.url))
+    session.submit_steps(lambda s: s.pause_steps(PauseMode.RETRACT, timeout=60),
+                         session).result(timeout=30)
+    session.submit_steps(EngineSession.continue_steps, session).result(timeout=30)
+    loop = call_pool.io_loop()
+    assert loop._timers  # the answered calls' timers wait for their deadlines
+    try:
+        loop.stop()
+        assert not loop._thread.is_alive()
+    finally:
+        call_pool._LOOP = None  # the next call makes a new loop
+    session.submit_steps(EngineSession.continue_steps, session).result(timeout=30)
