@@ -43,8 +43,8 @@ def _run(world: int, engines, model_dir, seed: int, settings: dict, die_after: i
                 ack.put(True)
     finally:
         # Polled, not joined: a rank that synced over `tensor` started torch's shared-memory
-        # manager, which inherits the rank's end of the pipe `join` waits on and outlives
-        # the rank while an engine keeps the mapping (a minute here).
+        # manager (`torch_shm_manager`), which inherits the rank's end of the pipe `join`
+        # waits on and outlives the rank by about a minute here.
         deadline = time.monotonic() + 60
         for p in procs:
             while p.is_alive() and time.monotonic() < deadline:
