@@ -21,6 +21,7 @@ import requests
 
 from slime_like.cluster.ports import free_port
 from slime_like.reference_engine.step_floor import MIN_STEP_ENV
+from tests.own_port import listens_on, lost_its_port
 
 # Engines listen on loopback; a machine-wide HTTP proxy must never see these requests.
 for _var in ("no_proxy", "NO_PROXY"):
@@ -57,29 +58,40 @@ def start_engine(model_dir: Path, log_dir: Path, *extra: str, env: dict | None =
                  wait_healthy: bool = True, timeout: float = 90.0,
                  program: tuple[str, ...] = ("-m", "slime_like.reference_engine")) -> RunningEngine:
     """Launch `python -m slime_like.reference_engine` (or `program`, which takes the same
-    flags: a wrapper that runs it) and wait until /health answers 200."""
-    port = free_port()
-    argv = [sys.executable, *program, "--model-path", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), *extra]
-    log_path = log_dir / f"engine-{port}.log"
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True)
-    engine = RunningEngine(f"http://127.0.0.1:{port}", proc, log_path, argv)
-    if wait_healthy:
-        wait_until_healthy(engine, timeout)
-    return engine
+    flags: a wrapper that runs it) and wait until /health answers 200 from it. An engine
+    whose port another process bound first is started again on another port."""
+    for attempt in range(3):
+        port = free_port()
+        argv = [sys.executable, *program, "--model-path", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(port), *extra]
+        log_path = log_dir / f"engine-{port}.log"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)
+        engine = RunningEngine(f"http://127.0.0.1:{port}", proc, log_path, argv)
+        if not wait_healthy:
+            return engine
+        try:
+            wait_until_healthy(engine, timeout)
+            return engine
+        except RuntimeError:
+            if attempt == 2 or not lost_its_port(engine.log_tail()):
+                raise
+    raise AssertionError("unreachable")
 
 
 def wait_until_healthy(engine: RunningEngine, timeout: float = 90.0) -> None:
-    """Poll /health until 200; an engine that exits or never answers is stopped and reported."""
+    """Poll /health until 200 from this engine (its process listens on the port); an
+    engine that exits or never answers is stopped and reported."""
     deadline = time.monotonic() + timeout
+    port = int(engine.url.rsplit(":", 1)[1])
     while time.monotonic() < deadline:
         if engine.proc.poll() is not None:
             raise RuntimeError(f"engine exited with {engine.proc.returncode}:\n{engine.log_tail()}")
         with contextlib.suppress(requests.RequestException):
-            if requests.get(engine.url + "/health", timeout=5).status_code == 200:
+            if (requests.get(engine.url + "/health", timeout=5).status_code == 200
+                    and listens_on(engine.proc.pid, port)):
                 return
         time.sleep(0.2)
     stop_engine(engine)

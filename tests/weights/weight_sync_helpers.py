@@ -14,6 +14,7 @@ from slime_like.cluster.process import ServerProcess
 from slime_like.models.loading import init_dummy_weights, load_pretrained
 from slime_like.models.transformer import CausalLM, hf_named_parameters
 from slime_like.protocol.checksums import overall_checksum, tensor_checksum
+from tests.own_port import listens_on, lost_its_port
 
 
 @dataclass
@@ -46,25 +47,32 @@ class Engine:
 
 
 def start_engine(model_dir: Path, log_dir: Path, tp_size: int = 1, *extra: str) -> Engine:
-    port = free_port()
-    argv = [sys.executable, "-m", "slime_like.reference_engine", "--model-path", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size), *extra]
-    proc = ServerProcess(argv, log_path=log_dir / f"engine-{port}.log", name=f"engine:{port}")
-    proc.start()
-    engine = Engine(f"http://127.0.0.1:{port}", tp_size, proc)
+    """A reference engine healthy on a free port (started again on another port when a
+    process bound its port first)."""
+    for attempt in range(3):
+        port = free_port()
+        argv = [sys.executable, "-m", "slime_like.reference_engine", "--model-path",
+                str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                "--tp-size", str(tp_size), *extra]
+        proc = ServerProcess(argv, log_path=log_dir / f"engine-{port}.log", name=f"engine:{port}")
+        proc.start()
+        engine = Engine(f"http://127.0.0.1:{port}", tp_size, proc)
 
-    def healthy() -> bool:
+        def healthy(engine: Engine = engine, port: int = port) -> bool:
+            try:
+                answered = requests.get(engine.url + "/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+            return answered and listens_on(engine.process.pid, port)  # not another's server
+
         try:
-            return requests.get(engine.url + "/health", timeout=5).status_code == 200
-        except requests.RequestException:
-            return False
-
-    try:
-        proc.wait_healthy(healthy, timeout=120)
-    except BaseException:
-        proc.terminate(grace=5)
-        raise
-    return engine
+            proc.wait_healthy(healthy, timeout=120)
+            return engine
+        except BaseException:
+            proc.terminate(grace=5)
+            if attempt == 2 or not lost_its_port(proc.log_tail()):
+                raise
+    raise AssertionError("unreachable")
 
 
 def trainer_model(model_dir: Path, seed: int) -> CausalLM:
