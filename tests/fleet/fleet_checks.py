@@ -37,9 +37,6 @@ def stopped(pid: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-
-
-
 def recorder(fleet) -> list:
     events: list = []
     fleet.subscribe(events.append)
