@@ -1,6 +1,6 @@
 """The Ray side of placement: one placement group, its bundles probed and sorted.
 
-A probe actor in each bundle reads the node IP and GPU id Ray gave it; the sorted bundles
+A probe task in each bundle reads the node IP and GPU id Ray gave it; the sorted bundles
 feed the pure `layout.plan_job`. On CPU machines GPUs are declared to Ray (`ray start
 --num-gpus N`, `ray.init(num_gpus=N)`), so the same code runs there.
 """
@@ -37,13 +37,27 @@ TRAINER_ACTOR_GPUS = 0.4
 ENGINE_ACTOR_GPUS = 0.2
 
 
-@ray.remote(num_cpus=0, num_gpus=1)
-class _BundleProbe:
-    """Lives in one bundle just long enough to say where Ray put it."""
+# A task, not an actor, and max_calls=0: Ray's default for a GPU task (max_calls=1) ends its
+# worker process after it, and an actor has a process of its own. So the probe runs in a
+# pooled worker that is then given to the job's actors, rather than starting a process per
+# bundle only to kill it (at 64 engines, 64 interpreters started for one answer each). The
+# probe never touches a GPU, so its worker holds no device memory afterwards.
+@ray.remote(num_cpus=0, num_gpus=1, max_calls=0)
+def _where_bundle() -> tuple[str, list, str]:
+    """Runs in one bundle just long enough to say where Ray put it."""
+    return (ray.util.get_node_ip_address(), list(ray.get_gpu_ids()),
+            ray.get_runtime_context().get_node_id())
 
-    def where(self) -> tuple[str, list, str]:
-        return (ray.util.get_node_ip_address(), list(ray.get_gpu_ids()),
-                ray.get_runtime_context().get_node_id())
+
+def _probe(pg: PlacementGroup, indices: list[int]) -> list[ray.ObjectRef]:
+    return [_where_bundle.options(scheduling_strategy=bundle_strategy(pg, i)).remote()
+            for i in indices]
+
+
+def _cancel(refs: list[ray.ObjectRef]) -> None:
+    """Probes still waiting for their bundle are not run."""
+    for ref in refs:
+        ray.cancel(ref)
 
 
 def bundle_strategy(pg: PlacementGroup, bundle_index: int) -> PlacementGroupSchedulingStrategy:
@@ -101,43 +115,35 @@ def wait_bundles(pg: PlacementGroup, indices: list[int], *, stop: Callable[[], b
     joins later included; until then a probe in one waits. `on_waiting(seconds)` is called
     once when they have waited `notice_s`; None if `stop()` turns true first.
     """
-    probes = [_BundleProbe.options(scheduling_strategy=bundle_strategy(pg, i)).remote()
-              for i in indices]
-    try:
-        refs = [p.where.remote() for p in probes]
-        start, noticed = time.monotonic(), False
-        while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=poll_s)
-            if len(ready) == len(refs):
-                break
-            if stop():
-                return None
-            waited = time.monotonic() - start
-            if not noticed and waited >= notice_s:
-                noticed = True
-                on_waiting(waited)
-        answers = ray.get(refs)
-    finally:
-        for p in probes:
-            ray.kill(p)
+    refs = _probe(pg, indices)
+    start, noticed = time.monotonic(), False
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=poll_s)
+        if len(ready) == len(refs):
+            break
+        if stop():
+            _cancel(refs)
+            return None
+        waited = time.monotonic() - start
+        if not noticed and waited >= notice_s:
+            noticed = True
+            on_waiting(waited)
+    answers = ray.get(refs)
     return [Bundle(i, ip, int(gpu_ids[0]) if gpu_ids else 0, node_id)
             for i, (ip, gpu_ids, node_id) in zip(indices, answers, strict=True)]
 
 
 def probe_bundles(pg: PlacementGroup | None, num_bundles: int, *,
                   timeout_s: float = 120.0) -> list[Bundle]:
-    """Every bundle's (node IP, GPU id), read by a probe actor inside it; sorted by slot."""
+    """Every bundle's (node IP, GPU id), read by a probe task inside it; sorted by slot."""
     if pg is None:
         return []
-    probes = [_BundleProbe.options(scheduling_strategy=bundle_strategy(pg, i)).remote()
-              for i in range(num_bundles)]
+    refs = _probe(pg, list(range(num_bundles)))
     try:
-        answers = ray.get([p.where.remote() for p in probes], timeout=timeout_s)
+        answers = ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
+        _cancel(refs)
         raise PlacementError(f"bundle probes did not answer within {timeout_s:g}s") from None
-    finally:
-        for p in probes:
-            ray.kill(p)
     bundles = []
     for i, (ip, gpu_ids, node_id) in enumerate(answers):
         if len(gpu_ids) != 1:
