@@ -14,6 +14,9 @@ checkpoints have them.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from slime_like.protocol.buckets import TensorMeta
+
+log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -62,10 +67,12 @@ def check_quantization(value: str | None, where: str) -> str | None:
 @torch.no_grad()
 def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
              out: tuple[torch.Tensor, torch.Tensor] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] floating weight -> (e4m3 values [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]),
     computed on the weight's device. scale = block amax / 448; value = w / scale, saturated.
-    `out`: tensors of those shapes to write into (a kept quantized copy), returned."""
+    `out`: tensors of those shapes to write into (a kept quantized copy), returned.
+    `fused`: on CUDA, whole blocks in one Triton kernel (`fp8_kernel`; None: where Triton
+    is installed), else in torch ops; the same bytes either way."""
     if weight.dim() != 2:
         raise ValueError(f"FP8 block quantization needs a 2-D weight, got shape {list(weight.shape)}")
     n, k = weight.shape
@@ -77,6 +84,16 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
                          f"{list(scale_shape((n, k), block))}, got {out[0].dtype}"
                          f"{list(out[0].shape)} and {out[1].dtype}{list(out[1].shape)}")
     if weight.is_cuda and not (n % bn or k % bk):
+        auto = fused is None
+        if auto:
+            fused = triton_installed() and _fused_failure is None
+        if fused and _fused_layout(weight, out):
+            try:
+                return _quantize_fused(weight, block, out)
+            except Exception as e:  # Triton could not build or launch the kernel here
+                if not auto:
+                    raise
+                _give_up_fused(e)
         return _quantize_whole_blocks(weight, block, out)
     values, scale = _quantize_float32(weight, block)
     if out is None:
@@ -84,6 +101,46 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
     out[0].copy_(values)
     out[1].copy_(scale)
     return out
+
+
+_fused_failure: str | None = None  # why the fused kernel could not run in this process
+
+
+def _fused_layout(weight: torch.Tensor,
+                  out: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether the kernel can address these tensors (rows contiguous, scales contiguous);
+    a view that is not goes through torch ops, without giving up the kernel for the rest."""
+    return weight.stride(1) == 1 and (out is None or (out[0].stride(1) == 1
+                                                      and out[1].is_contiguous()))
+
+
+def _give_up_fused(error: Exception) -> None:
+    """The fused kernel failed (no C compiler for Triton's launcher, an unsupported GPU):
+    say so once, and quantize in torch ops from now on (the same bytes, slower)."""
+    global _fused_failure
+    _fused_failure = f"{type(error).__name__}: {error}"
+    log.warning("the fused FP8 quantize kernel (Triton) failed, so this process quantizes "
+                "in torch ops from now on: %s", _fused_failure)
+
+
+def _quantize_fused(weight: torch.Tensor, block: tuple[int, int],
+                    out: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    from slime_like.protocol import fp8_kernel  # imports Triton: only where it runs
+
+    n, k = weight.shape
+    values, scale = out if out is not None else (
+        torch.empty((n, k), dtype=FP8_DTYPE, device=weight.device),
+        torch.empty(scale_shape((n, k), block), dtype=SCALE_DTYPE, device=weight.device))
+    fp8_kernel.quantize_blocks(weight, values, scale, block, FP8_MAX, _MIN_AMAX)
+    return values, scale
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether the fused GPU kernel can be imported (Triton, which CUDA builds of torch
+    bring); asked without importing it, which would cost every process a fifth of a second."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _quantize_float32(weight: torch.Tensor, block: tuple[int, int],

@@ -47,7 +47,8 @@ class Fp8Weights:
     """A model's weights in sglang's FP8 block layout: a `WeightSource`."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype,
-                 block: tuple[int, int] = fp8.BLOCK, keep: bool = False):
+                 block: tuple[int, int] = fp8.BLOCK, keep: bool = False,
+                 fused: bool | None = None):
         self.inner = ModelWeights(model)
         if self.inner.resident() is None:
             raise ValueError("FP8 syncs of a LoRA model are not supported: merge the adapters "
@@ -55,6 +56,7 @@ class Fp8Weights:
         self.dtype = dtype
         self.block = block
         self.keep = keep
+        self.fused = fused  # fp8.quantize's: None uses the fused GPU kernel where it runs
         self._metas = fp8.quantized_metadata(self.inner.metadata(), dtype, block)
         self.quantize_s = 0.0  # the last sync's time spent quantizing (trainer's clock)
         self._kept: list[torch.Tensor] | None = None  # keep: what is sent, in send order
@@ -92,7 +94,7 @@ class Fp8Weights:
                     out = (kept[len(fill)], kept[len(fill) + 1]) if kept is not None else (
                         _like(t, fp8.FP8_DTYPE, tuple(t.shape)),
                         _like(t, fp8.SCALE_DTYPE, fp8.scale_shape(tuple(t.shape), self.block)))
-                values, scale = fp8.quantize(t, self.block, out=out)
+                values, scale = fp8.quantize(t, self.block, out=out, fused=self.fused)
                 self.quantize_s += time.perf_counter() - started
                 fill += [values, scale]
                 yield name, values

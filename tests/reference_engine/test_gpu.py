@@ -229,22 +229,36 @@ def test_tensor_transport_lands_every_byte_packed_or_straight_from_flat_buffers(
         sync.close()
 
 
-def test_fp8_quantize_on_cuda_two_pass_makes_the_float32_bytes():
-    """The trainer quantizes on its GPU in two passes (`protocol/fp8.py`); its checks
-    (`ServedWeights`) quantize there too. The two-pass form must make the bytes the float32
-    form makes on the same device. (Across devices e4m3 rounding may differ, so the job
-    never compares a CPU quantization with a GPU one.)"""
-    from slime_like.protocol import fp8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_quantize_on_cuda_fused_and_two_pass_make_the_float32_bytes(dtype):
+    """The trainer quantizes on its GPU (`protocol/fp8.py`): in one Triton kernel where
+    Triton is installed (`fp8_kernel`), else in two torch passes; its checks
+    (`ServedWeights`) quantize there too. Both GPU forms must make the bytes the float32
+    form makes on the same device, for blocks of every magnitude, an all-zero block, and a
+    weight whose rows are a view into a wider tensor. (Across devices e4m3 rounding may
+    differ, so the job never compares a CPU quantization with a GPU one.)"""
+    from slime_like.protocol import fp8, fp8_kernel
 
-    w = (torch.randn(1024, 2048) * torch.logspace(-4, 0, 2048)).to(torch.bfloat16).cuda()
-    values, scale = fp8._quantize_float32(w, fp8.BLOCK)
-    values2, scale2 = fp8.quantize(w)
-    assert torch.equal(scale, scale2)
-    assert torch.equal(values.view(torch.uint8), values2.view(torch.uint8))
-    cpu_values, _ = fp8.quantize(w.cpu())
-    differ = int((cpu_values.view(torch.uint8) != values.cpu().view(torch.uint8)).sum())
+    if dtype is torch.bfloat16:
+        assert fp8_kernel.available(), "a CUDA build of torch ships Triton: the fused kernel must run"
+    wide = (torch.randn(1024, 2304) * torch.logspace(-4, 0, 2304)).to(dtype).cuda()
+    wide[:128, :128] = 0
+    wide[128:256, 256:384] *= 1e3
+    for w in (wide[:, :2048].contiguous(), wide[:, 128:2176]):
+        values, scale = fp8._quantize_float32(w, fp8.BLOCK)
+        for fused in ((True, False) if fp8_kernel.available() else (False,)):
+            values2, scale2 = fp8.quantize(w, fused=fused)
+            assert torch.equal(scale, scale2), f"fused={fused}"
+            assert torch.equal(values.view(torch.uint8), values2.view(torch.uint8)), f"fused={fused}"
+            kept = (torch.empty_like(values2), torch.empty_like(scale2))
+            out = fp8.quantize(w, fused=fused, out=kept)
+            assert out[0] is kept[0] and torch.equal(kept[0].view(torch.uint8),
+                                                     values.view(torch.uint8))
+    cpu_values, _ = fp8.quantize(wide[:, :2048].cpu())
+    differ = int((cpu_values.view(torch.uint8) != fp8.quantize(wide[:, :2048])[0].cpu()
+                  .view(torch.uint8)).sum())
     print(f"e4m3 bytes that differ between the CPU's and the GPU's quantization: {differ} "
-          f"of {w.numel()}")
+          f"of {2048 * 1024}")
 
 
 def test_tensor_transport_keeps_a_buffer_that_stays_mapped_and_frees_one_that_moves_or_offloads(
