@@ -75,6 +75,9 @@ class WeightSyncError(SlimeLikeError, RuntimeError):
         # engines whose call went past its deadline while others answered: hung, handed to
         # recovery by the fleet (a subset of `unresponsive`)
         self.hung: list[str] = []
+        # engines that answered the sync's own ping after the failure (set by `WeightSync`):
+        # a retry right after a hang need not ask them again (at 64 engines, a round of pings)
+        self.answering: list[str] = []
         # no engine was sent an update (failed at the attach, pause or begin): every
         # engine still serves the weights it had
         self.untouched = False

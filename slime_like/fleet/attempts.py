@@ -118,7 +118,8 @@ class SyncAttempts:
         # failed on engines it found hung (past a deadline while the others answered):
         # the fleet holds those out (SUSPECT) until they answer or are called dead, and
         # the others (out of the router since the failure) would wait for nothing.
-        if not getattr(err, "hung", None):
+        hung = bool(getattr(err, "hung", None))
+        if not hung:
             time.sleep(min(2.0, 0.25 * 2 ** self.attempt))
         self.attempt += 1
         candidates = self.fleet.targets(None)
@@ -126,7 +127,12 @@ class SyncAttempts:
         # their group join) are left out as well; the health monitor relaunches them if
         # their scheduler stays stuck.
         named = set(getattr(err, "unresponsive", None) or ())
-        self.excluded = self.fleet.unresponsive(candidates) | {
+        # Right after a hang (no pause above), the engines that answered the sync's own
+        # ping after the failure are not asked again: a second round of pings to every
+        # engine, on the step's critical path, would tell nothing new.
+        answered = set(getattr(err, "answering", None) or ()) if hung else set()
+        self.excluded = self.fleet.unresponsive(
+            [e for e in candidates if e.url not in answered]) | {
             e.engine_id for e in candidates if e.url in named}
         logger.warning("weight sync failed (%s); retrying for the living engines%s", err,
                        f" (leaving out {sorted(self.excluded)} for now)" if self.excluded else "")

@@ -307,6 +307,7 @@ class WeightSync(Members):
             if problems:
                 log.error("after a failed sync, continue_generation also failed: %s", problems)
         if failure is not None:
+            error.answering = [e.url for e in answering]
             raise self._with_dead_dropped(error, [e for e in engines if e not in answering]
                                           ) from failure
         self._counter += 1

@@ -189,6 +189,7 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
         err = failure.value
         assert err.hung == [fleet.proxy.url] and err.engine == fleet.proxy.url, err
         assert err.step == "pause_generation" and "deadline" in str(err), err
+        assert err.answering == [fleet.a.url], err.answering  # asked after the failure
         assert sync.take_dropped() == [fleet.proxy.url]
         assert_left_clean(fleet.a.url, fleet.proxy.groups)
         sync.update(trainer_model(tiny_model_dir, seed=13), "4")  # A alone, B still hung
