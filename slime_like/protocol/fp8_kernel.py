@@ -55,6 +55,13 @@ if triton is not None:
 
 
 @functools.cache
+def _float32_reciprocal(x: float) -> float:
+    """1/x rounded to float32, as torch on CUDA divides a tensor by a number (a reciprocal,
+    then one multiplication); once per value, not a host tensor per weight per sync."""
+    return (torch.ones((), dtype=torch.float32) / x).item()
+
+
+@functools.cache
 def _num_warps(block: tuple[int, int]) -> int:
     """Eight warps for sglang's 128x128 blocks: 64 float32 values a thread."""
     return max(1, min(8, block[0] * block[1] // 2048))
@@ -82,8 +89,6 @@ def quantize_blocks(weight: torch.Tensor, values: torch.Tensor, scales: torch.Te
     if not scales.is_contiguous():
         raise ValueError("the fused FP8 kernel needs contiguous scales")
     grid = (n // bn, k // bk)
-    # torch's own CUDA division by a number: a float32 reciprocal, then one multiplication
-    inv_fp8_max = (torch.ones((), dtype=torch.float32) / fp8_max).item()
     _quantize_blocks[grid](weight, values, scales, k // bk, weight.stride(0), values.stride(0),
-                           inv_fp8_max, min_amax, BLOCK_N=bn, BLOCK_K=bk,
+                           _float32_reciprocal(fp8_max), min_amax, BLOCK_N=bn, BLOCK_K=bk,
                            num_warps=_num_warps(block))
