@@ -141,10 +141,15 @@ class Fleet(Membership):
         # budget. They are not dead yet (a stopped process may be continued, a cut-off host
         # heal, a deadline be short for a loaded machine): resynced in place once they
         # answer, relaunched only once the monitor calls them dead (`suspect`).
-        hung = set(getattr(failed, "hung", None) or ())
+        # A sync that found engines hung before any update went out left them behind and
+        # landed on the others (`weights/left_behind.py`): the same verdict.
+        why = {url: str(failed) for url in getattr(failed, "hung", None) or ()}
+        if failed is None:
+            why.update((update.report or {}).get("hung") or {})
+        hung = set(why)
         for e in chosen:
             if e.url in hung:
-                self.suspect(e, f"hung during a weight sync: {failed}")
+                self.suspect(e, f"hung during a weight sync: {why[e.url]}")
         if failed is None:
             synced = set(update.report.get("engines") or [h.url for h in update.targets])
             pushed = parse_weight_version(update.report.get("weight_version")) or update.version

@@ -19,7 +19,8 @@ The transaction, per `update()` (its engine calls are in `control.py`):
 Every engine call goes through the engine's `EngineSession`, which remembers what it
 changed, and has its call type's deadline (`engine/deadlines.py`): an engine past it while
 the others answered is hung, and the sync fails naming it (`WeightSyncError.hung`) rather
-than waiting for it. On failure the sessions undo what they changed: pending collectives
+than waiting for it; a sync the fleet settles that finds it hung before any update went out
+leaves it behind instead, and lands on the others (`left_behind.py`, `SyncReport.hung`). On failure the sessions undo what they changed: pending collectives
 are aborted, open update sessions ended, every paused engine continued (or handed to the
 caller), engines that stopped answering (silent to a ping, then to one three times as
 long: a loaded host's slow answer is not a death) or hung are dropped (the next sync
@@ -55,6 +56,7 @@ from slime_like.weights.attach import (
 )
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
 from slime_like.weights.handshake import check_same_metadata
+from slime_like.weights.left_behind import hung_before_updates, others_ready
 from slime_like.weights.members import LATE_PING_FACTOR, Members
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
@@ -238,12 +240,22 @@ class WeightSync(Members):
                 for c in sent:  # a failed pause fails the update, even if begin got through
                     watch.add(c)
             with steps("transfer"):
-                stats = TransferStats()
-                folded = frozenset(e.url for e in engines if e.folds_flush
-                                   and self.control.flush_plan(e, report) is None)
-                answers = LastAnswers(version)
-                self._transfer(engines, source, buckets, version, watch, stats, folded,
-                               control, answers, updates)
+                while True:
+                    stats = TransferStats()
+                    folded = frozenset(e.url for e in engines if e.folds_flush
+                                       and self.control.flush_plan(e, report) is None)
+                    answers = LastAnswers(version)
+                    try:
+                        self._transfer(engines, source, buckets, version, watch, stats,
+                                       folded, control, answers, updates)
+                        break
+                    except WeightSyncError as err:
+                        rest = self._leave_behind(err, engines, sent, updates, source, report)
+                        if rest is None:
+                            raise
+                    engines = answering = rest
+                    control, watch = [], Watch(cfg.http_timeout_s, self.clock)
+                    self._transport().attach(engines)  # the group without them (rebuilt)
                 report.transfer = stats.as_dict()
             if self.control.can_pipeline_end(engines, folded, answers, report):
                 # Every engine's last answer carries the new version and no separate flush is
@@ -316,6 +328,25 @@ class WeightSync(Members):
         report.total_s = time.perf_counter() - start
         self.last_report = report
         return report
+
+    def _leave_behind(self, err: WeightSyncError, engines: list[EngineSession],
+                      sent: list[EngineCall], updates: list[EngineCall], source: WeightSource,
+                      report: SyncReport) -> list[EngineSession] | None:
+        """After engines were found hung before any update went out: the others, paused with
+        their sessions open, in a group without the hung ones, to go on with; or None, and
+        the sync fails (`left_behind.py` says when)."""
+        hung = hung_before_updates(err, self.config, source, updates)
+        rest = others_ready(hung, engines, sent, self.config.http_timeout_s, self.clock) \
+            if hung else None
+        if rest is None:
+            return None
+        log.warning("left out of weight sync %s as hung, going on with the %d other "
+                    "engines: %s", report.weight_version, len(rest), err)
+        report.hung.update({url: str(err) for url in sorted(hung)})
+        report.engines = [e.url for e in rest]
+        updates.clear()  # cancelled, never sent
+        self._drop_dead([e for e in engines if e.url in hung])
+        return rest
 
     def _transfer(self, engines: list[EngineSession], source: WeightSource,
                   buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,

@@ -138,6 +138,9 @@ class SyncReport:
     #: per step, the engines smg's RL control plane reached (`--router-enable-rl`); the
     #: others were called directly
     via_rl_plane: dict[str, list[str]] = field(default_factory=dict)
+    #: engines found hung before any update went out, left behind by this sync (URL: why;
+    #: `left_behind.py`); the fleet holds them out as SUSPECT
+    hung: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"weight_version": self.weight_version, "transport": self.transport,
@@ -147,7 +150,7 @@ class SyncReport:
                 "flush": self.flush, "in_flight_at_pause": self.in_flight_at_pause,
                 "not_paused": self.not_paused,
                 "warnings": self.warnings, "round_trips": self.round_trips,
-                "via_rl_plane": self.via_rl_plane}
+                "via_rl_plane": self.via_rl_plane, "hung": self.hung}
 
 
 class StepClock:

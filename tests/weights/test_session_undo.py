@@ -118,12 +118,12 @@ def assert_serves(url: str, version: str) -> None:
 
 
 @contextlib.contextmanager
-def syncing(fleet: Fleet, http_timeout_s: float = 3) -> Iterator[WeightSync]:
+def syncing(fleet: Fleet, http_timeout_s: float = 3, **settings) -> Iterator[WeightSync]:
     """A WeightSync over engines A and B; afterwards, whatever the case did: the proxy
     disarmed, B never left hung for the next case, the sync closed, both engines clean."""
     sync = WeightSync(fleet.sessions(), update_weight_buffer_size=BUCKET_BYTES,
                       http_timeout_s=http_timeout_s, group_timeout_s=GROUP_TIMEOUT_S,
-                      liveness_timeout_s=1)
+                      liveness_timeout_s=1, **settings)
     try:
         yield sync
     finally:
@@ -200,6 +200,37 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
         sync.update(trainer_model(tiny_model_dir, seed=14), "5")
         for url in (fleet.a.url, fleet.b.url):
             assert_serves(url, "5")
+
+
+@pytest.mark.parametrize("step", ["pause", "begin"])
+def test_the_fleets_sync_leaves_an_engine_hung_before_any_update_behind_and_lands(
+        fleet, tiny_model_dir, step):
+    """The fleet's sync (`resume_on_failure=False`: it settles failures itself) finds B
+    hung at its pause or begin (SIGSTOP, real) before any update went out: it does not
+    fail, it drops B, rebuilds the group without it and lands on A in the same update,
+    naming B in `report.hung`. A is left serving the new version in the new group only;
+    continued and added back, B takes the next update."""
+    endpoint, n = STEPS[step]
+    with syncing(fleet, http_timeout_s=60, resume_on_failure=False) as sync:
+        for version in ("1", "2"):  # every call type answered twice by each engine
+            sync.update(trainer_model(tiny_model_dir, seed=11), version)
+        first_group = sync.transport.group_name
+        fleet.proxy.arm(endpoint, n, "hang")
+        report = sync.update(trainer_model(tiny_model_dir, seed=12), "3")
+        assert fleet.proxy.fired.is_set()
+        assert list(report.hung) == [fleet.proxy.url], report.hung
+        assert f"'{STEPS[step][0][1:]}'" in report.hung[fleet.proxy.url], report.hung
+        assert report.engines == [fleet.a.url] and report.as_dict()["hung"] == report.hung
+        assert sync.take_dropped() == [fleet.proxy.url]
+        assert_serves(fleet.a.url, "3")
+        assert sync.transport.group_name != first_group  # A left the group B was in
+        assert_left_clean(fleet.a.url, fleet.proxy.groups, keep=sync.transport.group_name)
+        fleet.b.process.kill(signal.SIGCONT)
+        sync.add_engine(EngineSession(EngineAddress(fleet.proxy.url, api_key=USER,
+                                                    admin_api_key=ADMIN)))
+        sync.update(trainer_model(tiny_model_dir, seed=14), "4")
+        for url in (fleet.a.url, fleet.b.url):
+            assert_serves(url, "4")
 
 
 def test_an_engine_slow_to_answer_the_ping_after_a_failure_is_undone_not_dropped(
