@@ -152,13 +152,20 @@ class WeightSync(Members):
         if fresh:
             on_all(fresh, "attach (GET /server_info)", lambda e: e.probe())
             self._probed.update(e.url for e in fresh)
-        urls = tuple(e.url for e in self.engines)
-        same = self._verified is not None and self._verified[1] == urls and (
+        # Only engines not checked against these metadata yet are asked for their model: a
+        # regroup after one left (dropped as hung, drained) must not call every other
+        # engine again, or wait on one that stopped answering since (this call has no
+        # deadline of its call type). A disk sync re-reads every engine's model path.
+        same = self._verified is not None and (
             self._verified[0] is metas or self._verified[0] == metas)
-        if self.config.check_engine_metadata and (
-                not same or self.config.transport is modes.Transport.DISK):
-            on_all(self.engines, "check_metadata", lambda e: self._models.check(e, metas))
-        self._verified = (metas, urls)  # equal or checked: the next sync compares identities
+        known = self._verified[1] if same and self.config.transport is not \
+            modes.Transport.DISK else frozenset()
+        unchecked = [e for e in self.engines if e.url not in known]
+        if self.config.check_engine_metadata and unchecked:
+            on_all(unchecked, "check_metadata", lambda e: self._models.check(e, metas))
+        # equal or checked (the next sync compares identities), for the engines of this
+        # sync only: one that leaves is checked again if it comes back
+        self._verified = (metas, frozenset(e.url for e in self.engines))
         self._transport().attach(self.engines)
         if not getattr(source, "buckets_in_wire_layout", False):
             self._transport().prepare(self._plan(metas))

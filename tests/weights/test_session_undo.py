@@ -233,6 +233,32 @@ def test_the_fleets_sync_leaves_an_engine_hung_before_any_update_behind_and_land
             assert_serves(url, "4")
 
 
+def test_a_regroup_after_an_engine_left_does_not_ask_the_others_models_again(
+        fleet, tiny_model_dir):
+    """An engine leaving the sync (dropped as hung, drained) makes the next update regroup;
+    the engines already checked against the same metadata are not asked for their models
+    again (`/model_info` has no deadline of its call type: a stopped engine would hold the
+    attach until it died), while an engine that comes back is checked again."""
+    def session(url: str) -> EngineSession:
+        return EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN))
+
+    with syncing(fleet) as sync:
+        sync.update(trainer_model(tiny_model_dir, seed=11), "1")
+        fleet.proxy.calls.clear()
+        sync.remove_engine(fleet.a.url)
+        sync.update(trainer_model(tiny_model_dir, seed=12), "2")  # B alone, in a new group
+        assert fleet.proxy.calls["/model_info"] == 0, fleet.proxy.calls
+        assert sync.last_report.engines == [fleet.proxy.url]
+        sync.remove_engine(fleet.proxy.url)
+        sync.add_engine(session(fleet.a.url))
+        sync.update(trainer_model(tiny_model_dir, seed=13), "3")  # A alone
+        sync.add_engine(session(fleet.proxy.url))
+        sync.update(trainer_model(tiny_model_dir, seed=14), "4")  # B is back: checked again
+        assert fleet.proxy.calls["/model_info"] >= 1, fleet.proxy.calls
+        for url in (fleet.a.url, fleet.b.url):
+            assert_serves(url, "4")
+
+
 def test_an_engine_slow_to_answer_the_ping_after_a_failure_is_undone_not_dropped(
         fleet, tiny_model_dir):
     """After a failed sync every engine is pinged (`liveness_timeout_s`, 1 s here). Engine B,
