@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"step {step}: served versions {served[-1]}, pushed version "
                   f"{report['weight_version']} in {report['total_s']:.3f}s, router "
                   f"{fleet.router_url()}, engines {fleet.states()}")
+        if a.fsdp == 1:  # (a sharded model's resync waits for a next push, which never comes)
+            fleet.wait_recovered(timeout=120)  # an engine a push left out (hung) resynced
         weights.close()
         for peer in peers:
             peer.join(timeout=120)
@@ -198,6 +200,7 @@ def fully_async(fleet, weights: FleetWeights, model, opt, steps: int) -> dict:
             print(f"step {step}: staleness {batch.staleness}, pushed version "
                   f"{report['weight_version']}, {stream.generator.aborted} aborted")
         counts = stream.close()
+    fleet.wait_recovered(timeout=120)  # an engine a push left out (hung) resynced meanwhile
     weights.close()
     return {"staleness": stale, "mixed_samples": mixed, "counts": vars(counts),
             "balanced": counts.balanced(), "version": int(fleet.version),
