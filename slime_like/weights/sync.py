@@ -20,7 +20,8 @@ Every engine call goes through the engine's `EngineSession`, which remembers wha
 changed, and has its call type's deadline (`engine/deadlines.py`): an engine past it while
 the others answered is hung, and the sync fails naming it (`WeightSyncError.hung`) rather
 than waiting for it; a sync the fleet settles that finds it hung before any update went out
-leaves it behind instead, and lands on the others (`left_behind.py`, `SyncReport.hung`). On failure the sessions undo what they changed: pending collectives
+leaves it behind instead, and lands on the others (`left_behind.py`, `SyncReport.hung`).
+On failure the sessions undo what they changed: pending collectives
 are aborted, open update sessions ended, every paused engine continued (or handed to the
 caller), engines that stopped answering (silent to a ping, then to one three times as
 long: a loaded host's slow answer is not a death) or hung are dropped (the next sync
