@@ -67,8 +67,7 @@ class Fleet:
         self.proxy.retarget(self.b.url, self.b.process)
 
     def sessions(self) -> list[EngineSession]:
-        return [EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN))
-                for url in (self.a.url, self.proxy.url)]
+        return [session(url) for url in (self.a.url, self.proxy.url)]
 
     def close(self) -> None:
         self.proxy.close()
@@ -115,6 +114,21 @@ def assert_serves(url: str, version: str) -> None:
     got = requests.get(url + "/model_info", timeout=30,
                        headers={"Authorization": f"Bearer {USER}"}).json()
     assert got["weight_version"] == version, (url, got)
+
+
+def session(url: str) -> EngineSession:
+    """A session with this module's keys (the engines run with keys on)."""
+    return EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN))
+
+
+def b_back_takes_the_next_update(sync: WeightSync, fleet: Fleet, model_dir, version: str
+                                 ) -> None:
+    """B, hung and left out, continued and added back: the next update lands on both."""
+    fleet.b.process.kill(signal.SIGCONT)
+    sync.add_engine(session(fleet.proxy.url))
+    sync.update(trainer_model(model_dir, seed=14), version)
+    for url in (fleet.a.url, fleet.b.url):
+        assert_serves(url, version)
 
 
 @contextlib.contextmanager
@@ -166,7 +180,7 @@ def test_a_fault_at_each_step_is_undone_and_the_next_update_lands(fleet, tiny_mo
         assert_left_clean(fleet.a.url, fleet.proxy.groups, keep=current,
                           within_s=GROUP_TIMEOUT_S if fault == "hang" else 0.0)
         for url in sync.take_dropped():
-            sync.add_engine(EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN)))
+            sync.add_engine(session(url))
         final = trainer_model(tiny_model_dir, seed=13)
         sync.update(final, "3")
         for url in (fleet.a.url, fleet.b.url):
@@ -194,12 +208,7 @@ def test_an_engine_hung_at_its_pause_is_left_out_at_the_deadline_not_the_timeout
         assert_left_clean(fleet.a.url, fleet.proxy.groups)
         sync.update(trainer_model(tiny_model_dir, seed=13), "4")  # A alone, B still hung
         assert sync.last_report.engines == [fleet.a.url]
-        fleet.b.process.kill(signal.SIGCONT)
-        sync.add_engine(EngineSession(EngineAddress(fleet.proxy.url, api_key=USER,
-                                                    admin_api_key=ADMIN)))
-        sync.update(trainer_model(tiny_model_dir, seed=14), "5")
-        for url in (fleet.a.url, fleet.b.url):
-            assert_serves(url, "5")
+        b_back_takes_the_next_update(sync, fleet, tiny_model_dir, "5")
 
 
 @pytest.mark.parametrize("step", ["pause", "begin"])
@@ -225,12 +234,7 @@ def test_the_fleets_sync_leaves_an_engine_hung_before_any_update_behind_and_land
         assert_serves(fleet.a.url, "3")
         assert sync.transport.group_name != first_group  # A left the group B was in
         assert_left_clean(fleet.a.url, fleet.proxy.groups, keep=sync.transport.group_name)
-        fleet.b.process.kill(signal.SIGCONT)
-        sync.add_engine(EngineSession(EngineAddress(fleet.proxy.url, api_key=USER,
-                                                    admin_api_key=ADMIN)))
-        sync.update(trainer_model(tiny_model_dir, seed=14), "4")
-        for url in (fleet.a.url, fleet.b.url):
-            assert_serves(url, "4")
+        b_back_takes_the_next_update(sync, fleet, tiny_model_dir, "4")
 
 
 def test_a_regroup_after_an_engine_left_does_not_ask_the_others_models_again(
@@ -239,9 +243,6 @@ def test_a_regroup_after_an_engine_left_does_not_ask_the_others_models_again(
     the engines already checked against the same metadata are not asked for their models
     again (`/model_info` has no deadline of its call type: a stopped engine would hold the
     attach until it died), while an engine that comes back is checked again."""
-    def session(url: str) -> EngineSession:
-        return EngineSession(EngineAddress(url, api_key=USER, admin_api_key=ADMIN))
-
     with syncing(fleet) as sync:
         sync.update(trainer_model(tiny_model_dir, seed=11), "1")
         fleet.proxy.calls.clear()
