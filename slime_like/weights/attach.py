@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from slime_like.engine.address import EngineAddress
+from slime_like.engine.fanout import on_all
 from slime_like.engine.session import EngineSession
 from slime_like.protocol import modes
 from slime_like.protocol.buckets import Bucket, TensorMeta, dtype_from_name, plan_buckets
@@ -109,6 +110,24 @@ class ModelChecks:
     def __init__(self, warn_once: Callable[[str, str], None]):
         self.warn_once = warn_once
         self._expected: dict[tuple[str, str], list[TensorMeta] | None] = {}
+        # the metadata last checked, and the engines of that sync (checked or known)
+        self._verified: tuple[list[TensorMeta], frozenset[str]] | None = None
+
+    def check_new(self, engines: list[EngineSession], metas: list[TensorMeta], *,
+                  every: bool, enabled: bool = True) -> None:
+        """Check the engines not checked against these metadata yet (all of them when
+        `every`: a disk sync moves each engine's model path). A regroup after one engine
+        left (dropped as hung, drained) must not ask every other engine again, nor wait on
+        one that stopped answering since: `/model_info` has no deadline of its call type.
+        An engine that leaves is checked again if it comes back."""
+        same = self._verified is not None and (
+            self._verified[0] is metas or self._verified[0] == metas)
+        known = self._verified[1] if same and not every else frozenset()
+        unchecked = [e for e in engines if e.url not in known]
+        if enabled and unchecked:
+            on_all(unchecked, "check_metadata", lambda e: self.check(e, metas))
+        # equal or checked (the next sync compares identities)
+        self._verified = (metas, frozenset(e.url for e in engines))
 
     def check(self, engine: EngineSession, metas: list[TensorMeta]) -> None:
         path = str(engine.model_info().get("model_path") or "")

@@ -19,14 +19,46 @@ out (partial weights: the sync fails and the fleet resyncs).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from slime_like.engine.deadlines import CallClock
 from slime_like.engine.session import EngineSession
 from slime_like.errors import WeightSyncError
-from slime_like.weights.sync_config import WeightSyncConfig
+from slime_like.weights.sync_config import SyncReport, WeightSyncConfig
 from slime_like.weights.watch import EngineCall, Watch
+
+
+class Leaving(Protocol):
+    """What the sync gives this module (`WeightSync` is one)."""
+
+    config: WeightSyncConfig
+    clock: CallClock
+
+    def _drop_dead(self, silent: list[EngineSession] | None = None) -> list[str]: ...
+
+log = logging.getLogger(__name__)
+
+
+def leave_behind(sync: Leaving, err: WeightSyncError, engines: list[EngineSession],
+                 sent: list[EngineCall], updates: list[EngineCall], source: Any,
+                 report: SyncReport) -> list[EngineSession] | None:
+    """After engines were found hung before any update went out: the others, paused with
+    their sessions open, to go on with (the hung ones dropped from `sync`, named in the
+    report); or None, and the sync fails. The caller regroups them."""
+    hung = hung_before_updates(err, sync.config, source, updates)
+    rest = others_ready(hung, engines, sent, sync.config.http_timeout_s, sync.clock) \
+        if hung else None
+    if rest is None:
+        return None
+    log.warning("left out of weight sync %s as hung, going on with the %d other "
+                "engines: %s", report.weight_version, len(rest), err)
+    report.hung.update({url: str(err) for url in sorted(hung)})
+    report.engines = [e.url for e in rest]
+    updates.clear()  # cancelled, never sent
+    sync._drop_dead([e for e in engines if e.url in hung])
+    return rest
 
 
 def hung_before_updates(err: BaseException, config: WeightSyncConfig, source: Any,

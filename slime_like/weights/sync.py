@@ -57,7 +57,7 @@ from slime_like.weights.attach import (
 )
 from slime_like.weights.control import Control, LastAnswers, round_trips, settle
 from slime_like.weights.handshake import check_same_metadata
-from slime_like.weights.left_behind import hung_before_updates, others_ready
+from slime_like.weights.left_behind import leave_behind
 from slime_like.weights.members import LATE_PING_FACTOR, Members
 from slime_like.weights.packing import WeightSource, as_source
 from slime_like.weights.sync_config import (
@@ -97,7 +97,6 @@ class WeightSync(Members):
         self.last_report: SyncReport | None = None
         self._registered: list[TensorMeta] | None = None
         self._checked: list[TensorMeta] | None = None  # last metadata found equal to _registered
-        self._verified: tuple | None = None
         self._models = ModelChecks(self._warn_once)
         self._probed: set[str] = set()
         self._plan = BucketPlan(int(self.config.update_weight_buffer_size))
@@ -153,20 +152,9 @@ class WeightSync(Members):
         if fresh:
             on_all(fresh, "attach (GET /server_info)", lambda e: e.probe())
             self._probed.update(e.url for e in fresh)
-        # Only engines not checked against these metadata yet are asked for their model: a
-        # regroup after one left (dropped as hung, drained) must not call every other
-        # engine again, or wait on one that stopped answering since (this call has no
-        # deadline of its call type). A disk sync re-reads every engine's model path.
-        same = self._verified is not None and (
-            self._verified[0] is metas or self._verified[0] == metas)
-        known = self._verified[1] if same and self.config.transport is not \
-            modes.Transport.DISK else frozenset()
-        unchecked = [e for e in self.engines if e.url not in known]
-        if self.config.check_engine_metadata and unchecked:
-            on_all(unchecked, "check_metadata", lambda e: self._models.check(e, metas))
-        # equal or checked (the next sync compares identities), for the engines of this
-        # sync only: one that leaves is checked again if it comes back
-        self._verified = (metas, frozenset(e.url for e in self.engines))
+        self._models.check_new(self.engines, metas,
+                               every=self.config.transport is modes.Transport.DISK,
+                               enabled=self.config.check_engine_metadata)
         self._transport().attach(self.engines)
         if not getattr(source, "buckets_in_wire_layout", False):
             self._transport().prepare(self._plan(metas))
@@ -258,7 +246,8 @@ class WeightSync(Members):
                                        folded, control, answers, updates)
                         break
                     except WeightSyncError as err:
-                        rest = self._leave_behind(err, engines, sent, updates, source, report)
+                        rest = leave_behind(self, err, engines, sent, updates, source,
+                                            report)
                         if rest is None:
                             raise
                     engines = answering = rest
@@ -336,25 +325,6 @@ class WeightSync(Members):
         report.total_s = time.perf_counter() - start
         self.last_report = report
         return report
-
-    def _leave_behind(self, err: WeightSyncError, engines: list[EngineSession],
-                      sent: list[EngineCall], updates: list[EngineCall], source: WeightSource,
-                      report: SyncReport) -> list[EngineSession] | None:
-        """After engines were found hung before any update went out: the others, paused with
-        their sessions open, in a group without the hung ones, to go on with; or None, and
-        the sync fails (`left_behind.py` says when)."""
-        hung = hung_before_updates(err, self.config, source, updates)
-        rest = others_ready(hung, engines, sent, self.config.http_timeout_s, self.clock) \
-            if hung else None
-        if rest is None:
-            return None
-        log.warning("left out of weight sync %s as hung, going on with the %d other "
-                    "engines: %s", report.weight_version, len(rest), err)
-        report.hung.update({url: str(err) for url in sorted(hung)})
-        report.engines = [e.url for e in rest]
-        updates.clear()  # cancelled, never sent
-        self._drop_dead([e for e in engines if e.url in hung])
-        return rest
 
     def _transfer(self, engines: list[EngineSession], source: WeightSource,
                   buckets: list[Bucket], version: str, watch: Watch, stats: TransferStats,
