@@ -29,6 +29,8 @@ from slime_like.errors import WeightSyncError
 from slime_like.weights.sync_config import SyncReport, WeightSyncConfig
 from slime_like.weights.watch import EngineCall, Watch
 
+log = logging.getLogger(__name__)
+
 
 class Leaving(Protocol):
     """What the sync gives this module (`WeightSync` is one)."""
@@ -37,8 +39,6 @@ class Leaving(Protocol):
     clock: CallClock
 
     def _drop_dead(self, silent: list[EngineSession] | None = None) -> list[str]: ...
-
-log = logging.getLogger(__name__)
 
 
 def leave_behind(sync: Leaving, err: WeightSyncError, engines: list[EngineSession],
