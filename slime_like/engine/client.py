@@ -294,12 +294,21 @@ class EngineClient:
 
     def init_weights_update_group(self, req: p.InitWeightsUpdateGroupRequest,
                                   timeout: float | None = None) -> dict:
-        return self._success(paths.INIT_WEIGHTS_UPDATE_GROUP, req, timeout)
+        return self.perform(self.init_weights_update_group_call(req, timeout))
+
+    def init_weights_update_group_call(self, req: p.InitWeightsUpdateGroupRequest,
+                                       timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.INIT_WEIGHTS_UPDATE_GROUP, req, timeout)
 
     def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME,
                                      timeout: float | None = None) -> dict:
-        return self._success(paths.DESTROY_WEIGHTS_UPDATE_GROUP,
-                             p.DestroyWeightsUpdateGroupRequest(group_name=group_name), timeout)
+        return self.perform(self.destroy_weights_update_group_call(group_name, timeout))
+
+    def destroy_weights_update_group_call(self, group_name: str = p.DEFAULT_GROUP_NAME,
+                                          timeout: float | None = None) -> HttpCall:
+        return self._success_call(paths.DESTROY_WEIGHTS_UPDATE_GROUP,
+                                  p.DestroyWeightsUpdateGroupRequest(group_name=group_name),
+                                  timeout)
 
     def begin_weight_update(self, timeout: float | None = None) -> dict:
         return self.perform(self.begin_weight_update_call(timeout))

@@ -286,10 +286,16 @@ class EngineSession:
 
     def init_weights_update_group(self, req: p.InitWeightsUpdateGroupRequest,
                                   timeout: float | None = None) -> dict:
+        return drive(self.join_steps(req, timeout))
+
+    def join_steps(self, req: p.InitWeightsUpdateGroupRequest,
+                   timeout: float | None = None) -> Steps[dict]:
+        """A group join as steps: at a regroup of 64 engines, a thread per join cost the
+        trainer more than the joins' own sends."""
         with self._lock:  # before the call: a join that timed out may still have joined
             if req.group_name not in self.groups:
                 self.groups.append(req.group_name)
-        return self.http.init_weights_update_group(req, timeout)
+        return (yield self.http.init_weights_update_group_call(req, timeout))
 
     def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME,
                                      timeout: float | None = None) -> dict:
@@ -302,10 +308,14 @@ class EngineSession:
         """Destroy every group this session asked the engine to join; the names it could not
         reach the engine about (it is gone or hung) are returned. An engine that answers
         400 no longer has the group: that counts as left."""
+        return drive(self.leave_steps(timeout))
+
+    def leave_steps(self, timeout: float = 10.0) -> Steps[list[str]]:
+        """`leave_groups` as steps, for the engine-call loop (a regroup's fan-out)."""
         unreached = []
         for name in list(self.groups):
             try:
-                self.destroy_weights_update_group(name, timeout=timeout)
+                yield self.http.destroy_weights_update_group_call(name, timeout)
             except EngineError as e:
                 if e.status is None:
                     unreached.append(name)

@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from slime_like.engine.fanout import on_all
-from slime_like.engine.session import EngineSession, engine_pool
+from slime_like.engine.fanout import on_all_steps, start_steps
+from slime_like.engine.session import EngineSession
 from slime_like.errors import WeightSyncError
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import Bucket
@@ -168,8 +168,7 @@ class DistributedTransport(Transport):
                 world_size=world_size, group_name=name, backend=self.backend)
             self.asked[engine.url] = engine
             engine.new_chain()  # a join that failed in an earlier attempt does not stop this one
-            future = engine.submit(engine.init_weights_update_group, req,
-                                   self.group_timeout_s + 5)
+            future = engine.submit_steps(engine.join_steps, req, self.group_timeout_s + 5)
             PENDING_JOINS[engine.url] = future
             http.append(watch.add(EngineCall(engine, step, future)))
         result: dict = {}
@@ -233,11 +232,11 @@ class DistributedTransport(Transport):
         sessions = [s for s in self.asked.values() if s.groups]
         self.asked = {s.url: s for s in sessions}
         leaving = [s for s in sessions if only is None or s.url in only]
-        for s in [s for s in leaving if s.url in aside]:
-            engine_pool().submit(s.leave_groups, leave_timeout_s)
+        start_steps([s for s in leaving if s.url in aside],
+                    lambda s: s.leave_steps(leave_timeout_s))
         with contextlib.suppress(WeightSyncError):
-            on_all([s for s in leaving if s.url not in aside], "destroy_weights_update_group",
-                   lambda s: s.leave_groups(timeout=leave_timeout_s))
+            on_all_steps([s for s in leaving if s.url not in aside],
+                         "destroy_weights_update_group", lambda s: s.leave_steps(leave_timeout_s))
         self.asked = {s.url: s for s in sessions if s.groups}
         self._closed()  # a failed group closes once its engines left it
 

@@ -81,14 +81,14 @@ def test_an_engine_dying_at_its_join_frees_the_engines_already_in_the_rendezvous
     b = start_engine(tiny_model_dir, tmp_path, 1)
     sync = WeightSync([(a.url, 1), (b.url, 1)], http_timeout_s=30, group_timeout_s=120)
     b_handle = next(e for e in sync.engines if e.url == b.url)
-    join = b_handle.init_weights_update_group
+    join = b_handle.join_steps
 
     def crash_then_join(*args, **kwargs):  # a real SIGKILL, timed by this hook
         b.process.kill()
         b.process.wait_exit(30)
-        return join(*args, **kwargs)
+        return (yield from join(*args, **kwargs))
 
-    b_handle.init_weights_update_group = crash_then_join
+    b_handle.join_steps = crash_then_join
     policy = trainer_model(tiny_model_dir, seed=5)
     try:
         t0 = time.monotonic()
