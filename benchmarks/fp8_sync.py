@@ -28,6 +28,12 @@ new weights before every round (a small step on every value):
         # 1 GPU: both engines beside the trainer on GPU 0 (CUDA IPC); the FP8 copy is kept
         # between syncs (--fp8-keep auto), so from the second sync both go in place
 
+With `--transport tensor` on CUDA, `--ready-event both` (the default) syncs every engine
+twice a round, once with the trainer's ready event (`protocol/ready_event.py`: the engine's
+stream waits for the trainer's writes) and once with the trainer's host wait before the
+request, taking turns to go first; `bf16_s`/`fp8_s` are the first form, the `*_host_wait`
+fields the second, side by side in one run.
+
 Prints one JSON line per part on stdout (`--json-out` appends them to a file too).
 """
 
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="quantize into a copy kept between syncs (Fp8Weights(keep=True)), "
                          "which the tensor transport then sends in place; auto: with "
                          "--transport tensor, as the job does")
+    ap.add_argument("--ready-event", default="both", choices=["both", "on", "off"],
+                    help="--transport tensor on CUDA: time the sync with the trainer's ready "
+                         "event, with its host wait instead, or both side by side")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -189,45 +198,66 @@ def main(argv: list[str] | None = None) -> int:
                                   update_weight_buffer_size=args.bucket_mb << 20,
                                   http_timeout_s=1800, group_timeout_s=1800)
                  for name, e in engines.items()}
+        # (the ready event, its key suffix): the event's form keeps the engine's name
+        forms = [(True, ""), (False, "_host_wait")] if cuda and colocated else [(True, "")]
+        if len(forms) == 2 and args.ready_event != "both":
+            forms = [forms[0] if args.ready_event == "on" else forms[1]]
+        keys = [name + suffix for name in engines for _, suffix in forms]
         try:
+            for name, sync in syncs.items():  # makes each transport, to set its form on
+                sync.attach(sources[name])
             gen = torch.Generator(device=device).manual_seed(7)
-            times: dict[str, list[float]] = {name: [] for name in engines}
-            quantize_s: dict[str, list[float]] = {name: [] for name in engines}
+            times: dict[str, list[float]] = {key: [] for key in keys}
+            quantize_s: dict[str, list[float]] = {key: [] for key in keys}
             sent, where = {}, {}
             for r in range(args.warmup + args.repeats):
                 step(model, gen)
                 order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
                 for name in order:
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    report = syncs[name].update(sources[name], f"v{r}")
-                    seconds = time.perf_counter() - t0
-                    if r >= args.warmup:
-                        times[name].append(seconds)
-                        sent[name] = report.as_dict()["transfer"].get("bytes")
-                        where[name] = report.as_dict()  # the last repeat's breakdown
-                        quantize_s[name].append(getattr(sources[name], "quantize_s", 0.0))
+                    for event, suffix in forms[r % len(forms):] + forms[:r % len(forms)]:
+                        key = name + suffix
+                        if colocated:
+                            syncs[name].transport.ready_event = event
+                        if cuda:
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        report = syncs[name].update(sources[name], f"v{r}{suffix}")
+                        seconds = time.perf_counter() - t0
+                        if r >= args.warmup:
+                            times[key].append(seconds)
+                            sent[key] = report.as_dict()["transfer"].get("bytes")
+                            where[key] = report.as_dict()  # the last repeat's breakdown
+                            quantize_s[key].append(getattr(sources[name], "quantize_s", 0.0))
             ok = all(engine_checksum(engines[name].urls[0]) == [checksum(sources[name].tensors())]
                      for name in engines)
-            medians = {name: statistics.median(t) for name, t in times.items()}
-            bf16_s, fp8_s = medians["bf16"], medians["fp8"]
+            medians = {key: statistics.median(t) for key, t in times.items()}
+            first = forms[0][1]  # the event's form, unless only the host wait was asked
+            bf16_s, fp8_s = medians["bf16" + first], medians["fp8" + first]
+            host_wait = {}
+            if len(forms) == 2:
+                host_wait = {"bf16_host_wait_s": round(medians["bf16_host_wait"], 4),
+                             "fp8_host_wait_s": round(medians["fp8_host_wait"], 4),
+                             "ratio_host_wait": round(medians["fp8_host_wait"]
+                                                      / medians["bf16_host_wait"], 3)}
             emit({
                 "part": "sync", "device": args.device, "transport": args.transport,
                 "trainer_threads": torch.get_num_threads(),
                 "layout": args.layout or f"{args.layers}x{args.hidden}/{args.intermediate}",
                 "dtype": args.dtype, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
                 "fp8_kept_copy": keep,
+                "ready_event": [event for event, _ in forms] if cuda and colocated else None,
                 "bf16_s": round(bf16_s, 4), "fp8_s": round(fp8_s, 4),
                 "ratio": round(fp8_s / bf16_s, 3), "target": TARGET,
                 "met": fp8_s / bf16_s <= TARGET,
                 "quantize": "fused kernel" if cuda and fp8_kernel.available() else "torch ops",
-                "quantize_s": round(statistics.median(quantize_s["fp8"]), 4),
-                **({"fp8_torch_ops_s": round(medians["fp8_torch"], 4),
-                    "ratio_torch_ops": round(medians["fp8_torch"] / bf16_s, 3),
-                    "quantize_torch_ops_s": round(statistics.median(quantize_s["fp8_torch"]), 4)}
-                   if "fp8_torch" in medians else {}),
-                "bytes_bf16": sent.get("bf16"), "bytes_fp8": sent.get("fp8"),
+                "quantize_s": round(statistics.median(quantize_s["fp8" + first]), 4),
+                **host_wait,
+                **({"fp8_torch_ops_s": round(medians["fp8_torch" + first], 4),
+                    "ratio_torch_ops": round(medians["fp8_torch" + first] / bf16_s, 3),
+                    "quantize_torch_ops_s": round(statistics.median(
+                        quantize_s["fp8_torch" + first]), 4)}
+                   if "fp8_torch" + first in medians else {}),
+                "bytes_bf16": sent.get("bf16" + first), "bytes_fp8": sent.get("fp8" + first),
                 "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
                 "checksums_match": ok,
                 "where_time_went": {name: where_time_went(r) for name, r in where.items()}})

@@ -201,6 +201,11 @@ class UpdateWeightsFromTensorRequest(_Body):
     # load): the sender will send this buffer again and keeps it allocated until then, so
     # the reference engine keeps its mapping past end_weight_update (ipc_mappings.py).
     keep_ipc_mapping: bool = False
+    # Not sglang's either, sent only to engines advertising READY_EVENT_KEY: a CUDA IPC
+    # event handle (base64) the sender recorded after its last write of the tensors; the
+    # engine's copy waits for it on the GPU (protocol/ready_event.py), so the sender
+    # need not synchronize its stream before the request.
+    ready_event: str | None = None
 
 
 class UpdateWeightsFromDiskRequest(_Body):

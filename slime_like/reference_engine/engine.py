@@ -14,6 +14,7 @@ from slime_like.models.hf_tokenizer import load_tokenizer
 from slime_like.models.loading import load_pretrained
 from slime_like.models.tokenizer import ByteTokenizer
 from slime_like.protocol.modes import WorkerType
+from slime_like.protocol.ready_event import READY_EVENT_KEY
 from slime_like.protocol.tensor_payload import KEPT_PAYLOADS_KEY
 from slime_like.protocol.weight_delta import DELTA_FORMATS, SERVER_INFO_KEY
 from slime_like.reference_engine import loads
@@ -170,6 +171,8 @@ class ReferenceEngine:
             "weight_update_gate": self.args.weight_update_gate,
             SERVER_INFO_KEY: list(DELTA_FORMATS),  # ours: deltas it applies (weight_delta.py)
             KEPT_PAYLOADS_KEY: True,  # ours: kept plain tensor payloads (ipc_mappings.py)
+            # ours: a tensor load waits for the sender's event on the GPU (ready_event.py)
+            READY_EVENT_KEY: self.args.device == "cuda",
             "http_stack": self.args.http_stack,
         })
         return info

@@ -47,6 +47,7 @@ class LoadTensorPayload:
     payload: str | bytes
     load_format: str | None
     mapping: str = "session"
+    ready_event: str | None = None  # the sender's CUDA IPC event to wait for first
 
 
 @dataclass(frozen=True)

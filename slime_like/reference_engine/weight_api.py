@@ -227,7 +227,7 @@ class WeightControl:
             # buffer again), or only for this load outside a session (ipc_mappings.py).
             mapping = (KEPT if req.keep_ipc_mapping else SESSION) if self.session_open else LOAD
             results = await self.fanout([op.LoadTensorPayload(payloads[r], req.load_format,
-                                                              mapping)
+                                                              mapping, req.ready_event)
                                           for r in range(self.tp.size)])
             ok, message = self.merge(results)
             t1 = time.perf_counter()

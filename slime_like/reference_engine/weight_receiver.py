@@ -34,6 +34,7 @@ from slime_like.models.transformer import hf_named_parameters
 from slime_like.protocol.buckets import TensorMeta, dtype_from_name
 from slime_like.protocol.checksums import overall_checksum, tensor_checksum
 from slime_like.protocol.io_struct import FLATTENED_BUCKET
+from slime_like.protocol.ready_event import OpenedEvents
 from slime_like.reference_engine import rank_ops as op
 from slime_like.reference_engine.ipc_mappings import KEPT, SESSION, IpcMappings
 from slime_like.reference_engine.load_plan import (
@@ -100,6 +101,7 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
         # session or beyond as each request asks, so a buffer the sender sends again is
         # not opened again (torch's rebuild finds a live storage in its cache).
         self.mappings = IpcMappings()
+        self._ready_events: OpenedEvents | None = None  # senders' CUDA IPC events, opened
         self._refresh_params()
         self.arena: ParamArena | None = None
         self._rehome(copy=True)
@@ -112,8 +114,8 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
             (op.ReceiveDistributed, lambda o: self.receive_distributed(
                 list(o.names), list(o.dtypes), [list(s) for s in o.shapes], o.group_name,
                 o.load_format)),
-            (op.LoadTensorPayload, lambda o: self.load_tensor_payload(o.payload, o.load_format,
-                                                                      o.mapping)),
+            (op.LoadTensorPayload, lambda o: self.load_tensor_payload(
+                o.payload, o.load_format, o.mapping, o.ready_event)),
             (op.LoadFromDisk, lambda o: self.load_from_disk(o.model_path, o.load_format)),
             (op.Checksums, lambda o: self.checksums(
                 list(o.skip_tensor_list) if o.skip_tensor_list is not None else None)),
@@ -273,13 +275,22 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
     # ---- tensor (IPC) ----------------------------------------------------------------------
 
     def load_tensor_payload(self, payload: str | bytes, load_format: str | None,
-                            mapping: str = SESSION) -> tuple[bool, str]:
+                            mapping: str = SESSION, ready_event: str | None = None
+                            ) -> tuple[bool, str]:
         """Deserialize this rank's payload (allowlisting unpickler) and load it; a flattened
-        bucket's buffer stays open for `mapping` (`ipc_mappings.py`)."""
+        bucket's buffer stays open for `mapping` (`ipc_mappings.py`). With `ready_event`,
+        the copies wait on the GPU for the sender's event (`protocol/ready_event.py`)."""
         from slime_like.protocol import tensor_payload
         from slime_like.protocol.tensor_payload import LocalSerializedTensor, deserialize
 
         t0, opened = time.perf_counter(), tensor_payload.cuda_rebuild_seconds
+        if ready_event is not None:
+            if self.device.type != "cuda":
+                raise ValueError("ready_event was sent to an engine on "
+                                 f"{self.device.type}: it is a CUDA IPC event handle")
+            if self._ready_events is None:
+                self._ready_events = OpenedEvents(self.device)
+            self._ready_events.wait(ready_event)
         if mapping == KEPT and load_format in (None, "direct"):
             named = self.mappings.kept_payload(payload)
             if named is not None:  # the same share again: its tensors are open here
@@ -417,6 +428,8 @@ class WeightReceiver(WeightGroups, WeightMemory, WeightDeltas):
             "checksums": sums,
             "per_gpu_checksum": overall_checksum(sums),
             "ipc_mappings": self.mappings.stats(),  # ours: what this rank keeps mapped
+            # ours: tensor loads that waited for the sender's ready event on the GPU
+            "ready_events_waited": self._ready_events.waited if self._ready_events else 0,
             "parallelism_info": [{"role": "target", "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                                   "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
                                   "rank": self.tp_rank, "size": self.tp_size}],

@@ -87,9 +87,11 @@ class SharedParams:
         self._storages = [StorageWeakRef(t.untyped_storage()) for t in tensors]
         self._shares.clear()
 
-    def request(self, metas: Sequence[TensorMeta], tensors: list[torch.Tensor]):
+    def request(self, metas: Sequence[TensorMeta], tensors: list[torch.Tensor],
+                ready: str | None = None):
         """The request builder of the one in-place request: an engine that holds its share
-        gets the same bytes again, any other a fresh share (kept for the next sync)."""
+        gets the same bytes again, any other a fresh share (kept for the next sync);
+        `ready`: the trainer's ready event (`protocol/ready_event.py`), or None."""
         named = [(m.name, t) for m, t in zip(metas, tensors, strict=True)]
         self._sent = {}
 
@@ -101,7 +103,7 @@ class SharedParams:
             self._sent[engine.url] = (who, payloads)
             return p.UpdateWeightsFromTensorRequest(
                 serialized_named_tensors=payloads, load_format=None, flush_cache=flush,
-                weight_version=version, keep_ipc_mapping=True)
+                weight_version=version, keep_ipc_mapping=True, ready_event=ready)
         return build
 
     def landed(self) -> None:

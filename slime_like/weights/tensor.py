@@ -62,6 +62,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from slime_like.engine.session import EngineSession
 from slime_like.protocol import io_struct as p
 from slime_like.protocol.buckets import Bucket, TensorMeta, layout
+from slime_like.protocol.ready_event import READY_EVENT_KEY, ReadyEvent
 from slime_like.protocol.tensor_payload import FlattenedPayloads
 from slime_like.weights.packing import (
     BucketPacker,
@@ -84,8 +85,13 @@ class TensorTransport(Transport):
     name = "tensor"
 
     def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int,
-                 renew_every: int = RENEW_EVERY):
+                 renew_every: int = RENEW_EVERY, ready_event: bool = True):
+        """`ready_event`: on CUDA, engines that advertise it wait for the trainer's writes
+        on their GPU stream instead of the trainer waiting on its host before each request
+        (`protocol/ready_event.py`); off, the trainer always synchronizes."""
         self.device = torch.device(device)
+        self.ready_event = ready_event
+        self._ready = ReadyEvent(self.device) if self.device.type == "cuda" else None
         self.packer = BucketPacker(self.device, bucket_bytes, cpu_share=True)
         self.renew_every = renew_every
         self._syncs = 0
@@ -111,7 +117,7 @@ class TensorTransport(Transport):
         if groups is None:
             resident = _resident(source)
             if self.shared.usable(engines, resident, self.device, stays):
-                yield from self._shared_payload(source, resident, stats)
+                yield from self._shared_payload(engines, source, resident, stats)
                 packer.finish()
                 return
         if groups is None:  # else: the same storages at the same places, last sync's requests
@@ -133,10 +139,10 @@ class TensorTransport(Transport):
             # reference engine finishes its copy before answering; sglang drops the received
             # storage first, and torch synchronizes the stream when an IPC storage is freed).
             buf = group.view
+            ready = None
             if buf is not None:
                 # Already back to back in the trainer's storage: the engines copy from it.
-                if cuda:
-                    torch.cuda.current_stream(self.device).synchronize()
+                ready = self._writes_done(engines)
                 # Kept open past the session only if the last sync sent this same storage
                 # and the source says it stays until the next one.
                 keep = self.kept.sent(buf.untyped_storage()) and stays
@@ -150,7 +156,8 @@ class TensorTransport(Transport):
             # others.
             payload = Payload(
                 f"update_weights_from_tensor (request {k + 1}, {len(group.metas)} tensors)",
-                "update_weights_from_tensor", self._request(buf, group, keep), group.nbytes, last,
+                "update_weights_from_tensor", self._request(buf, group, keep, ready),
+                group.nbytes, last,
                 after=list(posted) if last else [])
             yield payload
             slots[slot] = payload
@@ -162,17 +169,17 @@ class TensorTransport(Transport):
         packer.finish()
         stats.pack_s += packer.pack_seconds()
 
-    def _shared_payload(self, source: WeightSource, tensors: list[torch.Tensor],
-                        stats: TransferStats) -> Iterator[Payload]:
+    def _shared_payload(self, engines: Sequence[EngineSession], source: WeightSource,
+                        tensors: list[torch.Tensor], stats: TransferStats
+                        ) -> Iterator[Payload]:
         """The one request of a sync that sends every parameter in place."""
         t0 = time.perf_counter()
         metas = source.metadata()
-        if self.packer.stream is not None:  # the engines read them from another process
-            torch.cuda.current_stream(self.device).synchronize()
+        ready = self._writes_done(engines)  # the engines read them from another process
         nbytes = sum(m.nbytes for m in metas)
         payload = Payload(f"update_weights_from_tensor (every parameter in place, {len(metas)} "
                           "tensors)", "update_weights_from_tensor",
-                          self.shared.request(metas, tensors), nbytes, True, after=[])
+                          self.shared.request(metas, tensors, ready), nbytes, True, after=[])
         stats.prep_s += time.perf_counter() - t0
         yield payload  # the sync builds every engine's request before it resumes us
         self.shared.landed()
@@ -186,10 +193,23 @@ class TensorTransport(Transport):
     def forget(self, urls: Sequence[str]) -> None:
         self.shared.forget(urls)
 
-    def _request(self, buf: torch.Tensor, group: SendGroup, keep: bool):
+    def _writes_done(self, engines: Sequence[EngineSession]) -> str | None:
+        """Before a request the engines read from the trainer's own tensors (on CUDA): the
+        handle of a ready event recorded after the trainer's writes when every engine
+        waits for it on its GPU, else a host wait until those writes are done (None)."""
+        if self._ready is None:
+            return None
+        if self.ready_event and all(e.server_info.get(READY_EVENT_KEY) for e in engines):
+            return self._ready.record()
+        torch.cuda.current_stream(self.device).synchronize()
+        return None
+
+    def _request(self, buf: torch.Tensor, group: SendGroup, keep: bool,
+                 ready: str | None = None):
         """The request builder of one flat buffer: one handle per TP rank, the layout
         pickled once per bucket signature (the same requests come back every sync);
-        `keep`: the engines may keep the buffer mapped until the next sync."""
+        `keep`: the engines may keep the buffer mapped until the next sync; `ready`: the
+        event the engines wait for before they copy (`_writes_done`)."""
         key, metas = group.signature or tuple(group.metas), group.metas
 
         def request(engine: EngineSession, flush: bool, version: str | None):
@@ -198,7 +218,7 @@ class TensorTransport(Transport):
                     self.serialized.serialize(buf, key, lambda: layout(metas))
                     for _ in range(engine.tp_size)],
                 load_format=p.FLATTENED_BUCKET, flush_cache=flush, weight_version=version,
-                keep_ipc_mapping=keep)
+                keep_ipc_mapping=keep, ready_event=ready)
         self._asked_keep = self._asked_keep or keep
         return request
 

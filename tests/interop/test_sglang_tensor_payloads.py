@@ -168,8 +168,9 @@ def test_reference_engine_loads_a_flattened_bucket_made_by_sglangs_serializer(
 
 
 def test_sglang_http_schema_ignores_keep_ipc_mapping(import_sglang):
-    """Our one extra field of /update_weights_from_tensor (the reference engine keeps the
-    buffer mapped past the session) is dropped by sglang's own request schema."""
+    """Our extra fields of /update_weights_from_tensor (the reference engine keeps the
+    buffer mapped past the session; it waits for the sender's ready event) are dropped by
+    sglang's own request schema."""
     from pydantic import TypeAdapter
 
     from slime_like.protocol import io_struct as p
@@ -177,7 +178,8 @@ def test_sglang_http_schema_ignores_keep_ipc_mapping(import_sglang):
     req_cls = import_sglang("sglang.srt.managers.io_struct").UpdateWeightsFromTensorReqInput
     body = p.UpdateWeightsFromTensorRequest(
         serialized_named_tensors=[base64.b64encode(b"x").decode()], load_format="flattened_bucket",
-        keep_ipc_mapping=True).model_dump(exclude_none=False)
-    assert body["keep_ipc_mapping"] is True
+        keep_ipc_mapping=True, ready_event="AAAA").model_dump(exclude_none=False)
+    assert body["keep_ipc_mapping"] is True and body["ready_event"] == "AAAA"
     req = TypeAdapter(req_cls).validate_json(json.dumps(body))
     assert req.load_format == "flattened_bucket" and not hasattr(req, "keep_ipc_mapping")
+    assert not hasattr(req, "ready_event")

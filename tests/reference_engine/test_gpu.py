@@ -389,6 +389,50 @@ def test_separate_parameters_in_place_are_shared_once_and_freed_after_the_engine
         sync.close()
 
 
+@pytest.mark.parametrize("ready_event", [True, False], ids=["event", "host wait"])
+@pytest.mark.parametrize("params", ["separate", "flat"])
+def test_writes_still_queued_on_the_trainers_gpu_land_before_the_engine_copies(
+        gpu_engine, trainer_state, params, ready_event):
+    """Each sync's writes are queued behind 50 ms of GPU sleep, so they are still pending
+    when the sync starts: an engine that copied as soon as the in-place request came would
+    load the last sync's weights. With the ready event (`protocol/ready_event.py`) the
+    trainer does not wait on its host; the engine's stream waits for the event; without
+    it the trainer synchronizes first. Either way every sync lands byte for byte."""
+    from slime_like.protocol.ready_event import READY_EVENT_KEY
+    from slime_like.reference_engine.weight_receiver import tensor_checksum
+    from slime_like.weights import NamedTensors, WeightSync
+
+    assert gpu_engine.get("/server_info").json()[READY_EVENT_KEY] is True
+    base = {n: t.detach() for n, t in trainer_state.hf_state_dict().items()}
+    if params == "flat":
+        flat = torch.cat([t.reshape(-1) for t in base.values()])
+        state, offset = {}, 0
+        for n, t in base.items():
+            state[n] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+    else:
+        state = {n: t.clone() for n, t in base.items()}
+    source = NamedTensors(list(state.items()))
+    sync = WeightSync([(gpu_engine.url, 1)], transport="tensor", device="cuda:0",
+                      update_weight_buffer_size=256 << 20, master_address="127.0.0.1")
+    waited = gpu_engine.post("/weights_checker", {}).json()["ranks"][0]["ready_events_waited"]
+    try:
+        sync.attach(source)
+        sync.transport.ready_event = ready_event
+        for step in range(4):
+            torch.cuda._sleep(100_000_000)  # about 50 ms at the H100's clock
+            torch._foreach_add_(list(state.values()), 0.25)
+            sync.update(source, f"late-{params}-{step}")
+            body = gpu_engine.post("/weights_checker", {}, timeout=600).json()
+            assert body["ranks"][0]["checksums"] == {
+                n: tensor_checksum(t) for n, t in state.items()}, f"sync {step}: stale"
+        in_place = 4 if params == "flat" else 3  # separate parameters pack the first sync
+        assert body["ranks"][0]["ready_events_waited"] - waited == (
+            in_place if ready_event else 0)
+    finally:
+        sync.close()
+
+
 @pytest.fixture(scope="module")
 def fp8_gpu_engine(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("llama1b-fp8")

@@ -318,6 +318,28 @@ def test_tensor_payload_per_rank_direct_and_flattened(weights_engine, tiny_model
     assert engine_greedy(weights_engine, 6) == local_greedy(tiny_model_dir, state2, 6)
 
 
+def test_an_engine_on_cpu_refuses_a_ready_event_naming_it(weights_engine, tiny_model_dir):
+    """A CUDA IPC ready event (`protocol/ready_event.py`) means nothing to an engine on the
+    CPU: it does not advertise the key, and a request that carries one anyway is refused
+    by name, its weights left as they were."""
+    from slime_like.protocol.ready_event import READY_EVENT_KEY
+    from slime_like.protocol.tensor_payload import serialize
+
+    assert weights_engine.get("/server_info").json()[READY_EVENT_KEY] is False
+    before = weights_engine.post("/weights_checker", {}).json()["per_engine_checksum"]
+    named = list(perturbed_state(tiny_model_dir, seed=9).items())
+    weights_engine.post("/begin_weight_update", {})
+    try:
+        r = weights_engine.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialize(named), serialize(named)],
+            "ready_event": base64.b64encode(bytes(64)).decode()})
+    finally:
+        weights_engine.post("/end_weight_update", {})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert "ready_event" in r.json()["message"] and "cpu" in r.json()["message"]
+    assert weights_engine.post("/weights_checker", {}).json()["per_engine_checksum"] == before
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))
