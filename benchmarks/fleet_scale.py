@@ -19,8 +19,9 @@ model) and measures, with a client sending requests through the router throughou
   (the sync held it SUSPECT meanwhile, out of the router); then the same with the engine
   continued right after its step: it is resynced in place (SIGCONT -> routed again);
 - the health monitor: driver CPU per round (and per engine), and its round's wall time;
-- one engine SIGKILLed: detection (kill -> DEAD), recovery (kill -> routed again at the
-  fleet's version), and the others' requests/s during the recovery against before it;
+- one engine SIGKILLed (by this driver, at the server's pid): detection (kill -> DEAD),
+  recovery (kill -> routed again at the fleet's version), and the others' requests/s during
+  the recovery against before it;
 - elastic membership: a node joins and 8 engines are added on it (until each serves at the
   fleet's version), 8 of the first engines are drained (requests moved), and the next push
   regroups without them;
@@ -68,7 +69,6 @@ from slime_like.api import (  # noqa: E402
     RouterSettings,
     launch_fleet,
 )
-from slime_like.chaos import kill_engine  # noqa: E402
 from slime_like.models import load_pretrained  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
 
@@ -310,8 +310,17 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["health_cpu_ms_per_engine"] = row["health_cpu_ms_per_round"] / n
         load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
         time.sleep(args.rate_window)
+        # The crash itself is timed here: a SIGKILL from this driver to the server's pid (the
+        # nodes are simulated on this host), so detection starts at the crash, not at the
+        # dispatch of a Ray call asking the engine's actor to crash it (which grows with
+        # the host's load; `actor_call_s`, the round trip just before, says by how much).
+        victim = fleet.engines[n - 1]
+        t = time.time()
+        pid = ray.get(victim.actors[0].server_pid.remote())
+        row["actor_call_s"] = time.time() - t
+        engine = victim.engine_id
         killed_at = time.time()
-        engine = kill_engine(fleet, n - 1)
+        os.kill(pid, signal.SIGKILL)
         dead = timeline.wait(engine, "DEAD", killed_at)
         back = timeline.wait(engine, "REGISTERED", dead)
         row["detect_s"] = dead - killed_at
