@@ -299,10 +299,17 @@ class EngineSession:
 
     def destroy_weights_update_group(self, group_name: str = p.DEFAULT_GROUP_NAME,
                                      timeout: float | None = None) -> dict:
-        out = self.http.destroy_weights_update_group(group_name, timeout)
+        return drive(self.destroy_steps(group_name, timeout))
+
+    def destroy_steps(self, group_name: str = p.DEFAULT_GROUP_NAME,
+                      timeout: float | None = None) -> Steps[dict]:
+        out = yield self.http.destroy_weights_update_group_call(group_name, timeout)
+        self._forget_group(group_name)
+        return out
+
+    def _forget_group(self, group_name: str) -> None:
         with self._lock:
             self.groups = [g for g in self.groups if g != group_name]
-        return out
 
     def leave_groups(self, timeout: float = 10.0) -> list[str]:
         """Destroy every group this session asked the engine to join; the names it could not
@@ -315,13 +322,12 @@ class EngineSession:
         unreached = []
         for name in list(self.groups):
             try:
-                yield self.http.destroy_weights_update_group_call(name, timeout)
+                yield from self.destroy_steps(name, timeout)
             except EngineError as e:
                 if e.status is None:
                     unreached.append(name)
-                    continue
-            with self._lock:
-                self.groups = [g for g in self.groups if g != name]
+                else:  # answered: the engine no longer has the group
+                    self._forget_group(name)
         return unreached
 
     def begin_weight_update(self, timeout: float | None = None) -> dict | None:
