@@ -86,7 +86,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
     if weight.is_cuda and not (n % bn or k % bk):
         auto = fused is None
         if auto:
-            fused = triton_installed() and _fused_failure is None
+            fused = fused_by_default()
         if fused and _fused_layout(weight, out):
             try:
                 return _quantize_fused(weight, block, out)
@@ -134,6 +134,12 @@ def _quantize_fused(weight: torch.Tensor, block: tuple[int, int],
         torch.empty(scale_shape((n, k), block), dtype=SCALE_DTYPE, device=weight.device))
     fp8_kernel.quantize_blocks(weight, values, scale, block, FP8_MAX, _MIN_AMAX)
     return values, scale
+
+
+def fused_by_default() -> bool:
+    """What `quantize(fused=None)` picks for whole blocks on CUDA now: the fused kernel where
+    Triton is installed and the kernel has not failed in this process."""
+    return triton_installed() and _fused_failure is None
 
 
 @functools.cache

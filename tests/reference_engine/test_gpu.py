@@ -473,5 +473,44 @@ def test_a_kept_fp8_copy_goes_in_place_and_every_sync_lands_the_trainers_new_wei
         report, _ = sync_and_check(0)
         assert report["transfer"]["pack_s"] > 0
         _in_place_syncs(sync_and_check, "FP8 kept copy in place")
+        assert source.graph_replays == 5, "syncs 1-5 rewrite the kept copy by a graph replay"
     finally:
         sync.close()
+
+
+def test_the_kept_fp8_copy_rewritten_by_a_graph_replay_holds_each_steps_quantized_weights(
+        trainer_state):
+    """`Fp8Weights(keep=True)` on CUDA rewrites its kept copy by replaying one captured graph
+    (`weights/fp8_graph.py`). Each read must hold the bytes a fresh quantize of that step's
+    weights makes, through in-place steps (one graph, replayed) and after a parameter moved
+    (captured again: a replay of the old graph would read the freed storage)."""
+    from slime_like.weights.fp8 import Fp8Weights
+
+    kept = Fp8Weights(trainer_state, torch.bfloat16, keep=True)
+    eager = Fp8Weights(trainer_state, torch.bfloat16, keep=True, graph=False)
+    params = list(trainer_state.parameters())
+
+    def read_and_check(step):
+        with torch.no_grad():
+            torch._foreach_mul_(params, 1.0 + 2.0 ** -5)
+        for source in (kept, eager):
+            source.begin_sync()
+        want = [(n, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+                for n, t in Fp8Weights(trainer_state, torch.bfloat16).tensors()]
+        for source in (kept, eager):
+            got = list(source.tensors())
+            assert [n for n, _ in got] == [n for n, _ in want]
+            for (name, t), (_, w) in zip(got, want, strict=True):
+                t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                assert torch.equal(t, w), f"step {step}, graph={source.graph}: {name} stale"
+
+    for step in range(4):
+        read_and_check(step)
+    assert kept.graph_replays == 3 and eager.graph_replays == 0
+    first_graph = kept._rewrite
+    moved = params[len(params) // 2]
+    moved.data = moved.data.clone()  # a parameter at a new address: the graph must follow
+    read_and_check(4)
+    assert kept._rewrite is not first_graph and kept.graph_replays == 1
+    read_and_check(5)
+    assert kept.graph_replays == 2
