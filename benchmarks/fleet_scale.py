@@ -19,7 +19,9 @@ model) and measures, with a client sending requests through the router throughou
   (the sync held it SUSPECT meanwhile, out of the router); then the same with the engine
   continued right after its step: it is resynced in place (SIGCONT -> routed again);
 - the health monitor: driver CPU per round (and per engine), and its round's wall time;
-- one engine SIGKILLed (by this driver, at the server's pid): detection (kill -> DEAD),
+- one engine SIGKILLed (by this driver, at the server's pid): detection (kill -> DEAD;
+  "seen": kill -> the exit watcher's finding, before the router's removal and the fleet's
+  lock, which the DEAD event's `after_seen_ms` gives),
   recovery (kill -> routed again at the fleet's version), and the others' requests/s during
   the recovery against before it;
 - elastic membership: a node joins and 8 engines are added on it (until each serves at the
@@ -80,12 +82,16 @@ class Timeline:
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str, str, str]] = []
+        self.after_seen_ms: dict[tuple[str, float], float] = {}  # (engine, time): its detail
         self.lock = threading.Lock()
 
     def __call__(self, event: FleetEvent) -> None:
+        now = time.time()
         with self.lock:
-            self.events.append((time.time(), event.subject, event.kind.value,
+            self.events.append((now, event.subject, event.kind.value,
                                 str(event.details.get("version", ""))))
+            if "after_seen_ms" in event.details:
+                self.after_seen_ms[(event.subject, now)] = event.details["after_seen_ms"]
 
     def wait(self, engine: str, state: str, after: float, timeout: float = 600.0) -> float:
         deadline = time.time() + timeout
@@ -324,6 +330,9 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         dead = timeline.wait(engine, "DEAD", killed_at)
         back = timeline.wait(engine, "REGISTERED", dead)
         row["detect_s"] = dead - killed_at
+        # of it, after the exit watcher saw the death: the router's removal, the fleet lock
+        after_seen = timeline.after_seen_ms.get((engine, dead))
+        row["detect_seen_s"] = None if after_seen is None else row["detect_s"] - after_seen / 1e3
         row["recovery_s"] = back - killed_at
         before = load.rate(killed_at - args.rate_window, killed_at)
         during = load.rate(killed_at, back)
@@ -374,7 +383,7 @@ FIELDS = [("launch_s", "launch"), ("first_sync_s", "1st sync"),
           ("stop_step_ratio", "stop/step"), ("stop_dead_s", "stop dead"),
           ("cont_resync_s", "cont rsync"),
           ("health_cpu_ms_per_round", "hc ms/rnd"), ("health_round_ms", "rnd ms"),
-          ("detect_s", "detect"), ("recovery_s", "recover"),
+          ("detect_s", "detect"), ("detect_seen_s", "seen"), ("recovery_s", "recover"),
           ("others_rps_ratio", "others rps"), ("add8_s", "add 8"), ("drain8_s", "drain 8"),
           ("shutdown_s", "shutdown"),
           ("cpu_busy", "cpu busy")]

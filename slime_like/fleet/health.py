@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_any
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -256,6 +256,7 @@ class Verdict:
     engine: ManagedEngine
     finding: Finding
     reason: str = ""
+    seen_at: float = field(default_factory=time.time)  # when the health part found it
 
 
 class FleetHealth:

@@ -247,13 +247,14 @@ class Membership(Supervision):
                                  f"{UPDATE_WAIT_S:g}s: {[e.engine_id for e in updating]}")
             time.sleep(0.05)
 
-    def start_recovery(self, e: ManagedEngine, reason: str) -> None:
+    def start_recovery(self, e: ManagedEngine, reason: str, *,
+                       seen_at: float | None = None) -> None:
         """A death; one of an engine leaving the fleet only hastens its stop (its clients
         resubmit what it ran)."""
         with self.lock:
             leaving = e.phase in LEAVING and not self.closing
         if not leaving:
-            super().start_recovery(e, reason)
+            super().start_recovery(e, reason, seen_at=seen_at)
             return
         self.generation.resubmit_in_flight()
         threading.Thread(target=self._retire, args=(e, f"died while leaving: {reason}"),

@@ -202,12 +202,8 @@ class Routers(Mapping[str, Router]):
         if slots is not None:
             slots.unroute(e.engine_id)  # before the router: no request bound to it from now
         client = self._routers[e.model_name].client
-        try:
+        try:  # by the id we hold, and the URL under any other (the id may be stale)
             client.remove_worker(e.router_worker_id, url=e.handle.url, timeout=15)
-            # The id we hold may be stale (the router re-keyed the worker): make sure the
-            # URL itself is gone before anyone relies on it being out.
-            if client.find_worker(e.handle.url) is not None:
-                client.remove_worker(url=e.handle.url, timeout=15)
         except Exception as err:  # noqa: BLE001 - a dead router takes its workers with it
             logger.warning("%s: removal from the router failed: %s", e.engine_id, err)
         e.router_worker_id = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -82,13 +83,15 @@ class Supervision(Tendings):
         self.events.subscribe(sink)
 
     def move(self, e: ManagedEngine, dst: Phase, happening: Happening | None = None,
-             **details: Any) -> None:
+             seen_at: float | None = None, **details: Any) -> None:
         """The one place engines change phase (the table in lifecycle.py is enforced).
 
         Entering a routed phase adds the engine to its router first (refused unless it
         serves the fleet's version: then nothing moves); leaving one takes it out first, so
         no request reaches an engine that is no longer REGISTERED. A change of state is an
-        event; a change of phase alone is `happening`, if given.
+        event; a change of phase alone is `happening`, if given. `seen_at`: when what
+        caused the move was found (a death); the event says how long after it came
+        (`after_seen_ms`: the router's removal and the lock's wait).
         """
         e.check(dst)
         if dst in ROUTED and not e.routed:
@@ -96,6 +99,8 @@ class Supervision(Tendings):
         elif e.routed and dst not in ROUTED:
             self.routers.remove(e)
         src = e.move(dst)
+        if seen_at is not None:
+            details["after_seen_ms"] = round((time.time() - seen_at) * 1e3, 1)
         if src.state is not dst.state:
             self.events.emit(e.engine_id, dst.state, src.state, **details)
         elif happening is not None:
@@ -203,7 +208,7 @@ class Supervision(Tendings):
         """A finding of the health part, applied under the lock."""
         e, why = verdict.engine, verdict.reason
         if verdict.finding is Finding.DEAD:
-            self.start_recovery(e, why)
+            self.start_recovery(e, why, seen_at=verdict.seen_at)
             return
         with self.lock:
             if verdict.finding is Finding.SUSPECT:

@@ -50,13 +50,15 @@ class Tendings:
     nodes: NodeLoss
     _tending: dict[str, Tending]
 
-    def start_recovery(self, e: ManagedEngine, reason: str) -> None:
+    def start_recovery(self, e: ManagedEngine, reason: str, *,
+                       seen_at: float | None = None) -> None:
         """The engine is dead: out of its router and DEAD now, then brought back by a
-        tending of its own (the one it has already, if it died while being brought back)."""
+        tending of its own (the one it has already, if it died while being brought back).
+        `seen_at`: when the death was found (the DEAD event says how long before it)."""
         with self.lock:
             if self.closing or e.phase in GONE:
                 return  # on its way back already, given up, or stopping
-            self.move(e, P.DEAD, reason=reason)
+            self.move(e, P.DEAD, seen_at=seen_at, reason=reason)
             self.health.unwatch(e)
             if e.engine_id in self._tending:
                 self._tending[e.engine_id].died(reason)

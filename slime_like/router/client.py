@@ -166,7 +166,10 @@ class RouterClient:
                       timeout: float = 30.0) -> bool:
         """Remove a worker by id (or look it up by URL) and wait until it is gone.
 
-        False when there was nothing to remove.
+        With a URL, until that URL is gone too: an id can be stale (the router re-keyed the
+        worker, and a chaos run once left an engine routed that way), so a worker still
+        listed at the URL under another id is removed as well, checked in the same listings
+        rather than one more. False when there was nothing to remove.
         """
         if worker_id is None:
             if url is None:
@@ -175,17 +178,29 @@ class RouterClient:
             if found is None:
                 return False
             worker_id = found.id
-        resp = self._call("DELETE", f"/workers/{worker_id}", ok=(200, 202, 404))
-        if resp.status_code == 404:
+        removed = self._delete(worker_id)
+        if not removed and url is None:
             return False
         deadline = time.monotonic() + timeout
         waits = poll_intervals()
         while time.monotonic() < deadline:
-            if all(w.id != worker_id for w in self.list_workers()):
-                return True
+            workers = self.list_workers()
+            if all(w.id != worker_id for w in workers):
+                other = None if url is None else next(
+                    (w for w in workers if _same_url(w.url, url)), None)
+                if other is None:
+                    return removed
+                worker_id = other.id  # listed under another id: that one goes too
+                removed = self._delete(worker_id) or removed
+                continue
             time.sleep(next(waits))
-        raise RouterError(f"router {self.url}: worker {worker_id} still listed {timeout:.0f}s "
-                          "after DELETE /workers")
+        raise RouterError(f"router {self.url}: worker {worker_id}{f' ({url})' if url else ''} "
+                          f"still listed {timeout:.0f}s after DELETE /workers")
+
+    def _delete(self, worker_id: str) -> bool:
+        """Ask the router to remove one worker; False when it knows no such id."""
+        resp = self._call("DELETE", f"/workers/{worker_id}", ok=(200, 202, 404))
+        return resp.status_code != 404
 
     # ---- data plane (tests, probes) --------------------------------------------------------
 

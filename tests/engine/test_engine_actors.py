@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 
 import psutil
 import pytest
@@ -98,6 +99,18 @@ def test_removed_worker_gets_no_traffic_until_registered_again(two_engines, rout
     for _ in range(3):
         router.client.generate({"text": "x", "sampling_params": {"max_new_tokens": 1}})
     assert _served(urls[1]) == before
+    router.client.add_worker(urls[1])
+    assert {w.url for w in router.client.list_workers()} == set(urls)
+
+
+def test_a_stale_worker_id_still_takes_the_worker_at_its_url_out(two_engines, router):
+    """The fleet unroutes by the worker id it holds and the engine's URL: an id the router
+    no longer knows (it re-keyed the worker) must not leave the URL routed."""
+    _, urls = two_engines
+    stale = str(uuid.uuid4())  # the form of the router's ids, known to it under no worker
+    assert router.client.remove_worker(stale, url=urls[1]) is True
+    assert [w.url for w in router.client.list_workers()] == [urls[0]]
+    assert router.client.remove_worker(stale, url=urls[1]) is False
     router.client.add_worker(urls[1])
     assert {w.url for w in router.client.list_workers()} == set(urls)
 
