@@ -160,7 +160,7 @@ class RouterClient:
     def _withdraw(self, worker_id: str) -> None:
         # Best effort: the caller is already failing with the more useful error.
         with contextlib.suppress(RouterError):
-            self._call("DELETE", f"/workers/{worker_id}", ok=(200, 202, 404))
+            self._delete(worker_id)
 
     def remove_worker(self, worker_id: str | None = None, *, url: str | None = None,
                       timeout: float = 30.0) -> bool:
