@@ -19,11 +19,13 @@ model) and measures, with a client sending requests through the router throughou
   (the sync held it SUSPECT meanwhile, out of the router); then the same with the engine
   continued right after its step: it is resynced in place (SIGCONT -> routed again);
 - the health monitor: driver CPU per round (and per engine), and its round's wall time;
-- one engine SIGKILLed (by this driver, at the server's pid): detection (kill -> DEAD;
-  "seen": kill -> the exit watcher's finding, before the router's removal and the fleet's
-  lock, which the DEAD event's `after_seen_ms` gives),
+- one engine SIGKILLed (by this driver, at the server's pid; `--kills K`: K engines in turn,
+  each back before the next dies, and the median of each figure): detection (kill -> DEAD;
+  "reaped": kill -> the process gone from /proc, its memory freed by the kernel and
+  the process reaped by its actor; "seen": kill -> the exit watcher's finding; "unroute": the rest, the router's removal and
+  the fleet's lock, which the DEAD event's `after_seen_ms` gives),
   recovery (kill -> routed again at the fleet's version), and the others' requests/s during
-  the recovery against before it;
+  the first one's recovery against before it;
 - elastic membership: a node joins and 8 engines are added on it (until each serves at the
   fleet's version), 8 of the first engines are drained (requests moved), and the next push
   regroups without them;
@@ -32,7 +34,8 @@ model) and measures, with a client sending requests through the router throughou
 `--router smg` runs the fleet behind smg instead; `--rl-plane` with it starts smg with
 `--enable-rl`, so each sync's pause and continue reach the engines in one smg request per
 step (`rl_plane_reached`: how many engines it reached in the last steady sync's pause);
-`--only-syncs` stops after the steady syncs (the control plane's figures, side by side).
+`--only-syncs` stops after the steady syncs (the control plane's figures, side by side);
+`--only detect` skips the hung engine and stops after the kills.
 
 Rows print with their ratio to the N = 4 row where one ran (or the first row's); `--json`
 appends them, so runs of one N each can be put side by side (`--table FILE` prints them).
@@ -223,6 +226,41 @@ def _hung_engine(fleet, weights: FleetWeights, model, timeline: Timeline,
     return row
 
 
+def _kills(fleet, timeline: Timeline, count: int) -> list[dict]:
+    """SIGKILL `count` engines in turn (the last ones: each is back, routed at the fleet's
+    version, before the next dies): each one's detection, its split and its recovery.
+
+    The crash itself is timed: a SIGKILL from this driver to the server's pid (the nodes
+    are simulated on this host), so detection starts at the crash, not at the dispatch of
+    a Ray call asking the engine's actor to crash it (which grows with the host's load;
+    `actor_call_s`, the round trip just before, says by how much)."""
+    out = []
+    for k in range(count):
+        victim = fleet.engines[len(fleet.engines) - 1 - k % len(fleet.engines)]
+        t = time.time()
+        pid = ray.get(victim.actors[0].server_pid.remote())
+        actor_call_s = time.time() - t
+        engine = victim.engine_id
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        # the kernel's part: the process is gone from /proc once its memory is freed and
+        # its actor reaped it (which it does the moment it can: a thread waits on it)
+        while os.path.exists(f"/proc/{pid}") and time.time() - killed_at < 30:
+            time.sleep(0.0005)
+        reaped = time.time() - killed_at
+        dead = timeline.wait(engine, "DEAD", killed_at)
+        back = timeline.wait(engine, "REGISTERED", dead)
+        # of the detection, after the exit watcher saw the death: the router's removal
+        # and the fleet's lock (the DEAD event's `after_seen_ms`)
+        after_seen = timeline.after_seen_ms.get((engine, dead))
+        detect = dead - killed_at
+        out.append({"killed_at": killed_at, "back_at": back, "actor_call_s": actor_call_s,
+                    "detect_s": detect, "detect_reaped_s": reaped,
+                    "detect_seen_s": None if after_seen is None else detect - after_seen / 1e3,
+                    "detect_unroute_s": None if after_seen is None else after_seen / 1e3})
+    return out
+
+
 def _busy_cpu_s() -> float:
     """The machine's CPU seconds not idle so far (every core)."""
     t = psutil.cpu_times()
@@ -307,7 +345,7 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         if args.only_syncs:
             weights.close()
             return row
-        if n > 1:  # a hang is told from the others' answers: none with one engine
+        if n > 1 and args.only != "detect":  # a hang is told from the others' answers
             row.update(_hung_engine(fleet, weights, model, timeline, args))
         if args.only == "hung":
             weights.close()
@@ -316,23 +354,15 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["health_cpu_ms_per_engine"] = row["health_cpu_ms_per_round"] / n
         load = Load(fleet.router_url(), fleet.settings.router.api_key, threads=args.clients)
         time.sleep(args.rate_window)
-        # The crash itself is timed here: a SIGKILL from this driver to the server's pid (the
-        # nodes are simulated on this host), so detection starts at the crash, not at the
-        # dispatch of a Ray call asking the engine's actor to crash it (which grows with
-        # the host's load; `actor_call_s`, the round trip just before, says by how much).
-        victim = fleet.engines[n - 1]
-        t = time.time()
-        pid = ray.get(victim.actors[0].server_pid.remote())
-        row["actor_call_s"] = time.time() - t
-        engine = victim.engine_id
-        killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
-        dead = timeline.wait(engine, "DEAD", killed_at)
-        back = timeline.wait(engine, "REGISTERED", dead)
-        row["detect_s"] = dead - killed_at
-        # of it, after the exit watcher saw the death: the router's removal, the fleet lock
-        after_seen = timeline.after_seen_ms.get((engine, dead))
-        row["detect_seen_s"] = None if after_seen is None else row["detect_s"] - after_seen / 1e3
+        kills = _kills(fleet, timeline, args.kills)
+        killed_at, back = kills[0]["killed_at"], kills[0]["back_at"]
+        row["actor_call_s"] = statistics.median(k["actor_call_s"] for k in kills)
+        # the median of the kills: one crash's detection is a few tens of ms, and one
+        # scheduler hiccup on a loaded host moves it by as much
+        for key in ("detect_s", "detect_reaped_s", "detect_seen_s", "detect_unroute_s"):
+            values = [k[key] for k in kills if k[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        row["detect_each_s"] = [round(k["detect_s"], 4) for k in kills]
         row["recovery_s"] = back - killed_at
         before = load.rate(killed_at - args.rate_window, killed_at)
         during = load.rate(killed_at, back)
@@ -340,6 +370,11 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["others_rps_before"] = before * (n - 1) / n if n > 1 else 0.0
         row["others_rps_during"] = during
         row["others_rps_ratio"] = during / row["others_rps_before"] if n > 1 and before else None
+        if args.only == "detect":
+            load.close()
+            load = None
+            weights.close()
+            return row
         # Elastic membership: a node joins and 8 engines are added on it while the load
         # runs; then 8 of the first engines are drained (the next push regroups without them).
         cluster.add_node(num_cpus=ENGINES_PER_NODE * 2, num_gpus=ENGINES_PER_NODE,
@@ -383,7 +418,8 @@ FIELDS = [("launch_s", "launch"), ("first_sync_s", "1st sync"),
           ("stop_step_ratio", "stop/step"), ("stop_dead_s", "stop dead"),
           ("cont_resync_s", "cont rsync"),
           ("health_cpu_ms_per_round", "hc ms/rnd"), ("health_round_ms", "rnd ms"),
-          ("detect_s", "detect"), ("detect_seen_s", "seen"), ("recovery_s", "recover"),
+          ("detect_s", "detect"), ("detect_reaped_s", "reaped"), ("detect_seen_s", "seen"), ("detect_unroute_s", "unroute"),
+          ("recovery_s", "recover"),
           ("others_rps_ratio", "others rps"), ("add8_s", "add 8"), ("drain8_s", "drain 8"),
           ("shutdown_s", "shutdown"),
           ("cpu_busy", "cpu busy")]
@@ -419,8 +455,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--steps", type=int, default=8,
                    help="steps (a sync and a short rollout) before an engine is SIGSTOPped")
-    p.add_argument("--only", choices=["hung"], default=None,
-                   help="hung: launch, first sync, the SIGSTOP steps, shutdown; nothing else")
+    p.add_argument("--only", choices=["hung", "detect"], default=None,
+                   help="hung: launch, first sync, the SIGSTOP steps, shutdown; detect: "
+                        "launch, syncs, the health round and the kills, shutdown")
+    p.add_argument("--kills", type=int, default=1,
+                   help="engines SIGKILLed in turn (detection: their median)")
     p.add_argument("--clients", type=int, default=4, help="request threads through the router")
     p.add_argument("--probe-interval", type=float, default=1.0)
     p.add_argument("--probe-timeout", type=float, default=5.0)

@@ -5,6 +5,11 @@ and is watched by one thread that blocks in `wait()`, so an exit is seen the mom
 happens (no polling delay). That thread is also the one that spawns the child: Linux sends
 the parent-death signal when the spawning *thread* exits, and this thread lives exactly as
 long as the child, whatever thread the caller (a Ray actor method) runs on.
+
+`wait()` returns only once the kernel has freed the dead server's memory; `wait_down` also
+returns as soon as every thread of it is exiting (`exit_sighting.py`), so a crash is acted
+on while its memory is still being freed. A relaunch still waits for the reap
+(`terminate`): a new server never starts beside the old one's memory.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from slime_like.cluster import exit_sighting
 from slime_like.errors import LaunchError
 
 logger = logging.getLogger(__name__)
@@ -118,6 +124,9 @@ class ServerProcess:
         self._proc: subprocess.Popen | None = None
         self._spawned = threading.Event()
         self._exited = threading.Event()
+        self._down = threading.Event()  # exited, or every thread of it exiting
+        self._down_reason = ""
+        self._down_lock = threading.Lock()
         self._spawn_error: BaseException | None = None
         self._on_exit: list[Callable[[int], None]] = []
         self._children: set[int] = set()
@@ -148,11 +157,16 @@ class ServerProcess:
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._spawn_error = e
             self._exited.set()
+            self._going_down(f"could not start: {e}")
             self._spawned.set()
             return
         self._spawned.set()
+        if exit_sighting.available():
+            exit_sighting.ExitSighting(self._proc.pid, self._exited, self._going_down,
+                                       name=self.name).start()
         code = self._proc.wait()
         self._exited.set()
+        self._going_down(f"exited with code {code}")
         for cb in list(self._on_exit):
             try:
                 cb(code)
@@ -180,6 +194,18 @@ class ServerProcess:
         """Block until the server exits (or `timeout`); its return code, or None if alive."""
         self._exited.wait(timeout)
         return self.returncode
+
+    def wait_down(self, timeout: float | None = None) -> str | None:
+        """Block until the server is down: exited, or every thread of it exiting (killed or
+        crashed, its memory still being freed). How it went down, or None if alive."""
+        self._down.wait(timeout)
+        return self._down_reason or None
+
+    def _going_down(self, reason: str) -> None:
+        with self._down_lock:
+            if not self._down.is_set():
+                self._down_reason = reason
+                self._down.set()
 
     def log_tail(self, max_bytes: int = 6000) -> str:
         return read_tail(self.log_path, max_bytes)

@@ -4,7 +4,7 @@ All logic lives in `EngineServer` (constructible without Ray); this module only 
 actor runs. It is threaded (`max_concurrency`), so a health probe or `get_url` is never
 queued behind a long weight update or a start-up wait, and a group's engines can be driven
 concurrently without the one-call-at-a-time deadlocks slime hits with PP > 1; a caller
-that parks `wait_exit.remote(None)` learns of a server crash the moment it happens. The
+that parks `wait_down.remote(None)` learns of a server crash the moment it happens. The
 caller gives resources and placement (placement group + bundle index) with `.options(...)`.
 """
 

@@ -106,6 +106,9 @@ class ExternalEngine(EngineServer):
     def wait_exit(self, timeout: float | None = None) -> int | None:
         return None
 
+    def wait_down(self, timeout: float | None = None) -> str | None:
+        return None
+
     def server_pid(self) -> int | None:
         return None
 

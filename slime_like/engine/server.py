@@ -259,6 +259,11 @@ class EngineServer:
         """Block until the server exits; its return code (None while still running)."""
         return self.process.wait_exit(timeout) if self.process else None
 
+    def wait_down(self, timeout: float | None = None) -> str | None:
+        """Block until the server is down (exited, or every thread of it exiting); how it
+        went down, or None while it runs (`ServerProcess.wait_down`)."""
+        return self.process.wait_down(timeout) if self.process else None
+
     def server_pid(self) -> int | None:
         return self.process.pid if self.process else None
 

@@ -19,8 +19,9 @@ whether to probe an engine now (`should_probe`: not a dead one) and reports: `on
 at the first failed probe, `on_healthy` when a suspect answers again, `on_dead` after N.
 `FleetHealth` builds the monitor from the health slice and hands each finding to the fleet
 as a `Verdict` (this engine is suspect, healthy again, dead), which the fleet applies under
-its lock. Its exit watcher parks `wait_exit` on every engine actor, so a server's exit is
-known the moment it happens, probes or not.
+its lock. Its exit watcher parks `wait_down` on every engine actor, so a server's death is
+known the moment it starts (every thread of it exiting, before the kernel has freed its
+memory: `cluster/exit_sighting.py`), probes or not.
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ class FleetHealth:
         self._by_id = {e.engine_id: e for e in engines}
         self.monitor: HealthMonitor | None = None
         self.closing = False
-        # Parked `wait_exit` calls on every engine actor: a server's exit is known at once.
+        # Parked `wait_down` calls on every engine actor: a server's death is known at once.
         self._exit_refs: dict[Any, tuple[ManagedEngine, int, Any]] = {}
         self._exit_lock = threading.Lock()
         self._exit_thread: threading.Thread | None = None
@@ -319,10 +320,10 @@ class FleetHealth:
             self.monitor.stop()
 
     def watch_exit(self, e: ManagedEngine) -> None:
-        """Park `wait_exit` on each of the engine's actors; the watcher thread sees it return."""
+        """Park `wait_down` on each of the engine's actors; the watcher thread sees it return."""
         with self._exit_lock:
             for a in e.actors:
-                self._exit_refs[a.wait_exit.remote(None)] = (e, e.restarts, a)
+                self._exit_refs[a.wait_down.remote(None)] = (e, e.restarts, a)
         if self._exit_thread is None:
             self._exit_thread = threading.Thread(target=self._exit_watcher, name="engine-exits",
                                                  daemon=True)
@@ -340,15 +341,14 @@ class FleetHealth:
                 with self._exit_lock:
                     e, generation, actor = self._exit_refs.pop(ref)
                 try:
-                    code = ray.get(ref)
-                    why = f"server process exited with code {code}"
+                    why = f"server process {ray.get(ref)}"
                 except ray.exceptions.ActorUnavailableError:
                     # Its node is cut off, not dead (Ray says which once it decides): park
                     # the wait again; the probes judge the engine meanwhile.
                     time.sleep(0.5)
                     if e.restarts == generation and not self.closing:
                         with self._exit_lock:
-                            self._exit_refs[actor.wait_exit.remote(None)] = (e, generation, actor)
+                            self._exit_refs[actor.wait_down.remote(None)] = (e, generation, actor)
                     continue
                 except Exception as err:  # noqa: BLE001 - the actor died with its node
                     why = f"{ACTOR_LOST}: {type(err).__name__}"
