@@ -366,6 +366,9 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
             values = [k[key] for k in kills if k[key] is not None]
             row[key] = statistics.median(values) if values else None
         row["detect_each_s"] = [round(k["detect_s"], 4) for k in kills]
+        row["kills"] = [{key: None if k[key] is None else round(k[key], 4) for key in
+                         ("detect_s", "detect_exited_s", "detect_seen_s", "detect_unroute_s")}
+                        for k in kills]
         row["recovery_s"] = back - killed_at
         before = load.rate(killed_at - args.rate_window, killed_at)
         during = load.rate(killed_at, back)
