@@ -80,6 +80,8 @@ from slime_like.models import load_pretrained  # noqa: E402
 from slime_like.models.tiny import make_tiny_model  # noqa: E402
 
 ENGINES_PER_NODE = 8
+#: a kill's detection and its parts (`_kills`)
+DETECTION_PARTS = ("detect_s", "detect_exited_s", "detect_seen_s", "detect_unroute_s")
 
 
 class Timeline:
@@ -362,13 +364,12 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
         row["actor_call_s"] = statistics.median(k["actor_call_s"] for k in kills)
         # the median of the kills: one crash's detection is a few tens of ms, and one
         # scheduler hiccup on a loaded host moves it by as much
-        for key in ("detect_s", "detect_exited_s", "detect_seen_s", "detect_unroute_s"):
+        for key in DETECTION_PARTS:
             values = [k[key] for k in kills if k[key] is not None]
             row[key] = statistics.median(values) if values else None
         row["detect_each_s"] = [round(k["detect_s"], 4) for k in kills]
-        row["kills"] = [{key: None if k[key] is None else round(k[key], 4) for key in
-                         ("detect_s", "detect_exited_s", "detect_seen_s", "detect_unroute_s")}
-                        for k in kills]
+        row["kills"] = [{key: None if k[key] is None else round(k[key], 4)
+                         for key in DETECTION_PARTS} for k in kills]
         row["recovery_s"] = back - killed_at
         before = load.rate(killed_at - args.rate_window, killed_at)
         during = load.rate(killed_at, back)

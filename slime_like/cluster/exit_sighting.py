@@ -28,6 +28,7 @@ Elsewhere (no /proc: macOS) `available()` is False and the reap alone tells the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -65,13 +66,15 @@ def _parse(data: bytes) -> tuple[str, int] | None:
     return fields[0].decode(), int(fields[6])
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this host shows task flags in /proc (Linux)."""
+    """Whether this host shows task flags in /proc (Linux); asked once per process."""
     return _state_flags(f"/proc/{os.getpid()}/stat") is not None
 
 
+@functools.cache
 def thread_pidfds() -> bool:
-    """Whether this kernel gives pidfds for single threads (Linux 6.9+)."""
+    """Whether this kernel gives pidfds for single threads (Linux 6.9+); asked once."""
     try:
         os.close(os.pidfd_open(threading.get_native_id(), PIDFD_THREAD))
         return True
