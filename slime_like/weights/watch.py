@@ -4,9 +4,10 @@ Every HTTP call of a transfer is an `EngineCall` (engine, step, future). A `Watc
 with an overall deadline and gives up as soon as any watched call fails, naming the engine
 and the step; after a broken collective it picks the engine that most likely broke it.
 With a `CallClock` it also gives each call a deadline of its own, derived from what that
-call type took across the engines: a call past it, while another engine answered the same
-step, is that engine hanging (`WeightSyncError.hung`), and the sync goes on without it
-instead of waiting for the health monitor to declare it dead.
+call type took across the engines: a call past it, counted from both its send and the first
+answer another engine gave the same step, is that engine hanging (`WeightSyncError.hung`),
+and the sync goes on without it instead of waiting for the health monitor to declare it
+dead.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class Watch:
         self.limits = clock.snapshot() if clock is not None and per_call else {}
         self.per_call = bool(self.limits)
         self.answered: list[EngineCall] = []
-        self._answered: set[str] = set()  # steps at least one engine answered
+        # Steps at least one engine answered -> when the first answer came (perf_counter).
+        self._answered: dict[str, float] = {}
         self._late_check_at = 0.0
 
     @property
@@ -114,7 +116,9 @@ class Watch:
                 self._failed.append(c)
             else:
                 self._open.pop(id(c), None)
-                self._answered.add(c.step)
+                at = _answered_at(c.future)
+                if at < self._answered.get(c.step, at + 1.0):
+                    self._answered[c.step] = at
                 self.answered.append(c)
         if self._failed:
             first = min(self._failed, key=lambda c: c.done_at or 0.0)
@@ -128,11 +132,19 @@ class Watch:
     def _late(self) -> list[EngineCall]:
         """Calls past their call type's deadline, on a step another engine answered (a
         step nobody answered is not one engine's hang: the trainer, or a collective).
+
+        The deadline counts from the later of the call's send and the step's first answer:
+        what the engines of a step share (a broadcast every receiver waits out, a trainer or
+        host slow for a moment) is not one engine's lateness. A bucket's receivers all
+        finish when its broadcast does, so on a loaded host a healthy engine that answered
+        a little after its peers was once cut as hung because the broadcast itself ran long.
         A type without a basis yet is left to the call's own HTTP timeout."""
         now = time.perf_counter()
-        late = [c for c in self._open.values() if c.step in self._answered
+        late = [c for c in self._open.values()
+                if (first := self._answered.get(c.step)) is not None
                 and (sent := getattr(c.future, "sent_at", None)) is not None
-                and (limit := self.limits.get(c.kind)) is not None and now - sent > limit]
+                and (limit := self.limits.get(c.kind)) is not None
+                and now - max(sent, first) > limit]
         if late:
             wait_futures([c.future for c in late], timeout=LAST_CHANCE_S)
             late = [c for c in late if not c.future.done()]
@@ -142,12 +154,14 @@ class Watch:
         assert self.clock is not None
         first = min(late, key=lambda c: c.future.sent_at)
         kind = first.kind
-        waited = time.perf_counter() - first.future.sent_at
+        now = time.perf_counter()
+        waited = now - first.future.sent_at
+        behind = now - self._answered[first.step]
         others = sorted({c.engine.url for c in late} - {first.engine.url})
         err = WeightSyncError(first.step, (
-            f"no answer after {waited:.2f}s, past the deadline of {kind} "
-            f"({self.limits[kind]:.2f}s = {self.clock.basis(kind)}) while other "
-            "engines answered: left out as hung"
+            f"no answer after {waited:.2f}s ({behind:.2f}s after another engine answered "
+            f"the same step), past the deadline of {kind} "
+            f"({self.limits[kind]:.2f}s = {self.clock.basis(kind)}): left out as hung"
             + (f"; also hung: {', '.join(others)}" if others else "")), first.engine.url)
         err.hung = sorted({c.engine.url for c in late})
         err.unresponsive = list(err.hung)
@@ -225,6 +239,12 @@ class Watch:
             err = WeightSyncError(first.step, describe(first.error) + also, first.engine.url)
         err.__cause__ = exc
         return err
+
+
+def _answered_at(future: Future) -> float:
+    """When a call's answer came, on the clock of its `sent_at` (now, if unknown)."""
+    sent, seconds = getattr(future, "sent_at", None), getattr(future, "seconds", None)
+    return time.perf_counter() if sent is None or seconds is None else sent + seconds
 
 
 # What a receive reports when a *peer* broke the collective (not a cause, a consequence).

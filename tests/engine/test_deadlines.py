@@ -3,14 +3,18 @@ then max(floor, factor x quantile), never above the cap; the policy is checked o
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
 import pytest
 
 from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.config.fleet_slices import HealthSettings
 from slime_like.engine.deadlines import CallClock
-from slime_like.errors import ConfigError
+from slime_like.errors import ConfigError, WeightSyncError
 from slime_like.weights.sync_config import WeightSyncConfig
-from slime_like.weights.watch import call_type
+from slime_like.weights.watch import EngineCall, Watch, call_type
 
 
 def test_the_cap_until_enough_answers_then_the_floor_or_a_multiple_of_the_quantile():
@@ -62,3 +66,34 @@ def test_the_sync_and_the_health_settings_take_a_policy_or_its_fields():
     assert config.deadlines == DeadlinePolicy(floor_s=0.5)
     with pytest.raises(ConfigError, match="deadlines.factor"):
         HealthSettings(deadlines={"factor": 0})
+
+
+def _sent(url: str, step: str, seconds_ago: float) -> EngineCall:
+    """A call as a lane leaves it once sent: its future carries `sent_at` (perf_counter)."""
+    future: Future = Future()
+    future.sent_at = time.perf_counter() - seconds_ago  # type: ignore[attr-defined]
+    return EngineCall(SimpleNamespace(url=url), step, future)  # type: ignore[arg-type]
+
+
+def _answer(call: EngineCall) -> None:
+    call.future.seconds = time.perf_counter() - call.future.sent_at  # type: ignore[attr-defined]
+    call.future.set_result({"success": True})
+
+
+def test_an_engine_is_late_only_once_it_lags_the_first_answer_of_its_step_by_the_deadline():
+    # A bucket's receivers all finish when its broadcast does: on a loaded host the whole
+    # step may run past the deadline, and an engine that answers just after its peers is
+    # not hung (a CI run once cut one so, 0.39 s after send against a 0.37 s deadline).
+    clock = CallClock(DeadlinePolicy(floor_s=0.1), cap_s=30.0)
+    step = "update_weights_from_distributed (bucket 1/1)"
+    for _ in range(4):
+        clock.record(call_type(step), 0.001)
+    watch = Watch(30.0, clock)
+    peer, slow = (watch.add(_sent(url, step, seconds_ago=0.5))
+                  for url in ("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    _answer(peer)  # the broadcast ended 0.5 s after the send: 5x the deadline
+    watch.check()  # the other receiver is not late: it lags its peer by nothing yet
+    time.sleep(0.15)  # now it lags the step's first answer by more than the deadline
+    with pytest.raises(WeightSyncError, match="after another engine answered") as err:
+        watch.check()
+    assert err.value.hung == [slow.engine.url]
