@@ -108,7 +108,12 @@ class RouterClient:
     # ---- workers ---------------------------------------------------------------------------
 
     def list_workers(self) -> list[WorkerInfo]:
-        return [WorkerInfo.from_json(w) for w in self._call("GET", "/workers").json()["workers"]]
+        return [WorkerInfo.from_json(w) for w in self._listing()]
+
+    def _listing(self) -> list[dict]:
+        """`GET /workers` as the router wrote it: what a look that needs only ids and URLs
+        reads, without a `WorkerInfo` per worker."""
+        return self._call("GET", "/workers").json()["workers"]
 
     def find_worker(self, url: str) -> WorkerInfo | None:
         return next((w for w in self.list_workers() if _same_url(w.url, url)), None)
@@ -193,8 +198,7 @@ class RouterClient:
         deadline = time.monotonic() + timeout
         waits = itertools.chain(itertools.repeat(0.0, REMOVAL_SPIN_LOOKS), poll_intervals())
         while time.monotonic() < deadline:
-            # The listing's ids and URLs only: each look parses no more than it reads.
-            workers = self._call("GET", "/workers").json()["workers"]
+            workers = self._listing()  # ids and URLs are all a look reads
             if all(w.get("id") != worker_id for w in workers):
                 other = None if url is None else next(
                     (w for w in workers if _same_url(w.get("url", ""), url)), None)

@@ -117,8 +117,7 @@ class Watch:
             else:
                 self._open.pop(id(c), None)
                 at = _answered_at(c.future)
-                if at < self._answered.get(c.step, at + 1.0):
-                    self._answered[c.step] = at
+                self._answered[c.step] = min(at, self._answered.get(c.step, at))
                 self.answered.append(c)
         if self._failed:
             first = min(self._failed, key=lambda c: c.done_at or 0.0)

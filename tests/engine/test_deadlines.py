@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from types import SimpleNamespace
 
 import pytest
 
 from slime_like.config.deadlines import DeadlinePolicy
 from slime_like.config.fleet_slices import HealthSettings
+from slime_like.engine.address import EngineAddress
 from slime_like.engine.deadlines import CallClock
+from slime_like.engine.session import EngineSession
 from slime_like.errors import ConfigError, WeightSyncError
 from slime_like.weights.sync_config import WeightSyncConfig
 from slime_like.weights.watch import EngineCall, Watch, call_type
@@ -69,10 +70,12 @@ def test_the_sync_and_the_health_settings_take_a_policy_or_its_fields():
 
 
 def _sent(url: str, step: str, seconds_ago: float) -> EngineCall:
-    """A call as a lane leaves it once sent: its future carries `sent_at` (perf_counter)."""
+    """A call as a lane leaves it once sent: its future carries `sent_at` (perf_counter).
+    The answers' timing is set by hand: a broadcast that runs long on a loaded host is the
+    fault, and it cannot be caused on cue with real engines."""
     future: Future = Future()
     future.sent_at = time.perf_counter() - seconds_ago  # type: ignore[attr-defined]
-    return EngineCall(SimpleNamespace(url=url), step, future)  # type: ignore[arg-type]
+    return EngineCall(EngineSession(EngineAddress(url)), step, future)
 
 
 def _answer(call: EngineCall) -> None:
